@@ -1,0 +1,48 @@
+//! The admin listener: liveness and readiness for orchestrators.
+//!
+//! Bound to loopback by default; it answers small fixed documents and never
+//! anything a caller controls.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use crate::limiter::Limiter;
+
+/// State the admin endpoints report on.
+pub struct Admin {
+    limiter: Arc<Limiter>,
+}
+
+impl Admin {
+    /// Admin endpoints for this limiter.
+    pub fn new(limiter: Arc<Limiter>) -> Self {
+        Admin { limiter }
+    }
+
+    /// Handles one admin request.
+    pub async fn handle(&self, req: Request<Incoming>, _peer: SocketAddr) -> Response<Full<Bytes>> {
+        if req.method() != Method::GET && req.method() != Method::HEAD {
+            return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        }
+        match req.uri().path() {
+            "/healthz" => text(StatusCode::OK, "ok\n"),
+            "/readyz" => match self.limiter.ready().await {
+                Ok(()) => text(StatusCode::OK, "ready\n"),
+                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("counter store unavailable: {e}\n")),
+            },
+            _ => text(StatusCode::NOT_FOUND, "not found; try /healthz or /readyz\n"),
+        }
+    }
+}
+
+fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_owned())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}

@@ -1,0 +1,529 @@
+//! Reading a limits file (YAML or JSON, one schema) into validated [`Limits`].
+//!
+//! Validation happens inside deserialization, so every error carries the line
+//! of the value it is about; a duplicate rule name points at the second rule.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderName, Method, StatusCode};
+use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
+use serde::Deserialize;
+
+use super::{Cost, FailureMode, HeaderValueMatch, Limits, Matcher, Part, PathPattern, Rule, Window};
+
+/// Longest accepted rule name; names end up in headers and metric labels.
+const MAX_NAME_LEN: usize = 64;
+/// Longest accepted window: counters must expire at some point.
+const MAX_PERIOD: Duration = Duration::from_secs(366 * 24 * 3600);
+
+/// Why a limits file was refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The file as named on the command line.
+    pub file: String,
+    /// 1-based line the problem is on, when the parser knows it.
+    pub line: Option<usize>,
+    /// What is wrong, in words.
+    pub reason: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.line {
+            Some(line) => write!(f, "{}:{}: {}", self.file, line, self.reason),
+            None => write!(f, "{}: {}", self.file, self.reason),
+        }
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Reads and validates the limits file at `path`.
+pub fn load_file(path: &Path) -> Result<Limits, ConfigError> {
+    let name = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: name.clone(),
+        line: None,
+        reason: format!("cannot read: {e}"),
+    })?;
+    parse_str(&text, &name)
+}
+
+/// Validates limits from text; `file` names it in errors and picks the format
+/// (`.json` is JSON, anything else YAML).
+pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
+    let raw: RawLimits = if file.ends_with(".json") {
+        serde_json::from_str(text).map_err(|e| ConfigError {
+            file: file.to_string(),
+            line: (e.line() > 0).then_some(e.line()),
+            reason: strip_position(&e.to_string(), " at line "),
+        })?
+    } else {
+        yaml_serde::from_str(text).map_err(|e| ConfigError {
+            file: file.to_string(),
+            line: e.location().map(|l| l.line()),
+            reason: strip_position(&e.to_string(), " at line "),
+        })?
+    };
+    let default_mode = raw.failure_mode.unwrap_or_default();
+    let rules = raw
+        .rules
+        .0
+        .into_iter()
+        .map(|parsed| {
+            let mut rule = parsed.rule;
+            rule.failure_mode = parsed.failure_mode.unwrap_or(default_mode);
+            Arc::new(rule)
+        })
+        .collect();
+    Ok(Limits { domain: raw.domain.0, rules })
+}
+
+/// Both parsers append "at line N column M"; the line is reported separately.
+fn strip_position(message: &str, marker: &str) -> String {
+    match message.rfind(marker) {
+        Some(i) => message[..i].to_string(),
+        None => message.to_string(),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimits {
+    domain: Domain,
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
+    #[serde(default)]
+    rules: RuleList,
+}
+
+struct Domain(String);
+
+impl<'de> Deserialize<'de> for Domain {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.is_empty() {
+            return Err(de::Error::custom("domain must not be empty"));
+        }
+        Ok(Domain(s))
+    }
+}
+
+struct ParsedRule {
+    rule: Rule,
+    failure_mode: Option<FailureMode>,
+}
+
+#[derive(Default)]
+struct RuleList(Vec<ParsedRule>);
+
+impl<'de> Deserialize<'de> for RuleList {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ListVisitor;
+        impl<'de> Visitor<'de> for ListVisitor {
+            type Value = RuleList;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a list of rules")
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RuleList, A::Error> {
+                let mut seen = HashSet::new();
+                let mut rules = Vec::new();
+                while let Some(rule) = seq.next_element_seed(UniqueRule { seen: &mut seen })? {
+                    rules.push(rule);
+                }
+                Ok(RuleList(rules))
+            }
+        }
+        d.deserialize_seq(ListVisitor)
+    }
+}
+
+/// Deserializes one rule and refuses a name used before, so the error is
+/// reported at the duplicate rule itself.
+struct UniqueRule<'a> {
+    seen: &'a mut HashSet<String>,
+}
+
+impl<'de> DeserializeSeed<'de> for UniqueRule<'_> {
+    type Value = ParsedRule;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<ParsedRule, D::Error> {
+        validated_map(d, "a rule (name, match, by, limits ...)", |raw: RawRule| {
+            if !self.seen.insert(raw.name.clone()) {
+                return Err(format!("duplicate rule name \"{}\"", raw.name));
+            }
+            raw.into_rule()
+        })
+    }
+}
+
+/// Deserializes a mapping as `R` and validates it with `check` while the
+/// parser is still inside the mapping, so an error carries the mapping's line
+/// rather than that of whatever encloses it.
+fn validated_map<'de, D, R, T>(
+    d: D,
+    what: &'static str,
+    check: impl FnOnce(R) -> Result<T, String>,
+) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    R: Deserialize<'de>,
+{
+    struct MapVisitor<F, R>(F, &'static str, PhantomData<R>);
+    impl<'de, F, R, T> Visitor<'de> for MapVisitor<F, R>
+    where
+        R: Deserialize<'de>,
+        F: FnOnce(R) -> Result<T, String>,
+    {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(self.1)
+        }
+        fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+            let raw = R::deserialize(de::value::MapAccessDeserializer::new(map))?;
+            (self.0)(raw).map_err(de::Error::custom)
+        }
+    }
+    d.deserialize_map(MapVisitor(check, what, PhantomData))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: String,
+    #[serde(default, rename = "match")]
+    matcher: RawMatch,
+    #[serde(default)]
+    by: Vec<PartSpec>,
+    limits: Vec<WindowSpec>,
+    #[serde(default)]
+    shadow: bool,
+    #[serde(default)]
+    status: Option<u16>,
+    #[serde(default)]
+    cost: Option<CostSpec>,
+    #[serde(default)]
+    failure_mode: Option<FailureMode>,
+}
+
+impl RawRule {
+    fn into_rule(self) -> Result<ParsedRule, String> {
+        let name = self.name;
+        if name.is_empty() || name.len() > MAX_NAME_LEN {
+            return Err(format!("rule name must be 1 to {MAX_NAME_LEN} characters"));
+        }
+        if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.:".contains(&b)) {
+            return Err(format!(
+                "rule name \"{name}\" may use only letters, digits and _ - . :"
+            ));
+        }
+        if self.limits.is_empty() {
+            return Err(format!("rule \"{name}\" needs at least one entry in limits"));
+        }
+        let status = match self.status {
+            None => StatusCode::TOO_MANY_REQUESTS,
+            Some(code @ 400..=599) => StatusCode::from_u16(code).expect("400..=599 is a valid status"),
+            Some(code) => return Err(format!("rule \"{name}\": status {code} is not a 4xx or 5xx code")),
+        };
+        let mut windows: Vec<Window> = self.limits.into_iter().map(|w| w.0).collect();
+        windows.sort_by_key(|w| w.period_ms);
+        if let Some(pair) = windows.windows(2).find(|p| p[0].period_ms == p[1].period_ms) {
+            return Err(format!(
+                "rule \"{name}\" has two limits with the same period ({}ms)",
+                pair[0].period_ms
+            ));
+        }
+        Ok(ParsedRule {
+            rule: Rule {
+                name,
+                matcher: self.matcher.into_matcher()?,
+                by: self.by.into_iter().map(|p| p.0).collect(),
+                windows,
+                shadow: self.shadow,
+                status,
+                cost: self.cost.map(|c| c.0).unwrap_or(Cost::Fixed(1)),
+                failure_mode: FailureMode::Open,
+            },
+            failure_mode: self.failure_mode,
+        })
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    #[serde(default)]
+    methods: Vec<String>,
+    #[serde(default)]
+    path: Option<String>,
+    #[serde(default)]
+    host: Option<String>,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+impl RawMatch {
+    fn into_matcher(self) -> Result<Matcher, String> {
+        let methods = self
+            .methods
+            .iter()
+            .map(|m| {
+                Method::from_bytes(m.to_ascii_uppercase().as_bytes())
+                    .map_err(|_| format!("\"{m}\" is not an HTTP method"))
+            })
+            .collect::<Result<_, _>>()?;
+        let path = match self.path {
+            None => None,
+            Some(p) if !p.starts_with('/') => return Err(format!("path \"{p}\" must start with /")),
+            Some(p) => match p.strip_suffix('*') {
+                Some(prefix) if !prefix.contains('*') => Some(PathPattern::Prefix(prefix.to_string())),
+                None if !p.contains('*') => Some(PathPattern::Exact(p)),
+                _ => return Err(format!("path \"{p}\": * is allowed only at the end")),
+            },
+        };
+        let headers = self
+            .headers
+            .into_iter()
+            .map(|(name, value)| {
+                let name = HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| format!("\"{name}\" is not a header name"))?;
+                let value = if value == "*" { HeaderValueMatch::Any } else { HeaderValueMatch::Exact(value) };
+                Ok((name, value))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(Matcher { methods, path, host: self.host.map(|h| h.to_ascii_lowercase()), headers })
+    }
+}
+
+/// One `{ requests, per }` entry.
+struct WindowSpec(Window);
+
+impl<'de> Deserialize<'de> for WindowSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Raw {
+            requests: u64,
+            per: String,
+        }
+        validated_map(d, "a limit { requests, per }", |raw: Raw| {
+            if raw.requests == 0 {
+                return Err("requests must be at least 1".to_string());
+            }
+            let period_ms = parse_period(&raw.per)?;
+            Ok(WindowSpec(Window { requests: raw.requests, period_ms }))
+        })
+    }
+}
+
+/// Parses a window length such as `3s`, `90s`, `1m`, `500ms`, `1h`, `1d`.
+fn parse_period(text: &str) -> Result<u64, String> {
+    let d = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("\"{text}\" is not a duration ({e}); write e.g. 500ms, 3s, 1m, 1h"))?;
+    if d.is_zero() || d.subsec_nanos() % 1_000_000 != 0 {
+        return Err(format!("\"{text}\": a window must be a positive whole number of milliseconds"));
+    }
+    if d > MAX_PERIOD {
+        return Err(format!("\"{text}\": a window may be at most 366 days"));
+    }
+    Ok(d.as_millis() as u64)
+}
+
+/// One `by` entry.
+struct PartSpec(Part);
+
+impl<'de> Deserialize<'de> for PartSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let part = match s.as_str() {
+            "client_ip" => Part::ClientIp,
+            "method" => Part::Method,
+            "path" => Part::Path,
+            "host" => Part::Host,
+            other => match other.split_once(':') {
+                Some(("header", name)) => Part::Header(
+                    HeaderName::from_bytes(name.as_bytes())
+                        .map_err(|_| de::Error::custom(format!("\"{name}\" is not a header name")))?,
+                ),
+                Some(("query", name)) if !name.is_empty() => Part::Query(name.to_string()),
+                _ => {
+                    return Err(de::Error::custom(format!(
+                        "unknown by entry \"{other}\"; expected client_ip, method, path, host, header:NAME or query:NAME"
+                    )));
+                }
+            },
+        };
+        Ok(PartSpec(part))
+    }
+}
+
+/// `cost: 3` or `cost: header:X-Cost`.
+struct CostSpec(Cost);
+
+impl<'de> Deserialize<'de> for CostSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct CostVisitor;
+        impl Visitor<'_> for CostVisitor {
+            type Value = CostSpec;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a positive integer or header:NAME")
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<CostSpec, E> {
+                if n == 0 {
+                    return Err(E::custom("cost must be at least 1"));
+                }
+                Ok(CostSpec(Cost::Fixed(n)))
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<CostSpec, E> {
+                match u64::try_from(n) {
+                    Ok(n) => self.visit_u64(n),
+                    Err(_) => Err(E::custom("cost must be at least 1")),
+                }
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<CostSpec, E> {
+                match s.strip_prefix("header:") {
+                    Some(name) => HeaderName::from_bytes(name.as_bytes())
+                        .map(|n| CostSpec(Cost::Header(n)))
+                        .map_err(|_| E::custom(format!("\"{name}\" is not a header name"))),
+                    None => Err(E::custom(format!("cost \"{s}\": expected a number or header:NAME"))),
+                }
+            }
+        }
+        d.deserialize_any(CostVisitor)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = "\
+domain: api   # comment
+failure_mode: closed
+rules:
+  - name: login
+    match: { methods: [post], path: /login }
+    by: [client_ip]
+    limits:
+      - { requests: 20, per: 60s }
+      - { requests: 5, per: 3s }
+  - name: api
+    match: { path: /api/* }
+    by: [header:X-Api-Key, query:tenant]
+    limits: [{ requests: 100, per: 90s }]
+    shadow: true
+    status: 503
+    cost: header:X-Cost
+    failure_mode: open
+";
+
+    #[test]
+    fn parses_the_documented_shape() {
+        let l = parse_str(GOOD, "limits.yaml").unwrap();
+        assert_eq!(l.domain, "api");
+        let login = &l.rules[0];
+        assert_eq!(login.matcher.methods, vec![Method::POST]);
+        assert_eq!(login.matcher.path, Some(PathPattern::Exact("/login".into())));
+        // Windows are kept shortest first.
+        assert_eq!(
+            login.windows,
+            vec![Window { requests: 5, period_ms: 3000 }, Window { requests: 20, period_ms: 60_000 }]
+        );
+        assert_eq!(login.failure_mode, FailureMode::Closed);
+        let api = &l.rules[1];
+        assert_eq!(api.by, vec![Part::Header(HeaderName::from_static("x-api-key")), Part::Query("tenant".into())]);
+        assert!(api.shadow);
+        assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(api.cost, Cost::Header(HeaderName::from_static("x-cost")));
+        assert_eq!(api.failure_mode, FailureMode::Open);
+        assert_eq!(api.windows[0].period_ms, 90_000);
+    }
+
+    #[test]
+    fn json_uses_the_same_schema() {
+        let json = r#"{"domain":"api","rules":[{"name":"a","limits":[{"requests":2,"per":"1s"}]}]}"#;
+        let l = parse_str(json, "limits.json").unwrap();
+        assert_eq!(l.rules[0].windows[0], Window { requests: 2, period_ms: 1000 });
+        let err = parse_str("{\"domain\":\"api\",\n\"rulez\":[]}", "limits.json").unwrap_err();
+        assert_eq!(err.line, Some(2));
+        assert!(err.reason.contains("unknown field `rulez`"), "{err}");
+    }
+
+    fn error_of(yaml: &str) -> ConfigError {
+        parse_str(yaml, "conf/limits.yaml").unwrap_err()
+    }
+
+    #[test]
+    fn errors_name_file_line_and_reason() {
+        let dup = GOOD.replace("name: api", "name: login");
+        let err = error_of(&dup);
+        assert_eq!(err.line, Some(10), "{err}");
+        assert!(err.to_string().starts_with("conf/limits.yaml:10: "), "{err}");
+        assert!(err.reason.contains("duplicate rule name \"login\""), "{err}");
+
+        let unknown = GOOD.replace("shadow: true", "shadw: true");
+        let err = error_of(&unknown);
+        assert_eq!(err.line, Some(14), "{err}");
+        assert!(err.reason.contains("unknown field `shadw`"), "{err}");
+
+        let zero = GOOD.replace("requests: 5,", "requests: 0,");
+        let err = error_of(&zero);
+        assert_eq!(err.line, Some(9), "{err}");
+        assert!(err.reason.contains("requests must be at least 1"), "{err}");
+
+        let negative = GOOD.replace("requests: 5,", "requests: -5,");
+        assert_eq!(error_of(&negative).line, Some(9));
+
+        let duration = GOOD.replace("per: 3s", "per: 3 fortnights");
+        let err = error_of(&duration);
+        assert_eq!(err.line, Some(9), "{err}");
+        assert!(err.reason.contains("is not a duration"), "{err}");
+
+        let bare_number = GOOD.replace("per: 3s", "per: 3");
+        assert!(error_of(&bare_number).reason.contains("is not a duration"));
+    }
+
+    #[test]
+    fn refuses_doubtful_rules() {
+        for (from, to, why) in [
+            ("by: [client_ip]", "by: [cookie]", "unknown by entry"),
+            ("path: /login", "path: login", "must start with /"),
+            ("path: /login", "path: /a*b", "only at the end"),
+            ("status: 503", "status: 200", "not a 4xx or 5xx"),
+            ("cost: header:X-Cost", "cost: 0", "at least 1"),
+            ("cost: header:X-Cost", "cost: lots", "expected a number"),
+            ("per: 60s", "per: 3s", "same period"),
+            ("name: api", "name: \"a b\"", "may use only"),
+            ("domain: api", "domain: \"\"", "domain must not be empty"),
+            ("methods: [post]", "methods: [\"PO ST\"]", "not an HTTP method"),
+        ] {
+            assert!(GOOD.contains(from), "{from}");
+            let err = error_of(&GOOD.replace(from, to));
+            assert!(err.reason.contains(why), "{from} -> {to}: {err}");
+            assert!(err.line.is_some(), "{err}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_and_truncated_files_are_refused() {
+        let half = &GOOD[..GOOD.len() / 2];
+        assert!(parse_str(half, "l.yaml").is_err());
+        let err = error_of("domain: api\nrules:\n  - name: [unclosed\n");
+        assert!(err.line.is_some(), "{err}");
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_period("500ms"), Ok(500));
+        assert_eq!(parse_period("1m"), Ok(60_000));
+        assert_eq!(parse_period("1h"), Ok(3_600_000));
+        assert_eq!(parse_period("1d"), Ok(86_400_000));
+        assert!(parse_period("0s").is_err());
+        assert!(parse_period("1us").is_err());
+        assert!(parse_period("400d").is_err());
+    }
+}

@@ -1,0 +1,259 @@
+//! The limits file: what operators write, validated into the rules the limiter
+//! enforces.
+//!
+//! `file` reads YAML or JSON into these types and rejects anything doubtful
+//! with `file:line: reason`; the rest of tollgate only ever sees a [`Limits`]
+//! that passed validation, so the request path never re-checks it.
+
+mod file;
+
+pub use file::{ConfigError, load_file, parse_str};
+
+use std::sync::Arc;
+
+use http::{HeaderName, Method, StatusCode};
+use serde::Serialize;
+
+/// Every rule of one limits file, under one domain.
+#[derive(Debug, Clone, Serialize)]
+pub struct Limits {
+    /// Namespaces the counter keys, so two files never share counters.
+    pub domain: String,
+    /// The rules, in file order (headers and logs follow this order).
+    pub rules: Vec<Arc<Rule>>,
+}
+
+/// One rule: which requests it sees, how it tells callers apart, its windows.
+#[derive(Debug, Clone, Serialize)]
+pub struct Rule {
+    /// Unique within the file; part of the counter key and of headers.
+    pub name: String,
+    /// Which requests this rule applies to.
+    #[serde(rename = "match")]
+    pub matcher: Matcher,
+    /// The request parts whose values make one counter per caller.
+    pub by: Vec<Part>,
+    /// All windows are checked together: a request needs room in each.
+    pub windows: Vec<Window>,
+    /// Count and report, never reject.
+    pub shadow: bool,
+    /// Status sent to a rejected caller.
+    #[serde(serialize_with = "ser_status")]
+    pub status: StatusCode,
+    /// What one request costs.
+    pub cost: Cost,
+    /// What to do when the counter store cannot answer in time.
+    pub failure_mode: FailureMode,
+}
+
+/// `requests` per `period`, over a sliding window.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Window {
+    /// How many units fit in the window.
+    pub requests: u64,
+    /// Window length in milliseconds.
+    pub period_ms: u64,
+}
+
+impl Window {
+    /// The window length in whole seconds, rounded up (as the headers state it).
+    pub fn period_secs(&self) -> u64 {
+        self.period_ms.div_ceil(1000)
+    }
+}
+
+/// Which requests a rule applies to; an empty field matches everything.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Matcher {
+    /// Any of these methods (empty: all).
+    #[serde(serialize_with = "ser_methods")]
+    pub methods: Vec<Method>,
+    /// Exact path, or prefix when written with a trailing `*`.
+    pub path: Option<PathPattern>,
+    /// Exact host (port ignored, case-insensitive).
+    pub host: Option<String>,
+    /// Headers that must be present, with this value unless it is `*`.
+    #[serde(serialize_with = "ser_header_matches")]
+    pub headers: Vec<(HeaderName, HeaderValueMatch)>,
+}
+
+/// How a path is matched.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathPattern {
+    /// The path equals this.
+    Exact(String),
+    /// The path starts with this.
+    Prefix(String),
+}
+
+/// How a header value is matched.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderValueMatch {
+    /// Present, whatever its value.
+    Any,
+    /// Present with exactly this value.
+    Exact(String),
+}
+
+/// A request part a rule keys its counters on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Part {
+    /// The client address, after trusted-proxy resolution.
+    ClientIp,
+    /// The request method.
+    Method,
+    /// The request path (no query).
+    Path,
+    /// The host the client asked for (port removed, lower-cased).
+    Host,
+    /// A request header's value.
+    Header(HeaderName),
+    /// A query parameter's value.
+    Query(String),
+}
+
+impl Part {
+    /// The descriptor key this part produces, as written in the file.
+    pub fn key(&self) -> String {
+        match self {
+            Part::ClientIp => "client_ip".into(),
+            Part::Method => "method".into(),
+            Part::Path => "path".into(),
+            Part::Host => "host".into(),
+            Part::Header(name) => format!("header:{name}"),
+            Part::Query(name) => format!("query:{name}"),
+        }
+    }
+}
+
+impl Serialize for Part {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.key())
+    }
+}
+
+/// What one request costs against a rule's windows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cost {
+    /// A fixed number of units.
+    Fixed(u64),
+    /// The integer value of this request header (1 when absent).
+    Header(#[serde(serialize_with = "ser_header_name")] HeaderName),
+}
+
+/// What a rule does when the counters cannot be consulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureMode {
+    /// Admit the request (Envoy's default).
+    #[default]
+    Open,
+    /// Reject the request with 503.
+    Closed,
+}
+
+impl Rule {
+    /// The longest window, which bounds how long counter entries matter.
+    pub fn longest_period_ms(&self) -> u64 {
+        self.windows.iter().map(|w| w.period_ms).max().unwrap_or(0)
+    }
+}
+
+impl Matcher {
+    /// Whether a request with these attributes falls under the rule.
+    pub fn matches(&self, method: &Method, path: &str, host: Option<&str>, headers: &http::HeaderMap) -> bool {
+        if !self.methods.is_empty() && !self.methods.contains(method) {
+            return false;
+        }
+        if let Some(pattern) = &self.path {
+            let ok = match pattern {
+                PathPattern::Exact(p) => path == p,
+                PathPattern::Prefix(p) => path.starts_with(p.as_str()),
+            };
+            if !ok {
+                return false;
+            }
+        }
+        if let Some(want) = &self.host {
+            match host {
+                Some(h) if h.eq_ignore_ascii_case(want) => {}
+                _ => return false,
+            }
+        }
+        self.headers.iter().all(|(name, want)| {
+            headers.get_all(name).iter().any(|v| match want {
+                HeaderValueMatch::Any => true,
+                HeaderValueMatch::Exact(s) => v.as_bytes() == s.as_bytes(),
+            })
+        })
+    }
+}
+
+fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u16(status.as_u16())
+}
+
+fn ser_methods<S: serde::Serializer>(methods: &[Method], s: S) -> Result<S::Ok, S::Error> {
+    s.collect_seq(methods.iter().map(Method::as_str))
+}
+
+fn ser_header_name<S: serde::Serializer>(name: &HeaderName, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(name.as_str())
+}
+
+fn ser_header_matches<S: serde::Serializer>(
+    headers: &[(HeaderName, HeaderValueMatch)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(headers.iter().map(|(name, value)| {
+        let v = match value {
+            HeaderValueMatch::Any => "*",
+            HeaderValueMatch::Exact(v) => v.as_str(),
+        };
+        (name.as_str(), v)
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn matcher(yaml: &str) -> Matcher {
+        let limits = parse_str(
+            &format!(
+                "domain: t\nrules:\n  - name: r\n    match: {yaml}\n    limits: [{{requests: 1, per: 1s}}]\n"
+            ),
+            "t.yaml",
+        )
+        .unwrap();
+        limits.rules[0].matcher.clone()
+    }
+
+    #[test]
+    fn exact_and_prefix_paths() {
+        let h = http::HeaderMap::new();
+        let exact = matcher("{path: /login}");
+        assert!(exact.matches(&Method::GET, "/login", None, &h));
+        assert!(!exact.matches(&Method::GET, "/login/x", None, &h));
+        let prefix = matcher("{path: /api/*}");
+        assert!(prefix.matches(&Method::GET, "/api/users", None, &h));
+        assert!(prefix.matches(&Method::GET, "/api/", None, &h));
+        assert!(!prefix.matches(&Method::GET, "/apix", None, &h));
+    }
+
+    #[test]
+    fn methods_host_and_headers() {
+        let m = matcher("{methods: [POST], host: API.example.com, headers: {x-key: '*', x-tier: free}}");
+        let mut h = http::HeaderMap::new();
+        h.insert("x-key", "k".parse().unwrap());
+        h.insert("x-tier", "free".parse().unwrap());
+        assert!(m.matches(&Method::POST, "/", Some("api.example.com"), &h));
+        assert!(!m.matches(&Method::GET, "/", Some("api.example.com"), &h));
+        assert!(!m.matches(&Method::POST, "/", Some("other"), &h));
+        h.insert("x-tier", "paid".parse().unwrap());
+        assert!(!m.matches(&Method::POST, "/", Some("api.example.com"), &h));
+    }
+}

@@ -1,0 +1,251 @@
+//! From an HTTP request to the counters it touches.
+//!
+//! The proxy, ext_authz and auth_request surfaces describe a request as a
+//! [`RequestInfo`]; [`hits`] finds the rules that match it and, per rule, the
+//! descriptor (the `by` values) that names its counter. Counter keys are
+//! length-prefixed so caller-controlled values can never collide with each
+//! other or with another domain, and long values are hashed to bound keys.
+
+use std::fmt::Write;
+use std::net::IpAddr;
+
+use http::{HeaderMap, Method};
+use percent_encoding::percent_decode;
+use sha2::{Digest, Sha256};
+
+use crate::config::{Cost, Limits, Part, Rule};
+use crate::limiter::Hit;
+
+/// Values longer than this are stored as a hash.
+const MAX_VALUE_LEN: usize = 64;
+
+/// The parts of a request that rules look at.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestInfo<'a> {
+    /// The request method.
+    pub method: &'a Method,
+    /// The path, without the query.
+    pub path: &'a str,
+    /// The raw query string, if any.
+    pub query: Option<&'a str>,
+    /// The host the client asked for, as sent (may carry a port).
+    pub host: Option<&'a str>,
+    /// All request headers.
+    pub headers: &'a HeaderMap,
+    /// The client address, after trusted-proxy resolution.
+    pub client_ip: IpAddr,
+}
+
+/// A request that cannot be decided as sent.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum DescriptorError {
+    /// The header a rule takes its cost from is not a positive integer.
+    #[error("header {header} must be a positive integer (rule {rule})")]
+    BadCost {
+        /// The rule that reads the header.
+        rule: String,
+        /// The header name.
+        header: String,
+    },
+}
+
+/// The counters of every rule that matches the request.
+pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, DescriptorError> {
+    let host = req.host.map(strip_port);
+    let mut hits = Vec::new();
+    for rule in &limits.rules {
+        if !rule.matcher.matches(req.method, req.path, host, req.headers) {
+            continue;
+        }
+        // As NGINX skips an empty key, a rule without all its values counts nothing.
+        let Some(key) = counter_key(&limits.domain, rule, req, host) else {
+            continue;
+        };
+        let cost = cost_of(rule, req.headers)?;
+        hits.push(Hit { rule: rule.clone(), key, cost });
+    }
+    Ok(hits)
+}
+
+fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, DescriptorError> {
+    match &rule.cost {
+        Cost::Fixed(n) => Ok(*n),
+        Cost::Header(name) => match headers.get(name) {
+            None => Ok(1),
+            Some(v) => v
+                .to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u64>().ok())
+                .filter(|n| *n > 0)
+                .ok_or_else(|| DescriptorError::BadCost { rule: rule.name.clone(), header: name.to_string() }),
+        },
+    }
+}
+
+fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
+    let mut key = String::with_capacity(64);
+    key.push_str("tg:");
+    push_component(&mut key, domain);
+    push_component(&mut key, &rule.name);
+    for part in &rule.by {
+        let value = part_value(part, req, host)?;
+        if value.is_empty() {
+            return None;
+        }
+        push_component(&mut key, &value);
+    }
+    Some(key)
+}
+
+/// Appends `<len>=<value>` (or `<len>#<sha256>` for long values) and a
+/// separator, so no value can be mistaken for another or for a boundary.
+fn push_component(key: &mut String, value: &str) {
+    if value.len() <= MAX_VALUE_LEN {
+        let _ = write!(key, "{}={}|", value.len(), value);
+    } else {
+        let digest = Sha256::digest(value.as_bytes());
+        let _ = write!(key, "{}#", value.len());
+        for byte in &digest[..16] {
+            let _ = write!(key, "{byte:02x}");
+        }
+        key.push('|');
+    }
+}
+
+fn part_value(part: &Part, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
+    match part {
+        Part::ClientIp => Some(req.client_ip.to_string()),
+        Part::Method => Some(req.method.as_str().to_string()),
+        Part::Path => Some(req.path.to_string()),
+        Part::Host => host.map(|h| h.to_ascii_lowercase()),
+        Part::Header(name) => {
+            let mut values = req.headers.get_all(name).iter();
+            let first = values.next()?;
+            let mut joined = String::from_utf8_lossy(first.as_bytes()).into_owned();
+            for v in values {
+                joined.push(',');
+                joined.push_str(&String::from_utf8_lossy(v.as_bytes()));
+            }
+            Some(joined)
+        }
+        Part::Query(name) => query_value(req.query?, name),
+    }
+}
+
+/// The first value of query parameter `name`, percent-decoded.
+fn query_value(query: &str, name: &str) -> Option<String> {
+    query.split('&').find_map(|pair| {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        (decode(k) == name).then(|| decode(v))
+    })
+}
+
+fn decode(s: &str) -> String {
+    let plus_as_space = s.replace('+', " ");
+    percent_decode(plus_as_space.as_bytes()).decode_utf8_lossy().into_owned()
+}
+
+/// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
+fn strip_port(host: &str) -> &str {
+    if host.starts_with('[') {
+        return host.split_once(']').map_or(host, |(h, _)| &host[..=h.len()]);
+    }
+    host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_str;
+
+    const LIMITS: &str = "\
+domain: api
+rules:
+  - name: login
+    match: { methods: [POST], path: /login }
+    by: [client_ip]
+    limits: [{ requests: 5, per: 3s }]
+  - name: per-key
+    by: [header:x-api-key, query:tenant]
+    limits: [{ requests: 100, per: 1m }]
+    cost: header:x-cost
+  - name: hosts
+    by: [host, method, path]
+    limits: [{ requests: 100, per: 1m }]
+";
+
+    fn request<'a>(method: &'a Method, path: &'a str, query: Option<&'a str>, headers: &'a HeaderMap) -> RequestInfo<'a> {
+        RequestInfo { method, path, query, host: Some("API.example.com:8443"), headers, client_ip: "10.0.0.7".parse().unwrap() }
+    }
+
+    #[test]
+    fn matching_rules_and_their_counters() {
+        let limits = parse_str(LIMITS, "l.yaml").unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "k1".parse().unwrap());
+        h.insert("x-cost", "3".parse().unwrap());
+        let hits = hits(&limits, &request(&Method::POST, "/login", Some("tenant=a%20b&x=1"), &h)).unwrap();
+        let keys: Vec<&str> = hits.iter().map(|h| h.key.as_str()).collect();
+        assert_eq!(
+            keys,
+            vec![
+                "tg:3=api|5=login|8=10.0.0.7|",
+                "tg:3=api|7=per-key|2=k1|3=a b|",
+                "tg:3=api|5=hosts|15=api.example.com|4=POST|6=/login|",
+            ]
+        );
+        assert_eq!(hits[1].cost, 3);
+        assert_eq!(hits[0].cost, 1);
+    }
+
+    #[test]
+    fn missing_or_empty_values_skip_the_rule() {
+        let limits = parse_str(LIMITS, "l.yaml").unwrap();
+        let mut h = HeaderMap::new();
+        let hits_of = |h: &HeaderMap| {
+            hits(&limits, &request(&Method::GET, "/x", Some("tenant=t"), h))
+                .unwrap()
+                .into_iter()
+                .map(|h| h.rule.name.clone())
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(hits_of(&h), vec!["hosts"]);
+        h.insert("x-api-key", "".parse().unwrap());
+        assert_eq!(hits_of(&h), vec!["hosts"]);
+    }
+
+    #[test]
+    fn values_cannot_collide_or_grow_keys() {
+        let mut a = String::new();
+        push_component(&mut a, "a|1=b");
+        let mut b = String::new();
+        push_component(&mut b, "a");
+        push_component(&mut b, "b");
+        assert_ne!(a, b);
+        let long = "x".repeat(10_000);
+        let mut k = String::new();
+        push_component(&mut k, &long);
+        assert!(k.len() < 50, "{k}");
+        let mut fake = String::new();
+        push_component(&mut fake, &k[..k.len() - 1]);
+        assert_ne!(fake, k, "a literal value cannot pose as a hashed one");
+    }
+
+    #[test]
+    fn bad_cost_header_is_an_error() {
+        let limits = parse_str(LIMITS, "l.yaml").unwrap();
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", "k1".parse().unwrap());
+        h.insert("x-cost", "-2".parse().unwrap());
+        let err = hits(&limits, &request(&Method::GET, "/", Some("tenant=t"), &h)).unwrap_err();
+        assert_eq!(err, DescriptorError::BadCost { rule: "per-key".into(), header: "x-cost".into() });
+    }
+
+    #[test]
+    fn ports_are_stripped_from_hosts() {
+        assert_eq!(strip_port("example.com:80"), "example.com");
+        assert_eq!(strip_port("example.com"), "example.com");
+        assert_eq!(strip_port("[::1]:80"), "[::1]");
+        assert_eq!(strip_port("[::1]"), "[::1]");
+    }
+}

@@ -1,0 +1,152 @@
+//! How a decision is told to the caller: `Retry-After`, the RateLimit headers
+//! of draft-ietf-httpapi-ratelimit-headers, and the refusal body.
+//!
+//! Every HTTP surface renders decisions through here so that the proxy,
+//! ext_authz and auth_request answers look the same. Policy items are named
+//! after the rule, one item per window; `RateLimit` lists the same items in
+//! the same order.
+
+use std::fmt::Write;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+
+use crate::limiter::{Decision, RuleOutcome, Verdict, WindowOutcome};
+
+/// `RateLimit-Policy`: the quota of each window.
+pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// `RateLimit`: what is left of each window and when more frees up.
+pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Whole seconds, rounded up: a client that waits this long will fit.
+pub fn ceil_secs(ms: u64) -> u64 {
+    ms.div_ceil(1000)
+}
+
+/// Headers for a refused request: `Retry-After` and every window of the
+/// refusing rules (or just `Retry-After: 1` when the store failed closed).
+pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
+    if decision.verdict == Verdict::FailedClosed {
+        headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        return;
+    }
+    let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
+    headers.insert(RETRY_AFTER, HeaderValue::from(retry));
+    let windows: Vec<(&RuleOutcome, &WindowOutcome)> =
+        decision.refusing().flat_map(|r| r.windows.iter().map(move |w| (r, w))).collect();
+    insert_ratelimit(headers, &windows);
+}
+
+/// Headers for an admitted request: the tightest window only.
+pub fn admission_headers(decision: &Decision, headers: &mut HeaderMap) {
+    if let Some(tightest) = decision.tightest() {
+        insert_ratelimit(headers, &[tightest]);
+    }
+}
+
+fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOutcome)]) {
+    if windows.is_empty() {
+        return;
+    }
+    let mut policy = String::new();
+    let mut state = String::new();
+    for (i, (rule, w)) in windows.iter().enumerate() {
+        let sep = if i == 0 { "" } else { ", " };
+        let name = &rule.rule.name;
+        let _ = write!(policy, "{sep}\"{name}\";q={};w={}", w.window.requests, w.window.period_secs());
+        let t = ceil_secs(w.retry_ms.unwrap_or(w.reset_ms));
+        let _ = write!(state, "{sep}\"{name}\";r={};t={t}", w.remaining);
+    }
+    // Rule names are restricted to token characters, so these are valid values.
+    if let (Ok(p), Ok(s)) = (HeaderValue::from_str(&policy), HeaderValue::from_str(&state)) {
+        headers.insert(RATELIMIT_POLICY, p);
+        headers.insert(RATELIMIT, s);
+    }
+}
+
+/// A short JSON body naming the rule and window that refused.
+pub fn refusal_body(decision: &Decision) -> Bytes {
+    let body = match decision.verdict {
+        Verdict::FailedClosed => serde_json::json!({
+            "error": "rate_limiter_unavailable",
+            "message": "the rate limiter cannot reach its counters; retry shortly",
+        }),
+        _ => {
+            let refusing = decision.refusing().next();
+            let window = refusing.and_then(|r| r.windows.iter().find(|w| w.retry_ms.is_some()));
+            serde_json::json!({
+                "error": "rate_limited",
+                "rule": refusing.map(|r| r.rule.name.as_str()),
+                "limit": window.map(|w| w.window.requests),
+                "window_seconds": window.map(|w| w.window.period_ms as f64 / 1000.0),
+                "retry_after_seconds": ceil_secs(decision.retry_after_ms().unwrap_or(0)),
+            })
+        }
+    };
+    Bytes::from(body.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{parse_str, Window};
+    use crate::limiter::RuleOutcome;
+
+    fn decision() -> Decision {
+        let limits = parse_str(
+            "domain: d\nrules:\n  - name: login\n    limits: [{requests: 20, per: 60s}, {requests: 5, per: 3s}]\n",
+            "l.yaml",
+        )
+        .unwrap();
+        let rule = limits.rules[0].clone();
+        Decision {
+            verdict: Verdict::Limited,
+            rules: vec![RuleOutcome {
+                rule,
+                over: true,
+                charged: false,
+                windows: vec![
+                    WindowOutcome {
+                        window: Window { requests: 5, period_ms: 3000 },
+                        remaining: 0,
+                        reset_ms: 1200,
+                        retry_ms: Some(2100),
+                    },
+                    WindowOutcome {
+                        window: Window { requests: 20, period_ms: 60_000 },
+                        remaining: 14,
+                        reset_ms: 41_000,
+                        retry_ms: None,
+                    },
+                ],
+            }],
+        }
+    }
+
+    #[test]
+    fn refusal_lists_every_window_of_the_refusing_rule() {
+        let mut h = HeaderMap::new();
+        refusal_headers(&decision(), &mut h);
+        assert_eq!(h[RETRY_AFTER], "3");
+        assert_eq!(h[RATELIMIT_POLICY], "\"login\";q=5;w=3, \"login\";q=20;w=60");
+        assert_eq!(h[RATELIMIT], "\"login\";r=0;t=3, \"login\";r=14;t=41");
+        let body: serde_json::Value = serde_json::from_slice(&refusal_body(&decision())).unwrap();
+        assert_eq!(body["rule"], "login");
+        assert_eq!(body["limit"], 5);
+        assert_eq!(body["window_seconds"], 3.0);
+        assert_eq!(body["retry_after_seconds"], 3);
+    }
+
+    #[test]
+    fn admission_names_the_tightest_window() {
+        let mut d = decision();
+        d.verdict = Verdict::Allowed;
+        d.rules[0].over = false;
+        d.rules[0].windows[0].retry_ms = None;
+        d.rules[0].windows[0].remaining = 2;
+        let mut h = HeaderMap::new();
+        admission_headers(&d, &mut h);
+        assert_eq!(h[RATELIMIT_POLICY], "\"login\";q=5;w=3");
+        assert_eq!(h[RATELIMIT], "\"login\";r=2;t=2");
+    }
+}

@@ -1,0 +1,362 @@
+//! The decision: given the counters a request touches, admit it or not.
+//!
+//! Every surface (proxy, Envoy RLS, ext_authz, auth_request) ends here through
+//! [`Limiter::decide`]. The limiter asks a [`CounterStore`] to check and charge
+//! all counters of one request together, applies each rule's failure mode when
+//! the store cannot answer in time, and returns a [`Decision`] that the
+//! surfaces render in their own wire format. Nothing else talks to the store.
+
+mod memory;
+mod redis_stream;
+
+pub use memory::{Clock, ManualClock, MemoryStore, SystemClock};
+pub use redis_stream::RedisStore;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::config::{FailureMode, Rule, Window};
+
+/// One counter to check (and charge) for one request.
+#[derive(Debug, Clone, Copy)]
+pub struct Check<'a> {
+    /// The counter's key in the store.
+    pub key: &'a str,
+    /// Every window of the counter's rule; all must have room.
+    pub windows: &'a [Window],
+    /// Units this request takes from each window (0: check only).
+    pub cost: u64,
+    /// A shadow counter never refuses the request.
+    pub shadow: bool,
+}
+
+/// What the store saw in one window, before this request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowCount {
+    /// Units inside the window before this request.
+    pub used: u64,
+    /// Milliseconds until the oldest counted unit leaves the window.
+    pub reset_ms: u64,
+    /// Milliseconds until this request's cost fits; `None` when it fits now.
+    pub retry_ms: Option<u64>,
+}
+
+/// What the store did with one counter.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CheckCount {
+    /// Whether this request was added to the counter.
+    pub charged: bool,
+    /// One entry per window, in the order given.
+    pub windows: Vec<WindowCount>,
+}
+
+/// The store's answer for a whole request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreAnswer {
+    /// True when every non-shadow counter had room in every window.
+    pub admitted: bool,
+    /// One entry per check, in the order given.
+    pub checks: Vec<CheckCount>,
+}
+
+/// Why the store could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store did not answer within the decision deadline.
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    /// Redis answered with an error or the connection failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// Redis answered something the script never returns.
+    #[error("unexpected reply from redis: {0}")]
+    Reply(String),
+}
+
+/// Where counters live. Implementations decide a whole request atomically:
+/// they charge every check that fits when all non-shadow checks fit, and
+/// charge nothing otherwise.
+pub trait CounterStore: Send + Sync {
+    /// Checks every window of every counter and charges them together.
+    fn decide(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
+    /// Whether the store answers at all (for readiness).
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+/// The stores tollgate can run with, picked at start-up.
+pub enum Store {
+    /// In-process counters for a single instance (the embedded default).
+    Memory(MemoryStore),
+    /// Counters in Redis streams, shared by every instance.
+    Redis(RedisStore),
+}
+
+impl CounterStore for Store {
+    async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
+        match self {
+            Store::Memory(s) => s.decide(checks).await,
+            Store::Redis(s) => s.decide(checks).await,
+        }
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(s) => s.ping().await,
+            Store::Redis(s) => s.ping().await,
+        }
+    }
+}
+
+/// One rule's counter touched by a request.
+#[derive(Debug, Clone)]
+pub struct Hit {
+    /// The rule whose windows apply.
+    pub rule: Arc<Rule>,
+    /// The counter key (domain, rule and descriptor values).
+    pub key: String,
+    /// Units this request costs.
+    pub cost: u64,
+}
+
+/// The overall answer for a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Every enforcing rule had room; counters were charged.
+    Allowed,
+    /// At least one enforcing rule had no room; nothing was charged.
+    Limited,
+    /// The store failed and every touched rule fails open.
+    FailedOpen,
+    /// The store failed and a touched rule fails closed.
+    FailedClosed,
+}
+
+impl Verdict {
+    /// Whether the request goes through.
+    pub fn admits(self) -> bool {
+        matches!(self, Verdict::Allowed | Verdict::FailedOpen)
+    }
+}
+
+/// One window of one rule, as the caller should see it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowOutcome {
+    /// The window (limit and length).
+    pub window: Window,
+    /// Units left in the window after this decision.
+    pub remaining: u64,
+    /// Milliseconds until more quota frees up.
+    pub reset_ms: u64,
+    /// Milliseconds until a request of this cost fits, when it does not now.
+    pub retry_ms: Option<u64>,
+}
+
+/// What one rule said about the request.
+#[derive(Debug, Clone)]
+pub struct RuleOutcome {
+    /// The rule.
+    pub rule: Arc<Rule>,
+    /// Whether some window had no room (for a shadow rule: would have refused).
+    pub over: bool,
+    /// Whether the request was counted against this rule.
+    pub charged: bool,
+    /// Per window, in the rule's order; empty when the store failed.
+    pub windows: Vec<WindowOutcome>,
+}
+
+/// The decision for one request.
+#[derive(Debug, Clone)]
+pub struct Decision {
+    /// Admit or refuse, and why.
+    pub verdict: Verdict,
+    /// One entry per hit, in the order given.
+    pub rules: Vec<RuleOutcome>,
+}
+
+impl Decision {
+    /// The enforcing rules that refused the request.
+    pub fn refusing(&self) -> impl Iterator<Item = &RuleOutcome> {
+        self.rules.iter().filter(|r| r.over && !r.rule.shadow)
+    }
+
+    /// Milliseconds until a retry of this request would be admitted: the
+    /// latest of the refusing windows, since it needs room in all of them.
+    pub fn retry_after_ms(&self) -> Option<u64> {
+        self.refusing()
+            .flat_map(|r| r.windows.iter())
+            .filter_map(|w| w.retry_ms)
+            .max()
+    }
+
+    /// The window with the least room left among enforcing rules (ties go to
+    /// the one that frees up last), for the headers on an admitted response.
+    pub fn tightest(&self) -> Option<(&RuleOutcome, &WindowOutcome)> {
+        self.rules
+            .iter()
+            .filter(|r| !r.rule.shadow)
+            .flat_map(|r| r.windows.iter().map(move |w| (r, w)))
+            .min_by_key(|(_, w)| (w.remaining, std::cmp::Reverse(w.reset_ms)))
+    }
+
+    /// The status a refused caller gets: the first refusing rule's, or 503
+    /// when the store failed closed.
+    pub fn status(&self) -> http::StatusCode {
+        match self.verdict {
+            Verdict::FailedClosed => http::StatusCode::SERVICE_UNAVAILABLE,
+            _ => self.refusing().next().map(|r| r.rule.status).unwrap_or(http::StatusCode::OK),
+        }
+    }
+}
+
+/// Decides requests against a store, within a deadline.
+pub struct Limiter {
+    store: Store,
+    deadline: Duration,
+    failures: FailureLog,
+}
+
+impl Limiter {
+    /// A limiter whose decisions wait at most `deadline` for the store.
+    pub fn new(store: Store, deadline: Duration) -> Self {
+        Limiter { store, deadline, failures: FailureLog::default() }
+    }
+
+    /// Whether the store answers within the deadline.
+    pub async fn ready(&self) -> Result<(), StoreError> {
+        tokio::time::timeout(self.deadline, self.store.ping())
+            .await
+            .map_err(|_| StoreError::Timeout(self.deadline))?
+    }
+
+    /// Decides one request: all hits are checked and charged together.
+    pub async fn decide(&self, hits: &[Hit]) -> Decision {
+        if hits.is_empty() {
+            return Decision { verdict: Verdict::Allowed, rules: Vec::new() };
+        }
+        let checks: Vec<Check<'_>> = hits
+            .iter()
+            .map(|h| Check { key: &h.key, windows: &h.rule.windows, cost: h.cost, shadow: h.rule.shadow })
+            .collect();
+        let answer = match tokio::time::timeout(self.deadline, self.store.decide(&checks)).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(e)) => return self.failed(hits, e),
+            Err(_) => return self.failed(hits, StoreError::Timeout(self.deadline)),
+        };
+        let rules = hits
+            .iter()
+            .zip(answer.checks)
+            .map(|(hit, count)| {
+                let windows: Vec<WindowOutcome> = hit
+                    .rule
+                    .windows
+                    .iter()
+                    .zip(&count.windows)
+                    .map(|(window, c)| {
+                        let taken = if count.charged { hit.cost } else { 0 };
+                        WindowOutcome {
+                            window: *window,
+                            remaining: window.requests.saturating_sub(c.used + taken),
+                            reset_ms: c.reset_ms,
+                            retry_ms: c.retry_ms,
+                        }
+                    })
+                    .collect();
+                RuleOutcome {
+                    rule: hit.rule.clone(),
+                    over: windows.iter().any(|w| w.retry_ms.is_some()),
+                    charged: count.charged,
+                    windows,
+                }
+            })
+            .collect();
+        let verdict = if answer.admitted { Verdict::Allowed } else { Verdict::Limited };
+        Decision { verdict, rules }
+    }
+
+    fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
+        let closed = hits.iter().any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
+        let verdict = if closed { Verdict::FailedClosed } else { Verdict::FailedOpen };
+        self.failures.record(&error, verdict);
+        let rules = hits
+            .iter()
+            .map(|h| RuleOutcome { rule: h.rule.clone(), over: false, charged: false, windows: Vec::new() })
+            .collect();
+        Decision { verdict, rules }
+    }
+}
+
+/// Logs store failures at most once a second, with how many were folded in,
+/// so an outage is one readable line per second rather than one per request.
+#[derive(Default)]
+struct FailureLog {
+    since_last: AtomicU64,
+    last_logged_ms: AtomicU64,
+}
+
+impl FailureLog {
+    fn record(&self, error: &StoreError, verdict: Verdict) {
+        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+        let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1000;
+        let folded = self.since_last.fetch_add(1, Ordering::Relaxed);
+        let last = self.last_logged_ms.load(Ordering::Relaxed);
+        if now.saturating_sub(last) >= 1000
+            && self.last_logged_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+        {
+            self.since_last.store(0, Ordering::Relaxed);
+            let mode = if verdict == Verdict::FailedClosed { "failing closed" } else { "failing open" };
+            tracing::warn!(%error, failures = folded + 1, "counter store unavailable, {mode}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::parse_str;
+
+    fn hits(yaml_rules: &str) -> Vec<Hit> {
+        let limits = parse_str(&format!("domain: t\nrules:\n{yaml_rules}"), "t.yaml").unwrap();
+        limits
+            .rules
+            .iter()
+            .map(|r| Hit { rule: r.clone(), key: format!("k:{}", r.name), cost: 1 })
+            .collect()
+    }
+
+    fn limiter(clock: &Arc<ManualClock>) -> Limiter {
+        Limiter::new(Store::Memory(MemoryStore::new(clock.clone())), Duration::from_millis(50))
+    }
+
+    #[tokio::test]
+    async fn remaining_and_retry_follow_the_windows() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let l = limiter(&clock);
+        let h = hits("  - name: r\n    limits: [{requests: 2, per: 10s}, {requests: 3, per: 60s}]\n");
+        let d = l.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Allowed);
+        assert_eq!(d.rules[0].windows[0].remaining, 1);
+        assert_eq!(d.rules[0].windows[1].remaining, 2);
+        assert_eq!(d.tightest().unwrap().1.window.period_ms, 10_000);
+        clock.advance(4_000);
+        l.decide(&h).await;
+        let d = l.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Limited);
+        assert_eq!(d.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        // The first unit leaves the 10s window 6s from now.
+        assert_eq!(d.retry_after_ms(), Some(6_000));
+    }
+
+    #[tokio::test]
+    async fn store_failure_applies_the_failure_mode() {
+        let store = RedisStore::connect("redis://127.0.0.1:1/", None).unwrap();
+        let l = Limiter::new(Store::Redis(store), Duration::from_millis(50));
+        let open = hits("  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
+        assert_eq!(l.decide(&open).await.verdict, Verdict::FailedOpen);
+        let closed = hits("  - name: r\n    failure_mode: closed\n    limits: [{requests: 1, per: 1s}]\n");
+        let d = l.decide(&closed).await;
+        assert_eq!(d.verdict, Verdict::FailedClosed);
+        assert_eq!(d.status(), http::StatusCode::SERVICE_UNAVAILABLE);
+    }
+}

@@ -1,0 +1,211 @@
+//! The `tollgate` command: flags, wiring and signals. All behaviour lives in
+//! the library; this file only connects the parts.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use arc_swap::ArcSwap;
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use tollgate::admin::Admin;
+use tollgate::client_ip::TrustedProxies;
+use tollgate::config;
+use tollgate::limiter::{Limiter, MemoryStore, RedisStore, Store, SystemClock};
+use tollgate::serve::{ConnLimits, serve};
+use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
+
+#[derive(Parser)]
+#[command(name = "tollgate", version, about = "HTTP rate-limit sidecar with exact sliding windows")]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Validate a limits file and exit (non-zero with file:line: reason on error).
+    Check {
+        /// The limits file (YAML or JSON).
+        #[arg(long, env = "TOLLGATE_CONFIG")]
+        config: PathBuf,
+    },
+}
+
+#[derive(clap::Args)]
+struct RunArgs {
+    /// The limits file (YAML or JSON).
+    #[arg(long, env = "TOLLGATE_CONFIG", required = true)]
+    config: Option<PathBuf>,
+    /// Where admitted requests go, as http://host:port.
+    #[arg(long, env = "TOLLGATE_UPSTREAM", required = true)]
+    upstream: Option<String>,
+    /// Address the proxy listens on.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
+    listen: SocketAddr,
+    /// Address of the admin listener (/healthz, /readyz).
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
+    admin_listen: SocketAddr,
+    /// Keep counters in Redis (redis://[user:password@]host:port/db), shared by
+    /// every instance; without it counters live in this process.
+    #[arg(long, env = "TOLLGATE_REDIS")]
+    redis: Option<String>,
+    /// Deadline of one decision; past it the rule's failure mode applies.
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    redis_timeout: Duration,
+    /// Longest wait for the upstream's response headers (then 504).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    upstream_timeout: Duration,
+    /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXIES", value_delimiter = ',')]
+    trusted_proxies: Vec<String>,
+    /// Add RateLimit / RateLimit-Policy to admitted responses.
+    #[arg(long, env = "TOLLGATE_RATELIMIT_HEADERS", default_value_t = true, action = ArgAction::Set)]
+    ratelimit_headers: bool,
+    /// How long a client may take to send request headers.
+    #[arg(long, env = "TOLLGATE_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    header_read_timeout: Duration,
+    /// How long in-flight requests may finish after SIGTERM.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    shutdown_timeout: Duration,
+    /// Log format.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "human")]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum LogFormat {
+    Human,
+    Json,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Check { config }) => check(&config),
+        None => {
+            init_logging(cli.run.log_format);
+            let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("tollgate: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            match runtime.block_on(run(cli.run)) {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    tracing::error!("{e:#}");
+                    ExitCode::FAILURE
+                }
+            }
+        }
+    }
+}
+
+fn check(path: &std::path::Path) -> ExitCode {
+    match config::load_file(path) {
+        Ok(limits) => {
+            println!("{}: ok (domain {}, {} rules)", path.display(), limits.domain, limits.rules.len());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let config_path = args.config.context("--config is required")?;
+    let upstream = Upstream::parse(args.upstream.as_deref().context("--upstream is required")?)?;
+    let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
+    let limits = config::load_file(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    tracing::info!(file = %config_path.display(), domain = %limits.domain, rules = limits.rules.len(), "limits loaded");
+    let limits = Arc::new(ArcSwap::from_pointee(limits));
+
+    let store = match &args.redis {
+        Some(url) => {
+            let store = RedisStore::connect(url, None).context("--redis")?;
+            tracing::info!(server = store.server(), "counters in redis");
+            Store::Redis(store)
+        }
+        None => {
+            tracing::info!("counters in memory (single instance; pass --redis to share them)");
+            Store::Memory(MemoryStore::new(Arc::new(SystemClock::default())))
+        }
+    };
+    let limiter = Arc::new(Limiter::new(store, args.redis_timeout));
+
+    let proxy_listener =
+        TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
+    let admin_listener = TcpListener::bind(args.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.admin_listen))?;
+    tracing::info!(proxy = %proxy_listener.local_addr()?, admin = %admin_listener.local_addr()?, "listening");
+
+    let conn_limits = ConnLimits {
+        header_read_timeout: args.header_read_timeout,
+        shutdown_grace: args.shutdown_timeout,
+        ..ConnLimits::default()
+    };
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let proxy = Arc::new(Proxy::new(
+        limiter.clone(),
+        limits.clone(),
+        ProxyOptions {
+            upstream,
+            upstream_timeout: args.upstream_timeout,
+            trusted,
+            ratelimit_headers: args.ratelimit_headers,
+        },
+    ));
+    let admin = Arc::new(Admin::new(limiter.clone()));
+
+    let proxy_task = tokio::spawn(serve(proxy_listener, conn_limits, stop_rx.clone(), move |req, peer| {
+        let proxy = proxy.clone();
+        async move { proxy.handle(req, peer).await }
+    }));
+    let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx, move |req, peer| {
+        let admin = admin.clone();
+        async move { admin.handle(req, peer).await }
+    }));
+
+    wait_for_stop().await;
+    tracing::info!(grace = ?args.shutdown_timeout, "shutting down: no new connections, finishing requests in flight");
+    let _ = stop_tx.send(true);
+    let _ = tokio::join!(proxy_task, admin_task);
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_stop() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
+        std::future::pending::<()>().await;
+        return;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

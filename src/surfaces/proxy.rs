@@ -1,0 +1,346 @@
+//! The reverse proxy surface: decide, then forward to the upstream or refuse.
+//!
+//! Translation only: the request becomes a [`RequestInfo`], the limiter
+//! decides, and the decision becomes either the upstream's own response
+//! (streamed both ways, never buffered) or a refusal with RateLimit headers.
+//! Hop-by-hop headers are dropped in both directions (RFC 9110 §7.6.1);
+//! WebSocket and other upgrades are joined end to end after the handshake.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::{Authority, PathAndQuery, Scheme};
+use http::{Request, Response, StatusCode, Uri, Version};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+
+use crate::client_ip::TrustedProxies;
+use crate::config::Limits;
+use crate::descriptor::{self, RequestInfo};
+use crate::headers;
+use crate::limiter::{Decision, Limiter};
+
+/// What the proxy answers with: the upstream's body, or one of our own.
+pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+
+/// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::TRAILER,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+];
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Where requests go once admitted.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    scheme: Scheme,
+    authority: Authority,
+}
+
+/// An `--upstream` that tollgate cannot forward to.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    /// Not an absolute `http://host:port` URL.
+    #[error("upstream \"{0}\" must look like http://host:port")]
+    Malformed(String),
+    /// TLS to the upstream is not built in.
+    #[error("upstream \"{0}\": only http:// upstreams are supported (terminate TLS beside tollgate)")]
+    Scheme(String),
+}
+
+impl Upstream {
+    /// Parses `http://host:port` (a trailing `/` is allowed, a path is not).
+    pub fn parse(url: &str) -> Result<Self, UpstreamError> {
+        let uri: Uri = url.parse().map_err(|_| UpstreamError::Malformed(url.into()))?;
+        let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
+            return Err(UpstreamError::Malformed(url.into()));
+        };
+        if scheme != &Scheme::HTTP {
+            return Err(UpstreamError::Scheme(url.into()));
+        }
+        if uri.path() != "/" && !uri.path().is_empty() {
+            return Err(UpstreamError::Malformed(url.into()));
+        }
+        Ok(Upstream { scheme: scheme.clone(), authority: authority.clone() })
+    }
+}
+
+/// Settings of the proxy surface.
+#[derive(Debug, Clone)]
+pub struct ProxyOptions {
+    /// Where admitted requests go.
+    pub upstream: Upstream,
+    /// Longest wait for the upstream's response headers before answering 504.
+    pub upstream_timeout: Duration,
+    /// Whose forwarding headers are believed.
+    pub trusted: TrustedProxies,
+    /// Whether admitted responses carry RateLimit headers.
+    pub ratelimit_headers: bool,
+}
+
+/// The proxy: shared by every connection.
+pub struct Proxy {
+    limiter: Arc<Limiter>,
+    limits: Arc<ArcSwap<Limits>>,
+    client: Client<HttpConnector, Incoming>,
+    options: ProxyOptions,
+}
+
+impl Proxy {
+    /// A proxy deciding with `limiter` against the active `limits`.
+    pub fn new(limiter: Arc<Limiter>, limits: Arc<ArcSwap<Limits>>, options: ProxyOptions) -> Self {
+        let mut connector = HttpConnector::new();
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(options.upstream_timeout));
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(256)
+            .build(connector);
+        Proxy { limiter, limits, client, options }
+    }
+
+    /// Handles one client request.
+    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
+        let host = request_host(&req).map(str::to_owned);
+        let decision = {
+            let limits = self.limits.load();
+            let info = RequestInfo {
+                method: req.method(),
+                path: req.uri().path(),
+                query: req.uri().query(),
+                host: host.as_deref(),
+                headers: req.headers(),
+                client_ip,
+            };
+            match descriptor::hits(&limits, &info) {
+                Ok(hits) => self.limiter.decide(&hits).await,
+                Err(e) => return plain(StatusCode::BAD_REQUEST, &e.to_string()),
+            }
+        };
+        if !decision.verdict.admits() {
+            return refusal(&decision);
+        }
+
+        let upgrade = wants_upgrade(req.headers());
+        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+        let upstream_req = match self.upstream_request(req, peer, host.as_deref(), upgrade) {
+            Ok(r) => r,
+            Err(status) => return plain(status, "request target cannot be forwarded"),
+        };
+        let mut response = match tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
+                return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
+                return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
+            }
+        };
+
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if let Some(client_upgrade) = client_upgrade {
+                let upstream_upgrade = hyper::upgrade::on(&mut response);
+                tokio::spawn(async move {
+                    match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                        Ok((client, upstream)) => {
+                            let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(upstream)).await;
+                        }
+                        Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+                    }
+                });
+                let (mut parts, _) = response.into_parts();
+                strip_hop_by_hop(&mut parts.headers, true);
+                return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
+            }
+        }
+
+        let (mut parts, body) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers, false);
+        if self.options.ratelimit_headers {
+            headers::admission_headers(&decision, &mut parts.headers);
+        }
+        Response::from_parts(parts, Either::Left(body))
+    }
+
+    /// Rewrites the client's request for the upstream: absolute URI, HTTP/1.1,
+    /// no hop-by-hop headers, forwarding headers appended.
+    fn upstream_request(
+        &self,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+        host: Option<&str>,
+        upgrade: bool,
+    ) -> Result<Request<Incoming>, StatusCode> {
+        let (mut parts, body) = req.into_parts();
+        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        parts.uri = Uri::builder()
+            .scheme(self.options.upstream.scheme.clone())
+            .authority(self.options.upstream.authority.clone())
+            .path_and_query(path)
+            .build()
+            .map_err(|_| StatusCode::BAD_REQUEST)?;
+        parts.version = Version::HTTP_11;
+        let headers = &mut parts.headers;
+        strip_hop_by_hop(headers, upgrade);
+        append_forwarded_for(headers, peer);
+        if !headers.contains_key(&X_FORWARDED_PROTO) || !self.options.trusted.trusts(peer.ip()) {
+            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        }
+        if let Some(host) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
+            if !headers.contains_key(header::HOST) {
+                headers.insert(header::HOST, host.clone());
+            }
+            headers.insert(X_FORWARDED_HOST, host);
+        }
+        Ok(Request::from_parts(parts, body))
+    }
+}
+
+/// The host the client addressed: `Host`, or the HTTP/2 `:authority`.
+fn request_host<B>(req: &Request<B>) -> Option<&str> {
+    req.headers()
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .or_else(|| req.uri().authority().map(Authority::as_str))
+}
+
+fn wants_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE) && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
+}
+
+/// The comma-separated tokens of every `Connection` header, as bytes so that
+/// a non-ASCII value cannot make us fail.
+fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+}
+
+/// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
+/// the `Upgrade` header survives with `Connection: upgrade`.
+fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+    let named: Vec<HeaderName> = connection_tokens(headers).filter_map(|t| HeaderName::from_bytes(t).ok()).collect();
+    for name in named {
+        if !(upgrade && name == header::UPGRADE) {
+            headers.remove(name);
+        }
+    }
+    for name in &HOP_BY_HOP {
+        if !(upgrade && name == header::UPGRADE) {
+            headers.remove(name);
+        }
+    }
+    if upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
+fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
+    let peer = peer.ip().to_canonical().to_string();
+    let mut value = Vec::new();
+    for v in headers.get_all(&X_FORWARDED_FOR) {
+        value.extend_from_slice(v.as_bytes());
+        value.extend_from_slice(b", ");
+    }
+    value.extend_from_slice(peer.as_bytes());
+    if let Ok(v) = HeaderValue::from_bytes(&value) {
+        headers.insert(X_FORWARDED_FOR, v);
+    }
+}
+
+fn refusal(decision: &Decision) -> Response<ProxyBody> {
+    let mut response = Response::new(Either::Right(Full::new(headers::refusal_body(decision))));
+    *response.status_mut() = decision.status();
+    let h = response.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers::refusal_headers(decision, h);
+    response
+}
+
+fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    let body = serde_json::json!({ "error": status.canonical_reason().unwrap_or("error"), "message": message });
+    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
+    *response.status_mut() = status;
+    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_bytes(v).unwrap());
+        }
+        h
+    }
+
+    #[test]
+    fn hop_by_hop_headers_go_and_named_ones_too() {
+        let mut h = headers(&[
+            ("connection", b"keep-alive, x-secret"),
+            ("connection", b"\xffweird"),
+            ("keep-alive", b"timeout=5"),
+            ("x-secret", b"1"),
+            ("te", b"trailers"),
+            ("set-cookie", b"a=1"),
+            ("set-cookie", b"b=2"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        assert!(!h.contains_key("x-secret") && !h.contains_key("connection") && !h.contains_key("te"));
+        assert_eq!(h.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[test]
+    fn upgrades_keep_their_headers() {
+        let mut h = headers(&[("connection", b"Upgrade"), ("upgrade", b"websocket")]);
+        assert!(wants_upgrade(&h));
+        strip_hop_by_hop(&mut h, true);
+        assert_eq!(h["upgrade"], "websocket");
+        assert_eq!(h["connection"], "upgrade");
+    }
+
+    #[test]
+    fn forwarded_for_is_one_line() {
+        let mut h = headers(&[("x-forwarded-for", b"1.1.1.1"), ("x-forwarded-for", b"2.2.2.2")]);
+        append_forwarded_for(&mut h, "[::ffff:10.0.0.1]:5000".parse().unwrap());
+        assert_eq!(h.get_all("x-forwarded-for").iter().count(), 1);
+        assert_eq!(h["x-forwarded-for"], "1.1.1.1, 2.2.2.2, 10.0.0.1");
+    }
+
+    #[test]
+    fn upstream_urls() {
+        assert!(Upstream::parse("http://127.0.0.1:9000").is_ok());
+        assert!(Upstream::parse("http://127.0.0.1:9000/").is_ok());
+        assert!(matches!(Upstream::parse("https://x:1"), Err(UpstreamError::Scheme(_))));
+        assert!(Upstream::parse("http://x:1/api").is_err());
+        assert!(Upstream::parse("127.0.0.1:9000").is_err());
+    }
+}
