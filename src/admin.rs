@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 use hyper::body::Incoming;
 
@@ -33,7 +33,10 @@ impl Admin {
             "/healthz" => text(StatusCode::OK, "ok\n"),
             "/readyz" => match self.limiter.ready().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
-                Err(e) => text(StatusCode::SERVICE_UNAVAILABLE, &format!("counter store unavailable: {e}\n")),
+                Err(e) => text(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    &format!("counter store unavailable: {e}\n"),
+                ),
             },
             _ => text(StatusCode::NOT_FOUND, "not found; try /healthz or /readyz\n"),
         }
@@ -43,6 +46,9 @@ impl Admin {
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
     let mut r = Response::new(Full::new(Bytes::from(body.to_owned())));
     *r.status_mut() = status;
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
     r
 }

@@ -66,12 +66,20 @@ impl TrustedProxies {
             }
             return client;
         }
-        headers.get("x-real-ip").and_then(|v| parse_ip(v.as_bytes())).unwrap_or(peer)
+        headers
+            .get("x-real-ip")
+            .and_then(|v| parse_ip(v.as_bytes()))
+            .unwrap_or(peer)
     }
 }
 
 fn parse_ip(bytes: &[u8]) -> Option<IpAddr> {
-    std::str::from_utf8(bytes).ok()?.trim().parse::<IpAddr>().ok().map(|ip| ip.to_canonical())
+    std::str::from_utf8(bytes)
+        .ok()?
+        .trim()
+        .parse::<IpAddr>()
+        .ok()
+        .map(|ip| ip.to_canonical())
 }
 
 #[cfg(test)]
@@ -101,7 +109,10 @@ mod tests {
     fn walks_forwarded_for_from_the_right() {
         let t = TrustedProxies::parse(&["10.0.0.0/8", "127.0.0.1"]).unwrap();
         // The caller put 6.6.6.6 in themselves; 203.0.113.9 is what our proxy saw.
-        let h = headers(&[("x-forwarded-for", "6.6.6.6, 203.0.113.9"), ("x-forwarded-for", "10.1.1.1")]);
+        let h = headers(&[
+            ("x-forwarded-for", "6.6.6.6, 203.0.113.9"),
+            ("x-forwarded-for", "10.1.1.1"),
+        ]);
         assert_eq!(t.client_ip(ip("127.0.0.1"), &h), ip("203.0.113.9"));
         let all_trusted = headers(&[("x-forwarded-for", "10.0.0.2, 10.0.0.3")]);
         assert_eq!(t.client_ip(ip("127.0.0.1"), &all_trusted), ip("10.0.0.2"));

@@ -62,7 +62,11 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, Descript
             continue;
         };
         let cost = cost_of(rule, req.headers)?;
-        hits.push(Hit { rule: rule.clone(), key, cost });
+        hits.push(Hit {
+            rule: rule.clone(),
+            key,
+            cost,
+        });
     }
     Ok(hits)
 }
@@ -77,7 +81,10 @@ fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, DescriptorError> {
                 .ok()
                 .and_then(|s| s.trim().parse::<u64>().ok())
                 .filter(|n| *n > 0)
-                .ok_or_else(|| DescriptorError::BadCost { rule: rule.name.clone(), header: name.to_string() }),
+                .ok_or_else(|| DescriptorError::BadCost {
+                    rule: rule.name.clone(),
+                    header: name.to_string(),
+                }),
         },
     }
 }
@@ -142,7 +149,9 @@ fn query_value(query: &str, name: &str) -> Option<String> {
 
 fn decode(s: &str) -> String {
     let plus_as_space = s.replace('+', " ");
-    percent_decode(plus_as_space.as_bytes()).decode_utf8_lossy().into_owned()
+    percent_decode(plus_as_space.as_bytes())
+        .decode_utf8_lossy()
+        .into_owned()
 }
 
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
@@ -150,7 +159,13 @@ fn strip_port(host: &str) -> &str {
     if host.starts_with('[') {
         return host.split_once(']').map_or(host, |(h, _)| &host[..=h.len()]);
     }
-    host.rsplit_once(':').map_or(host, |(h, port)| if port.bytes().all(|b| b.is_ascii_digit()) { h } else { host })
+    host.rsplit_once(':').map_or(host, |(h, port)| {
+        if port.bytes().all(|b| b.is_ascii_digit()) {
+            h
+        } else {
+            host
+        }
+    })
 }
 
 #[cfg(test)]
@@ -174,8 +189,20 @@ rules:
     limits: [{ requests: 100, per: 1m }]
 ";
 
-    fn request<'a>(method: &'a Method, path: &'a str, query: Option<&'a str>, headers: &'a HeaderMap) -> RequestInfo<'a> {
-        RequestInfo { method, path, query, host: Some("API.example.com:8443"), headers, client_ip: "10.0.0.7".parse().unwrap() }
+    fn request<'a>(
+        method: &'a Method,
+        path: &'a str,
+        query: Option<&'a str>,
+        headers: &'a HeaderMap,
+    ) -> RequestInfo<'a> {
+        RequestInfo {
+            method,
+            path,
+            query,
+            host: Some("API.example.com:8443"),
+            headers,
+            client_ip: "10.0.0.7".parse().unwrap(),
+        }
     }
 
     #[test]
@@ -238,7 +265,13 @@ rules:
         h.insert("x-api-key", "k1".parse().unwrap());
         h.insert("x-cost", "-2".parse().unwrap());
         let err = hits(&limits, &request(&Method::GET, "/", Some("tenant=t"), &h)).unwrap_err();
-        assert_eq!(err, DescriptorError::BadCost { rule: "per-key".into(), header: "x-cost".into() });
+        assert_eq!(
+            err,
+            DescriptorError::BadCost {
+                rule: "per-key".into(),
+                header: "x-cost".into()
+            }
+        );
     }
 
     #[test]

@@ -32,8 +32,10 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
     }
     let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
     headers.insert(RETRY_AFTER, HeaderValue::from(retry));
-    let windows: Vec<(&RuleOutcome, &WindowOutcome)> =
-        decision.refusing().flat_map(|r| r.windows.iter().map(move |w| (r, w))).collect();
+    let windows: Vec<(&RuleOutcome, &WindowOutcome)> = decision
+        .refusing()
+        .flat_map(|r| r.windows.iter().map(move |w| (r, w)))
+        .collect();
     insert_ratelimit(headers, &windows);
 }
 
@@ -53,7 +55,12 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
     for (i, (rule, w)) in windows.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
         let name = &rule.rule.name;
-        let _ = write!(policy, "{sep}\"{name}\";q={};w={}", w.window.requests, w.window.period_secs());
+        let _ = write!(
+            policy,
+            "{sep}\"{name}\";q={};w={}",
+            w.window.requests,
+            w.window.period_secs()
+        );
         let t = ceil_secs(w.retry_ms.unwrap_or(w.reset_ms));
         let _ = write!(state, "{sep}\"{name}\";r={};t={t}", w.remaining);
     }
@@ -89,7 +96,7 @@ pub fn refusal_body(decision: &Decision) -> Bytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{parse_str, Window};
+    use crate::config::{Window, parse_str};
     use crate::limiter::RuleOutcome;
 
     fn decision() -> Decision {
@@ -107,13 +114,19 @@ mod tests {
                 charged: false,
                 windows: vec![
                     WindowOutcome {
-                        window: Window { requests: 5, period_ms: 3000 },
+                        window: Window {
+                            requests: 5,
+                            period_ms: 3000,
+                        },
                         remaining: 0,
                         reset_ms: 1200,
                         retry_ms: Some(2100),
                     },
                     WindowOutcome {
-                        window: Window { requests: 20, period_ms: 60_000 },
+                        window: Window {
+                            requests: 20,
+                            period_ms: 60_000,
+                        },
                         remaining: 14,
                         reset_ms: 41_000,
                         retry_ms: None,

@@ -21,7 +21,11 @@ use tollgate::serve::{ConnLimits, serve};
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
 
 #[derive(Parser)]
-#[command(name = "tollgate", version, about = "HTTP rate-limit sidecar with exact sliding windows")]
+#[command(
+    name = "tollgate",
+    version,
+    about = "HTTP rate-limit sidecar with exact sliding windows"
+)]
 #[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
 struct Cli {
     #[command(subcommand)]
@@ -114,7 +118,12 @@ fn main() -> ExitCode {
 fn check(path: &std::path::Path) -> ExitCode {
     match config::load_file(path) {
         Ok(limits) => {
-            println!("{}: ok (domain {}, {} rules)", path.display(), limits.domain, limits.rules.len());
+            println!(
+                "{}: ok (domain {}, {} rules)",
+                path.display(),
+                limits.domain,
+                limits.rules.len()
+            );
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -127,7 +136,10 @@ fn check(path: &std::path::Path) -> ExitCode {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -155,8 +167,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let limiter = Arc::new(Limiter::new(store, args.redis_timeout));
 
-    let proxy_listener =
-        TcpListener::bind(args.listen).await.with_context(|| format!("cannot listen on {}", args.listen))?;
+    let proxy_listener = TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
     let admin_listener = TcpListener::bind(args.admin_listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.admin_listen))?;

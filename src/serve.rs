@@ -96,7 +96,10 @@ pub async fn serve<F, Fut, B>(
         }
     }
     drop(listener);
-    if tokio::time::timeout(limits.shutdown_grace, graceful.shutdown()).await.is_err() {
+    if tokio::time::timeout(limits.shutdown_grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!(grace = ?limits.shutdown_grace, "connections still open after the shutdown grace period");
     }
 }

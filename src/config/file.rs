@@ -11,8 +11,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::{HeaderName, Method, StatusCode};
-use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
+use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 
 use super::{Cost, FailureMode, HeaderValueMatch, Limits, Matcher, Part, PathPattern, Rule, Window};
 
@@ -81,7 +81,10 @@ pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
             Arc::new(rule)
         })
         .collect();
-    Ok(Limits { domain: raw.domain.0, rules })
+    Ok(Limits {
+        domain: raw.domain.0,
+        rules,
+    })
 }
 
 /// Both parsers append "at line N column M"; the line is reported separately.
@@ -217,9 +220,7 @@ impl RawRule {
             return Err(format!("rule name must be 1 to {MAX_NAME_LEN} characters"));
         }
         if !name.bytes().all(|b| b.is_ascii_alphanumeric() || b"_-.:".contains(&b)) {
-            return Err(format!(
-                "rule name \"{name}\" may use only letters, digits and _ - . :"
-            ));
+            return Err(format!("rule name \"{name}\" may use only letters, digits and _ - . :"));
         }
         if self.limits.is_empty() {
             return Err(format!("rule \"{name}\" needs at least one entry in limits"));
@@ -289,13 +290,22 @@ impl RawMatch {
             .headers
             .into_iter()
             .map(|(name, value)| {
-                let name = HeaderName::from_bytes(name.as_bytes())
-                    .map_err(|_| format!("\"{name}\" is not a header name"))?;
-                let value = if value == "*" { HeaderValueMatch::Any } else { HeaderValueMatch::Exact(value) };
+                let name =
+                    HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("\"{name}\" is not a header name"))?;
+                let value = if value == "*" {
+                    HeaderValueMatch::Any
+                } else {
+                    HeaderValueMatch::Exact(value)
+                };
                 Ok((name, value))
             })
             .collect::<Result<_, String>>()?;
-        Ok(Matcher { methods, path, host: self.host.map(|h| h.to_ascii_lowercase()), headers })
+        Ok(Matcher {
+            methods,
+            path,
+            host: self.host.map(|h| h.to_ascii_lowercase()),
+            headers,
+        })
     }
 }
 
@@ -315,7 +325,10 @@ impl<'de> Deserialize<'de> for WindowSpec {
                 return Err("requests must be at least 1".to_string());
             }
             let period_ms = parse_period(&raw.per)?;
-            Ok(WindowSpec(Window { requests: raw.requests, period_ms }))
+            Ok(WindowSpec(Window {
+                requests: raw.requests,
+                period_ms,
+            }))
         })
     }
 }
@@ -325,7 +338,9 @@ fn parse_period(text: &str) -> Result<u64, String> {
     let d = humantime::parse_duration(text.trim())
         .map_err(|e| format!("\"{text}\" is not a duration ({e}); write e.g. 500ms, 3s, 1m, 1h"))?;
     if d.is_zero() || d.subsec_nanos() % 1_000_000 != 0 {
-        return Err(format!("\"{text}\": a window must be a positive whole number of milliseconds"));
+        return Err(format!(
+            "\"{text}\": a window must be a positive whole number of milliseconds"
+        ));
     }
     if d > MAX_PERIOD {
         return Err(format!("\"{text}\": a window may be at most 366 days"));
@@ -431,11 +446,26 @@ rules:
         // Windows are kept shortest first.
         assert_eq!(
             login.windows,
-            vec![Window { requests: 5, period_ms: 3000 }, Window { requests: 20, period_ms: 60_000 }]
+            vec![
+                Window {
+                    requests: 5,
+                    period_ms: 3000
+                },
+                Window {
+                    requests: 20,
+                    period_ms: 60_000
+                }
+            ]
         );
         assert_eq!(login.failure_mode, FailureMode::Closed);
         let api = &l.rules[1];
-        assert_eq!(api.by, vec![Part::Header(HeaderName::from_static("x-api-key")), Part::Query("tenant".into())]);
+        assert_eq!(
+            api.by,
+            vec![
+                Part::Header(HeaderName::from_static("x-api-key")),
+                Part::Query("tenant".into())
+            ]
+        );
         assert!(api.shadow);
         assert_eq!(api.status, StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(api.cost, Cost::Header(HeaderName::from_static("x-cost")));
@@ -447,7 +477,13 @@ rules:
     fn json_uses_the_same_schema() {
         let json = r#"{"domain":"api","rules":[{"name":"a","limits":[{"requests":2,"per":"1s"}]}]}"#;
         let l = parse_str(json, "limits.json").unwrap();
-        assert_eq!(l.rules[0].windows[0], Window { requests: 2, period_ms: 1000 });
+        assert_eq!(
+            l.rules[0].windows[0],
+            Window {
+                requests: 2,
+                period_ms: 1000
+            }
+        );
         let err = parse_str("{\"domain\":\"api\",\n\"rulez\":[]}", "limits.json").unwrap_err();
         assert_eq!(err.line, Some(2));
         assert!(err.reason.contains("unknown field `rulez`"), "{err}");

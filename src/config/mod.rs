@@ -223,9 +223,7 @@ mod tests {
 
     fn matcher(yaml: &str) -> Matcher {
         let limits = parse_str(
-            &format!(
-                "domain: t\nrules:\n  - name: r\n    match: {yaml}\n    limits: [{{requests: 1, per: 1s}}]\n"
-            ),
+            &format!("domain: t\nrules:\n  - name: r\n    match: {yaml}\n    limits: [{{requests: 1, per: 1s}}]\n"),
             "t.yaml",
         )
         .unwrap();

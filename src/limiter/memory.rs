@@ -31,8 +31,14 @@ pub struct SystemClock {
 
 impl Default for SystemClock {
     fn default() -> Self {
-        let epoch_ms = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0);
-        SystemClock { start: Instant::now(), epoch_ms }
+        let epoch_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        SystemClock {
+            start: Instant::now(),
+            epoch_ms,
+        }
     }
 }
 
@@ -89,7 +95,11 @@ impl Counter {
     }
 
     fn total_before(&self, index: usize) -> u64 {
-        if index == 0 { self.base } else { self.entries[index - 1].1 }
+        if index == 0 {
+            self.base
+        } else {
+            self.entries[index - 1].1
+        }
     }
 
     /// Counts one window and works out when `cost` would fit.
@@ -111,14 +121,21 @@ impl Counter {
                 .find(|&i| self.entries[i].1 - self.total_before(first) >= excess)
                 .map(|i| self.entries[i].0 + period - now)
         };
-        WindowCount { used, reset_ms, retry_ms }
+        WindowCount {
+            used,
+            reset_ms,
+            retry_ms,
+        }
     }
 }
 
 impl MemoryStore {
     /// An empty store reading time from `clock`.
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        MemoryStore { clock, state: Mutex::new(State::default()) }
+        MemoryStore {
+            clock,
+            state: Mutex::new(State::default()),
+        }
     }
 
     /// How many counters are live (for tests and metrics).
@@ -151,7 +168,11 @@ impl MemoryStore {
                     Some(c) => c.window(now, w.requests, w.period_ms, check.cost),
                     None => {
                         let retry_ms = (check.cost > w.requests).then_some(w.period_ms);
-                        WindowCount { used: 0, reset_ms: w.period_ms, retry_ms }
+                        WindowCount {
+                            used: 0,
+                            reset_ms: w.period_ms,
+                            retry_ms,
+                        }
                     }
                 })
                 .collect();
@@ -166,7 +187,10 @@ impl MemoryStore {
                 charge(&mut state.counters, check.key, now, longest, check.cost);
             }
         }
-        StoreAnswer { admitted, checks: counts }
+        StoreAnswer {
+            admitted,
+            checks: counts,
+        }
     }
 }
 
@@ -209,14 +233,22 @@ mod tests {
     use proptest::prelude::*;
 
     fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64, shadow: bool) -> Check<'a> {
-        Check { key, windows, cost, shadow }
+        Check {
+            key,
+            windows,
+            cost,
+            shadow,
+        }
     }
 
     #[test]
     fn idle_counters_are_swept() {
         let clock = Arc::new(ManualClock::new(1_000));
         let store = MemoryStore::new(clock.clone());
-        let w = [Window { requests: 5, period_ms: 1_000 }];
+        let w = [Window {
+            requests: 5,
+            period_ms: 1_000,
+        }];
         store.decide_now(&[check("a", &w, 1, false)]);
         assert_eq!(store.len(), 1);
         clock.advance(SWEEP_EVERY_MS + 1);
@@ -233,7 +265,9 @@ mod tests {
 
     impl Model {
         fn used(&self, key: usize, now: u64, period: u64) -> u64 {
-            self.log.get(&key).map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
+            self.log
+                .get(&key)
+                .map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
         }
 
         /// Returns (admitted, per check: charged).
@@ -241,11 +275,17 @@ mod tests {
             let fits: Vec<bool> = checks
                 .iter()
                 .map(|(key, windows, cost, _)| {
-                    windows.iter().all(|w| self.used(*key, now, w.period_ms) + cost <= w.requests)
+                    windows
+                        .iter()
+                        .all(|w| self.used(*key, now, w.period_ms) + cost <= w.requests)
                 })
                 .collect();
             let admitted = checks.iter().zip(&fits).all(|(c, f)| *f || c.3);
-            let charged: Vec<bool> = checks.iter().zip(&fits).map(|(c, f)| admitted && *f && c.2 > 0).collect();
+            let charged: Vec<bool> = checks
+                .iter()
+                .zip(&fits)
+                .map(|(c, f)| admitted && *f && c.2 > 0)
+                .collect();
             for (c, ch) in checks.iter().zip(&charged) {
                 if *ch {
                     self.log.entry(c.0).or_default().push((now, c.2));
@@ -276,9 +316,30 @@ mod tests {
     /// Three counters with fixed windows; each step picks some of them.
     fn rule_windows(key: usize) -> Vec<Window> {
         match key {
-            0 => vec![Window { requests: 3, period_ms: 1_000 }],
-            1 => vec![Window { requests: 2, period_ms: 300 }, Window { requests: 5, period_ms: 2_000 }],
-            _ => vec![Window { requests: 4, period_ms: 500 }, Window { requests: 6, period_ms: 1_500 }],
+            0 => vec![Window {
+                requests: 3,
+                period_ms: 1_000,
+            }],
+            1 => vec![
+                Window {
+                    requests: 2,
+                    period_ms: 300,
+                },
+                Window {
+                    requests: 5,
+                    period_ms: 2_000,
+                },
+            ],
+            _ => vec![
+                Window {
+                    requests: 4,
+                    period_ms: 500,
+                },
+                Window {
+                    requests: 6,
+                    period_ms: 1_500,
+                },
+            ],
         }
     }
 

@@ -205,7 +205,11 @@ impl Decision {
     pub fn status(&self) -> http::StatusCode {
         match self.verdict {
             Verdict::FailedClosed => http::StatusCode::SERVICE_UNAVAILABLE,
-            _ => self.refusing().next().map(|r| r.rule.status).unwrap_or(http::StatusCode::OK),
+            _ => self
+                .refusing()
+                .next()
+                .map(|r| r.rule.status)
+                .unwrap_or(http::StatusCode::OK),
         }
     }
 }
@@ -220,7 +224,11 @@ pub struct Limiter {
 impl Limiter {
     /// A limiter whose decisions wait at most `deadline` for the store.
     pub fn new(store: Store, deadline: Duration) -> Self {
-        Limiter { store, deadline, failures: FailureLog::default() }
+        Limiter {
+            store,
+            deadline,
+            failures: FailureLog::default(),
+        }
     }
 
     /// Whether the store answers within the deadline.
@@ -233,11 +241,19 @@ impl Limiter {
     /// Decides one request: all hits are checked and charged together.
     pub async fn decide(&self, hits: &[Hit]) -> Decision {
         if hits.is_empty() {
-            return Decision { verdict: Verdict::Allowed, rules: Vec::new() };
+            return Decision {
+                verdict: Verdict::Allowed,
+                rules: Vec::new(),
+            };
         }
         let checks: Vec<Check<'_>> = hits
             .iter()
-            .map(|h| Check { key: &h.key, windows: &h.rule.windows, cost: h.cost, shadow: h.rule.shadow })
+            .map(|h| Check {
+                key: &h.key,
+                windows: &h.rule.windows,
+                cost: h.cost,
+                shadow: h.rule.shadow,
+            })
             .collect();
         let answer = match tokio::time::timeout(self.deadline, self.store.decide(&checks)).await {
             Ok(Ok(answer)) => answer,
@@ -271,17 +287,32 @@ impl Limiter {
                 }
             })
             .collect();
-        let verdict = if answer.admitted { Verdict::Allowed } else { Verdict::Limited };
+        let verdict = if answer.admitted {
+            Verdict::Allowed
+        } else {
+            Verdict::Limited
+        };
         Decision { verdict, rules }
     }
 
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
-        let closed = hits.iter().any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
-        let verdict = if closed { Verdict::FailedClosed } else { Verdict::FailedOpen };
+        let closed = hits
+            .iter()
+            .any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
+        let verdict = if closed {
+            Verdict::FailedClosed
+        } else {
+            Verdict::FailedOpen
+        };
         self.failures.record(&error, verdict);
         let rules = hits
             .iter()
-            .map(|h| RuleOutcome { rule: h.rule.clone(), over: false, charged: false, windows: Vec::new() })
+            .map(|h| RuleOutcome {
+                rule: h.rule.clone(),
+                over: false,
+                charged: false,
+                windows: Vec::new(),
+            })
             .collect();
         Decision { verdict, rules }
     }
@@ -302,10 +333,17 @@ impl FailureLog {
         let folded = self.since_last.fetch_add(1, Ordering::Relaxed);
         let last = self.last_logged_ms.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= 1000
-            && self.last_logged_ms.compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed).is_ok()
+            && self
+                .last_logged_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
         {
             self.since_last.store(0, Ordering::Relaxed);
-            let mode = if verdict == Verdict::FailedClosed { "failing closed" } else { "failing open" };
+            let mode = if verdict == Verdict::FailedClosed {
+                "failing closed"
+            } else {
+                "failing open"
+            };
             tracing::warn!(%error, failures = folded + 1, "counter store unavailable, {mode}");
         }
     }
@@ -321,12 +359,19 @@ mod tests {
         limits
             .rules
             .iter()
-            .map(|r| Hit { rule: r.clone(), key: format!("k:{}", r.name), cost: 1 })
+            .map(|r| Hit {
+                rule: r.clone(),
+                key: format!("k:{}", r.name),
+                cost: 1,
+            })
             .collect()
     }
 
     fn limiter(clock: &Arc<ManualClock>) -> Limiter {
-        Limiter::new(Store::Memory(MemoryStore::new(clock.clone())), Duration::from_millis(50))
+        Limiter::new(
+            Store::Memory(MemoryStore::new(clock.clone())),
+            Duration::from_millis(50),
+        )
     }
 
     #[tokio::test]

@@ -40,7 +40,12 @@ impl RedisStore {
             .set_number_of_retries(2)
             .set_max_delay(Duration::from_millis(200));
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
-        Ok(RedisStore { conn, script: Script::new(DECIDE_LUA), pinned_clock, display })
+        Ok(RedisStore {
+            conn,
+            script: Script::new(DECIDE_LUA),
+            pinned_clock,
+            display,
+        })
     }
 
     /// The server address, safe to log (never carries credentials).
@@ -55,7 +60,9 @@ impl CounterStore for RedisStore {
         call.arg(self.pinned_clock.as_ref().map_or(0, |c| c.now_ms()));
         for check in checks {
             call.key(check.key);
-            call.arg(check.cost).arg(u8::from(check.shadow)).arg(check.windows.len());
+            call.arg(check.cost)
+                .arg(u8::from(check.shadow))
+                .arg(check.windows.len());
             for w in check.windows {
                 call.arg(w.requests).arg(w.period_ms);
             }
@@ -75,7 +82,10 @@ impl CounterStore for RedisStore {
 fn parse_reply(reply: &[i64], checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
     let expected = 1 + checks.iter().map(|c| 1 + 3 * c.windows.len()).sum::<usize>();
     if reply.len() != expected {
-        return Err(StoreError::Reply(format!("{} integers, expected {expected}", reply.len())));
+        return Err(StoreError::Reply(format!(
+            "{} integers, expected {expected}",
+            reply.len()
+        )));
     }
     let mut values = reply.iter().copied();
     let mut next = || values.next().unwrap_or(0);
@@ -91,7 +101,11 @@ fn parse_reply(reply: &[i64], checks: &[Check<'_>]) -> Result<StoreAnswer, Store
                     let used = next().max(0) as u64;
                     let reset_ms = next().max(0) as u64;
                     let retry = next();
-                    WindowCount { used, reset_ms, retry_ms: (retry >= 0).then_some(retry as u64) }
+                    WindowCount {
+                        used,
+                        reset_ms,
+                        retry_ms: (retry >= 0).then_some(retry as u64),
+                    }
                 })
                 .collect();
             CheckCount { charged, windows }

@@ -78,7 +78,10 @@ impl Upstream {
         if uri.path() != "/" && !uri.path().is_empty() {
             return Err(UpstreamError::Malformed(url.into()));
         }
-        Ok(Upstream { scheme: scheme.clone(), authority: authority.clone() })
+        Ok(Upstream {
+            scheme: scheme.clone(),
+            authority: authority.clone(),
+        })
     }
 }
 
@@ -114,7 +117,12 @@ impl Proxy {
             .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(256)
             .build(connector);
-        Proxy { limiter, limits, client, options }
+        Proxy {
+            limiter,
+            limits,
+            client,
+            options,
+        }
     }
 
     /// Handles one client request.
@@ -146,33 +154,35 @@ impl Proxy {
             Ok(r) => r,
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
-        let mut response = match tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
-                return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
-            }
-            Err(_) => {
-                tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
-                return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
-            }
-        };
+        let mut response =
+            match tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await {
+                Ok(Ok(r)) => r,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
+                    return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
+                }
+                Err(_) => {
+                    tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
+                    return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
+                }
+            };
 
-        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            if let Some(client_upgrade) = client_upgrade {
-                let upstream_upgrade = hyper::upgrade::on(&mut response);
-                tokio::spawn(async move {
-                    match tokio::try_join!(client_upgrade, upstream_upgrade) {
-                        Ok((client, upstream)) => {
-                            let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(upstream)).await;
-                        }
-                        Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS
+            && let Some(client_upgrade) = client_upgrade
+        {
+            let upstream_upgrade = hyper::upgrade::on(&mut response);
+            tokio::spawn(async move {
+                match tokio::try_join!(client_upgrade, upstream_upgrade) {
+                    Ok((client, upstream)) => {
+                        let _ =
+                            tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(upstream)).await;
                     }
-                });
-                let (mut parts, _) = response.into_parts();
-                strip_hop_by_hop(&mut parts.headers, true);
-                return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
-            }
+                    Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+                }
+            });
+            let (mut parts, _) = response.into_parts();
+            strip_hop_by_hop(&mut parts.headers, true);
+            return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
         }
 
         let (mut parts, body) = response.into_parts();
@@ -193,7 +203,11 @@ impl Proxy {
         upgrade: bool,
     ) -> Result<Request<Incoming>, StatusCode> {
         let (mut parts, body) = req.into_parts();
-        let path = parts.uri.path_and_query().cloned().unwrap_or_else(|| PathAndQuery::from_static("/"));
+        let path = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
         parts.uri = Uri::builder()
             .scheme(self.options.upstream.scheme.clone())
             .authority(self.options.upstream.authority.clone())
@@ -243,7 +257,9 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
 /// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
 /// the `Upgrade` header survives with `Connection: upgrade`.
 fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    let named: Vec<HeaderName> = connection_tokens(headers).filter_map(|t| HeaderName::from_bytes(t).ok()).collect();
+    let named: Vec<HeaderName> = connection_tokens(headers)
+        .filter_map(|t| HeaderName::from_bytes(t).ok())
+        .collect();
     for name in named {
         if !(upgrade && name == header::UPGRADE) {
             headers.remove(name);
@@ -286,7 +302,9 @@ fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
     let body = serde_json::json!({ "error": status.canonical_reason().unwrap_or("error"), "message": message });
     let mut response = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
     *response.status_mut() = status;
-    response.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
 }
 
@@ -297,7 +315,10 @@ mod tests {
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(HeaderName::from_bytes(k.as_bytes()).unwrap(), HeaderValue::from_bytes(v).unwrap());
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(v).unwrap(),
+            );
         }
         h
     }

@@ -1,0 +1,17 @@
+# Build stage: the release binary.
+FROM rust:1-bookworm AS build
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+COPY integration ./integration
+RUN cargo build --release --locked
+
+# Run stage: the binary and the example limits, nothing else.
+FROM debian:bookworm-slim
+RUN useradd --system --no-create-home tollgate
+COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
+COPY conf /etc/tollgate
+USER tollgate
+EXPOSE 8080 9901
+ENTRYPOINT ["/usr/local/bin/tollgate"]
+CMD ["--config", "/etc/tollgate/limits.yaml"]

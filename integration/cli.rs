@@ -1,0 +1,90 @@
+//! The command line: `tollgate check` and start-up refusals.
+
+use std::process::Command;
+
+use crate::common::binary;
+
+#[test]
+fn check_accepts_the_examples_and_names_file_line_and_reason() {
+    let ok = Command::new(binary())
+        .args(["check", "--config", "conf/limits.yaml"])
+        .output()
+        .unwrap();
+    assert!(ok.status.success(), "{}", String::from_utf8_lossy(&ok.stderr));
+    assert!(String::from_utf8_lossy(&ok.stdout).contains("ok"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("limits.yaml");
+    std::fs::write(
+        &bad,
+        "domain: api\nrules:\n  - name: a\n    limits:\n      - { requests: 5, per: 3 parsecs }\n",
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .args(["check", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.starts_with(&format!("{}:5: ", bad.display())), "{err}");
+    assert!(err.contains("is not a duration"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one clear line: {err}");
+}
+
+#[test]
+fn an_invalid_file_at_start_up_is_refused_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("limits.json");
+    std::fs::write(
+        &bad,
+        r#"{"domain": "api", "rules": [{"name": "a", "limits": [], "colour": 1}]}"#,
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .args([
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("limits.json:1:") && err.contains("unknown field `colour`"),
+        "{err}"
+    );
+}
+
+#[test]
+fn every_flag_has_an_environment_variable() {
+    let out = Command::new(binary()).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in [
+        "--config",
+        "--upstream",
+        "--listen",
+        "--admin-listen",
+        "--redis",
+        "--redis-timeout",
+    ] {
+        assert!(help.contains(flag), "{flag}");
+    }
+    let flags = help
+        .lines()
+        .filter(|l| l.trim_start().starts_with("--") && !l.contains("--help") && !l.contains("--version"));
+    for line in flags {
+        let name = line.trim_start().split([' ', '=', '<']).next().unwrap();
+        let var = format!(
+            "TOLLGATE_{}",
+            name.trim_start_matches("--").replace('-', "_").to_uppercase()
+        );
+        assert!(help.contains(&format!("[env: {var}")), "{name} has no {var}");
+    }
+}

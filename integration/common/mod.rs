@@ -1,0 +1,400 @@
+//! Real processes and sockets for the end-to-end tests: `redis-server` on a
+//! free loopback port, a small upstream HTTP server in this process, and the
+//! real `tollgate` binary. Everything is killed when its handle drops.
+
+#![allow(dead_code)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{SocketAddr, TcpListener as StdListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// A port nobody listens on right now.
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A `redis-server` of our own, on loopback, with nothing persisted.
+pub struct RedisServer {
+    child: Child,
+    pub port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(extra: &[&str]) -> RedisServer {
+        for _ in 0..5 {
+            let port = free_port();
+            let dir = tempfile::tempdir().unwrap();
+            let child = Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .args(["--dir", dir.path().to_str().unwrap()])
+                .args(extra)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed (the test command installs it)");
+            let mut server = RedisServer { child, port, dir };
+            if server.wait_ready() {
+                return server;
+            }
+            let _ = server.child.kill();
+        }
+        panic!("could not start redis-server");
+    }
+
+    fn wait_ready(&mut self) -> bool {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return false;
+            }
+            if self.cli(&["PING"]).map(|o| o.trim() == "PONG").unwrap_or(false) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}/", self.port)
+    }
+
+    /// Runs one command through `redis-cli` and returns its raw output.
+    pub fn cli(&self, args: &[&str]) -> Option<String> {
+        let out = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "--raw"])
+            .args(args)
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running `tollgate` binary.
+pub struct Tollgate {
+    child: Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub logs: Arc<Mutex<Vec<String>>>,
+    pub config: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Tollgate {
+    /// Starts tollgate with `limits` (YAML) in front of `upstream`.
+    pub fn start(limits: &str, upstream: SocketAddr, extra: &[&str]) -> Tollgate {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("limits.yaml");
+        std::fs::write(&config, limits).unwrap();
+        let mut args: Vec<String> = vec![
+            "--config".into(),
+            config.display().to_string(),
+            "--upstream".into(),
+            format!("http://{upstream}"),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--admin-listen".into(),
+            "127.0.0.1:0".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::spawn(&args, config, dir)
+    }
+
+    /// Starts the binary with exactly these arguments.
+    pub fn spawn(args: &[String], config: PathBuf, dir: tempfile::TempDir) -> Tollgate {
+        let mut child = Command::new(binary())
+            .args(args)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let logs = Arc::new(Mutex::new(Vec::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stderr = child.stderr.take().unwrap();
+        let sink = logs.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                if line.contains("listening") {
+                    let _ = tx.send(line.clone());
+                }
+                sink.lock().unwrap().push(line);
+            }
+        });
+        let line = match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(line) => line,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("tollgate did not start: {:?}", logs.lock().unwrap());
+            }
+        };
+        let addr = field(&line, "proxy=");
+        let admin = field(&line, "admin=");
+        Tollgate {
+            child,
+            addr,
+            admin,
+            logs,
+            config,
+            _dir: dir,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    pub fn signal(&self, sig: &str) {
+        Command::new("kill")
+            .args([&format!("-{sig}"), &self.pid().to_string()])
+            .status()
+            .unwrap();
+    }
+
+    /// Waits for the process to exit and returns whether it exited cleanly.
+    pub fn wait_exit(&mut self, limit: Duration) -> Option<bool> {
+        let deadline = Instant::now() + limit;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status.success());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        None
+    }
+
+    pub fn log_text(&self) -> String {
+        self.logs.lock().unwrap().join("\n")
+    }
+}
+
+impl Drop for Tollgate {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn field(line: &str, name: &str) -> SocketAddr {
+    let start = line.find(name).unwrap_or_else(|| panic!("no {name} in {line}")) + name.len();
+    let rest = &line[start..];
+    let end = rest.find(|c: char| c.is_whitespace()).unwrap_or(rest.len());
+    rest[..end].parse().unwrap()
+}
+
+pub fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_tollgate"))
+}
+
+/// A small upstream in this process. Paths:
+/// - `/echo...`: answers 200 with the request body, and the request's
+///   method, path and headers as `x-seen-*` response headers
+/// - `/bytes/N`: N bytes of a known pattern
+/// - `/slow/MS`: answers after MS milliseconds
+/// - `/hop`: sets hop-by-hop headers and two Set-Cookie lines
+/// - `/ws`: answers 101 and then echoes every byte
+pub struct TestUpstream {
+    pub addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+    pub hits: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Drop for TestUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+pub fn pattern(n: usize) -> Vec<u8> {
+    (0..n).map(|i| (i % 251) as u8).collect()
+}
+
+impl TestUpstream {
+    pub async fn start() -> TestUpstream {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counter = hits.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let counter = counter.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        upstream_handle(req)
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .with_upgrades()
+                        .await;
+                });
+            }
+        });
+        TestUpstream { addr, task, hits }
+    }
+
+    pub fn hits(&self) -> usize {
+        self.hits.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+type UpBody = http_body_util::Either<Incoming, Full<Bytes>>;
+
+async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>, std::convert::Infallible> {
+    let path = req.uri().path().to_string();
+    let full = |b: Vec<u8>| http_body_util::Either::Right(Full::new(Bytes::from(b)));
+    if let Some(n) = path.strip_prefix("/bytes/") {
+        return Ok(Response::new(full(pattern(n.parse().unwrap()))));
+    }
+    if let Some(ms) = path.strip_prefix("/slow/") {
+        tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
+        return Ok(Response::new(full(b"slow".to_vec())));
+    }
+    if path == "/hop" {
+        let r = Response::builder()
+            .header("connection", "x-hop-secret")
+            .header("x-hop-secret", "1")
+            .header("keep-alive", "timeout=5")
+            .header("set-cookie", "a=1")
+            .header("set-cookie", "b=2")
+            .body(full(b"hop".to_vec()))
+            .unwrap();
+        return Ok(r);
+    }
+    if path == "/ws" {
+        let upgrade = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            if let Ok(upgraded) = upgrade.await {
+                let mut io = TokioIo::new(upgraded);
+                let mut buf = [0u8; 1024];
+                while let Ok(n) = io.read(&mut buf).await {
+                    if n == 0 || io.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        let r = Response::builder()
+            .status(StatusCode::SWITCHING_PROTOCOLS)
+            .header("upgrade", "websocket")
+            .header("connection", "upgrade")
+            .body(full(Vec::new()))
+            .unwrap();
+        return Ok(r);
+    }
+    // Echo: stream the body straight back, describe the request in headers.
+    let mut builder = Response::builder()
+        .header("x-seen-method", req.method().as_str())
+        .header("x-seen-uri", req.uri().to_string());
+    for (name, value) in req.headers() {
+        builder = builder.header(format!("x-seen-{name}"), value.clone());
+    }
+    Ok(builder.body(http_body_util::Either::Left(req.into_body())).unwrap())
+}
+
+/// An HTTP/1.1 client for tests.
+pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+}
+
+/// A finished response: status, headers, whole body.
+#[derive(Debug)]
+pub struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Answer {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).unwrap_or_else(|_| panic!("not JSON: {:?}", self.body))
+    }
+}
+
+pub async fn send(
+    client: &Client<HttpConnector, Full<Bytes>>,
+    method: Method,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: Vec<u8>,
+) -> Answer {
+    let mut req = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = client
+        .request(req.body(Full::new(Bytes::from(body))).unwrap())
+        .await
+        .expect("request failed");
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.expect("body failed").to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+pub async fn get(client: &Client<HttpConnector, Full<Bytes>>, url: &str, headers: &[(&str, &str)]) -> Answer {
+    send(client, Method::GET, url, headers, Vec::new()).await
+}
+
+/// Sends raw bytes and reads until the server closes or `limit` passes.
+pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(limit, stream.read_to_end(&mut out)).await;
+    String::from_utf8_lossy(&out).into_owned()
+}

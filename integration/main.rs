@@ -1,0 +1,7 @@
+//! End-to-end tests: the real binary over real sockets, against real
+//! `redis-server` processes started here (see `common`).
+
+mod cli;
+mod common;
+mod proxy;
+mod stores;

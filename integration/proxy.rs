@@ -1,0 +1,495 @@
+//! The reverse proxy, end to end: real binary, real sockets, real Redis.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{Method, StatusCode};
+
+use crate::common::*;
+
+const LOGIN: &str = "\
+domain: it
+rules:
+  - name: login
+    match: { methods: [POST], path: /login }
+    by: [client_ip]
+    limits:
+      - { requests: 20, per: 60s }
+      - { requests: 3, per: 2s }
+";
+
+/// Where counters live for one test: each behaviour runs against both.
+enum Backend {
+    Memory,
+    Redis(RedisServer),
+}
+
+impl Backend {
+    fn all() -> Vec<Backend> {
+        vec![Backend::Memory, Backend::Redis(RedisServer::start())]
+    }
+
+    fn args(&self) -> Vec<String> {
+        match self {
+            Backend::Memory => Vec::new(),
+            Backend::Redis(r) => vec!["--redis".into(), r.url()],
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redis(_) => "redis",
+        }
+    }
+}
+
+fn start(limits: &str, upstream: &TestUpstream, backend: &Backend, extra: &[&str]) -> Tollgate {
+    let mut args = backend.args();
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    Tollgate::start(limits, upstream.addr, &args)
+}
+
+#[tokio::test]
+async fn over_the_limit_gets_429_with_headers_and_a_body() {
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    for backend in Backend::all() {
+        let tg = start(LOGIN, &upstream, &backend, &[]);
+        let before = upstream.hits();
+        for i in 0..3 {
+            let a = send(&c, Method::POST, &tg.url("/login"), &[], b"pw".to_vec()).await;
+            assert_eq!(a.status, StatusCode::OK, "{} request {i}", backend.name());
+            assert_eq!(a.body, "pw");
+            // The tightest window is the 2s one: 3 - (i + 1) left.
+            assert_eq!(a.header("ratelimit-policy"), Some("\"login\";q=3;w=2"));
+            assert_eq!(
+                a.header("ratelimit"),
+                Some(format!("\"login\";r={};t=2", 2 - i).as_str())
+            );
+        }
+        let refused = send(&c, Method::POST, &tg.url("/login"), &[], b"pw".to_vec()).await;
+        assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{}", backend.name());
+        let retry: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+        assert!((1..=2).contains(&retry), "retry-after {retry}");
+        assert_eq!(
+            refused.header("ratelimit-policy"),
+            Some("\"login\";q=3;w=2, \"login\";q=20;w=60")
+        );
+        let state = refused.header("ratelimit").unwrap();
+        assert!(
+            state.starts_with(&format!("\"login\";r=0;t={retry}, \"login\";r=17;t=")),
+            "{state}"
+        );
+        assert_eq!(refused.header("content-type"), Some("application/json"));
+        let body = refused.json();
+        assert_eq!(body["rule"], "login");
+        assert_eq!(body["limit"], 3);
+        assert_eq!(
+            upstream.hits() - before,
+            3,
+            "the refused request never reached the upstream"
+        );
+
+        // Other paths and methods are not counted by the rule.
+        assert_eq!(get(&c, &tg.url("/login"), &[]).await.status, StatusCode::OK);
+
+        // Retry-After is exact: after waiting it, the request fits again.
+        tokio::time::sleep(Duration::from_millis(retry * 1000 + 50)).await;
+        let again = send(&c, Method::POST, &tg.url("/login"), &[], Vec::new()).await;
+        assert_eq!(again.status, StatusCode::OK, "{} after Retry-After", backend.name());
+    }
+}
+
+#[tokio::test]
+async fn a_refused_request_charges_no_rule() {
+    // /a/x is under both rules; /a/y only under `wide`.
+    let limits = "\
+domain: it
+rules:
+  - name: wide
+    match: { path: /a/* }
+    limits: [{ requests: 5, per: 30s }]
+  - name: narrow
+    match: { path: /a/x }
+    limits: [{ requests: 2, per: 30s }]
+";
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    for backend in Backend::all() {
+        let tg = start(limits, &upstream, &backend, &[]);
+        for _ in 0..2 {
+            assert_eq!(get(&c, &tg.url("/a/x"), &[]).await.status, StatusCode::OK);
+        }
+        // Refused by `narrow`: `wide` must not be charged for these.
+        for _ in 0..5 {
+            let a = get(&c, &tg.url("/a/x"), &[]).await;
+            assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(a.json()["rule"], "narrow");
+        }
+        // `wide` holds 2 of 5: three more fit, the fourth does not.
+        for i in 0..3 {
+            assert_eq!(
+                get(&c, &tg.url("/a/y"), &[]).await.status,
+                StatusCode::OK,
+                "{} /a/y {i}",
+                backend.name()
+            );
+        }
+        let a = get(&c, &tg.url("/a/y"), &[]).await;
+        assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(a.json()["rule"], "wide");
+    }
+}
+
+#[tokio::test]
+async fn shadow_status_cost_and_by_header() {
+    let limits = "\
+domain: it
+rules:
+  - name: shadowed
+    match: { path: /s }
+    limits: [{ requests: 1, per: 30s }]
+    shadow: true
+  - name: heavy
+    match: { path: /h }
+    by: [header:x-api-key]
+    limits: [{ requests: 10, per: 30s }]
+    cost: header:x-cost
+    status: 503
+";
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    for backend in Backend::all() {
+        let tg = start(limits, &upstream, &backend, &[]);
+        for _ in 0..4 {
+            assert_eq!(
+                get(&c, &tg.url("/s"), &[]).await.status,
+                StatusCode::OK,
+                "shadow never refuses"
+            );
+        }
+        let a = get(&c, &tg.url("/h"), &[("x-api-key", "k1"), ("x-cost", "7")]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert_eq!(a.header("ratelimit"), Some("\"heavy\";r=3;t=30"));
+        let a = get(&c, &tg.url("/h"), &[("x-api-key", "k1"), ("x-cost", "4")]).await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE, "the rule's own status");
+        // Cost 3 still fits: the refused cost-4 request took nothing.
+        let a = get(&c, &tg.url("/h"), &[("x-api-key", "k1"), ("x-cost", "3")]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        // Another key has its own counter; no key at all is not counted.
+        assert_eq!(
+            get(&c, &tg.url("/h"), &[("x-api-key", "k2"), ("x-cost", "10")])
+                .await
+                .status,
+            StatusCode::OK
+        );
+        for _ in 0..3 {
+            assert_eq!(get(&c, &tg.url("/h"), &[("x-cost", "10")]).await.status, StatusCode::OK);
+        }
+        let bad = get(&c, &tg.url("/h"), &[("x-api-key", "k3"), ("x-cost", "lots")]).await;
+        assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+        assert!(String::from_utf8_lossy(&bad.body).contains("x-cost"));
+    }
+}
+
+#[tokio::test]
+async fn two_instances_on_one_redis_admit_exactly_the_limit() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let limits = "\
+domain: it
+rules:
+  - name: shared
+    limits: [{ requests: 100, per: 60s }, { requests: 1000, per: 1h }]
+";
+    let a = Tollgate::start(
+        limits,
+        upstream.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "2s"],
+    );
+    let b = Tollgate::start(
+        limits,
+        upstream.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "2s"],
+    );
+    let urls = Arc::new([a.url("/x"), b.url("/x")]);
+    let c = client();
+    let mut tasks = Vec::new();
+    for caller in 0..50 {
+        let c = c.clone();
+        let urls = urls.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut admitted = 0;
+            for i in 0..6 {
+                if get(&c, &urls[(caller + i) % 2], &[]).await.status == StatusCode::OK {
+                    admitted += 1;
+                }
+            }
+            admitted
+        }));
+    }
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += t.await.unwrap();
+    }
+    assert_eq!(admitted, 100, "300 requests from 50 callers through two instances");
+    assert_eq!(upstream.hits(), 100);
+}
+
+#[tokio::test]
+async fn bodies_of_several_mib_stream_both_ways() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let c = client();
+    let big = pattern(8 << 20);
+    let a = send(&c, Method::PUT, &tg.url("/echo"), &[], big.clone()).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(a.body == big, "upload echoed back intact ({} bytes)", a.body.len());
+    let a = get(&c, &tg.url(&format!("/bytes/{}", 6 << 20)), &[]).await;
+    assert!(a.body == pattern(6 << 20), "download intact ({} bytes)", a.body.len());
+}
+
+#[tokio::test]
+async fn hop_by_hop_and_forwarding_headers() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let c = client();
+    let a = get(
+        &c,
+        &tg.url("/echo?q=1"),
+        &[
+            ("connection", "x-private"),
+            ("x-private", "secret"),
+            ("keep-alive", "timeout=5"),
+            ("proxy-authorization", "Basic eA=="),
+            ("te", "gzip"),
+            ("x-forwarded-for", "203.0.113.1"),
+            ("x-forwarded-for", "203.0.113.2"),
+            ("x-keep", "yes"),
+            ("host", "api.example.com"),
+        ],
+    )
+    .await;
+    assert_eq!(a.status, StatusCode::OK);
+    for gone in [
+        "x-seen-x-private",
+        "x-seen-keep-alive",
+        "x-seen-proxy-authorization",
+        "x-seen-te",
+    ] {
+        assert!(a.header(gone).is_none(), "{gone} reached the upstream");
+    }
+    assert_eq!(a.header("x-seen-x-keep"), Some("yes"));
+    assert_eq!(a.header("x-seen-uri"), Some("/echo?q=1"));
+    assert_eq!(a.header("x-seen-host"), Some("api.example.com"));
+    assert_eq!(
+        a.header("x-seen-x-forwarded-for"),
+        Some("203.0.113.1, 203.0.113.2, 127.0.0.1")
+    );
+    assert_eq!(a.headers.get_all("x-seen-x-forwarded-for").iter().count(), 1);
+    assert_eq!(a.header("x-seen-x-forwarded-proto"), Some("http"));
+    assert_eq!(a.header("x-seen-x-forwarded-host"), Some("api.example.com"));
+
+    let a = get(&c, &tg.url("/hop"), &[]).await;
+    assert!(a.header("x-hop-secret").is_none() && a.header("keep-alive").is_none());
+    let cookies: Vec<_> = a.headers.get_all("set-cookie").iter().collect();
+    assert_eq!(cookies, ["a=1", "b=2"]);
+}
+
+#[tokio::test]
+async fn websocket_upgrades_pass_through() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let mut s = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let mut head = Vec::new();
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(n > 0, "closed before the 101");
+        head.extend_from_slice(&buf[..n]);
+    }
+    let head = String::from_utf8_lossy(&head).to_lowercase();
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("upgrade: websocket"), "{head}");
+    s.write_all(b"ping through the tunnel").await.unwrap();
+    let mut echoed = vec![0u8; 23];
+    tokio::time::timeout(Duration::from_secs(5), s.read_exact(&mut echoed))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(echoed, b"ping through the tunnel");
+}
+
+#[tokio::test]
+async fn upstream_down_is_502_and_slow_is_504() {
+    let dead = free_port();
+    let tg = Tollgate::start(LOGIN, format!("127.0.0.1:{dead}").parse().unwrap(), &[]);
+    let c = client();
+    let a = get(&c, &tg.url("/"), &[]).await;
+    assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+    assert!(tg.log_text().contains("upstream failed"), "one log line says why");
+
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &["--upstream-timeout", "300ms"]);
+    let started = Instant::now();
+    let a = get(&c, &tg.url("/slow/3000"), &[]).await;
+    assert_eq!(a.status, StatusCode::GATEWAY_TIMEOUT);
+    assert!(started.elapsed() < Duration::from_secs(2));
+    // The process keeps serving.
+    assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn forwarded_for_is_believed_only_from_trusted_proxies() {
+    let limits = "\
+domain: it
+rules:
+  - name: per-client
+    by: [client_ip]
+    limits: [{ requests: 1, per: 30s }]
+";
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    let trusting = Tollgate::start(limits, upstream.addr, &["--trusted-proxies", "127.0.0.0/8,10.0.0.0/8"]);
+    for ip in ["198.51.100.1", "198.51.100.2"] {
+        let xff = format!("6.6.6.6, {ip}, 10.0.0.5");
+        assert_eq!(
+            get(&c, &trusting.url("/"), &[("x-forwarded-for", &xff)]).await.status,
+            StatusCode::OK
+        );
+    }
+    let again = get(&c, &trusting.url("/"), &[("x-forwarded-for", "7.7.7.7, 198.51.100.1")]).await;
+    assert_eq!(
+        again.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "same client behind the proxy"
+    );
+
+    let untrusting = Tollgate::start(limits, upstream.addr, &[]);
+    assert_eq!(
+        get(&c, &untrusting.url("/"), &[("x-forwarded-for", "1.1.1.1")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let spoofed = get(&c, &untrusting.url("/"), &[("x-forwarded-for", "2.2.2.2")]).await;
+    assert_eq!(
+        spoofed.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "a spoofed header is not a new client"
+    );
+}
+
+#[tokio::test]
+async fn http2_cleartext_clients_are_served() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::builder()
+        .uri(format!("http://{}/echo", tg.addr))
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(b"h2 body")))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    assert_eq!(resp.headers()["x-seen-host"], tg.addr.to_string().as_str());
+    use http_body_util::BodyExt;
+    assert_eq!(resp.into_body().collect().await.unwrap().to_bytes(), "h2 body");
+}
+
+#[tokio::test]
+async fn slow_header_senders_are_cut_off() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &["--header-read-timeout", "500ms"]);
+    let started = Instant::now();
+    let answer = raw(
+        tg.addr,
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "held for {:?}",
+        started.elapsed()
+    );
+    assert!(answer.is_empty() || answer.starts_with("HTTP/1.1 408"), "{answer}");
+}
+
+#[tokio::test]
+async fn sigterm_finishes_requests_in_flight() {
+    let upstream = TestUpstream::start().await;
+    let mut tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let c = client();
+    let url = tg.url("/slow/800");
+    let in_flight = tokio::spawn(async move { get(&c, &url, &[]).await.status });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tg.signal("TERM");
+    assert_eq!(in_flight.await.unwrap(), StatusCode::OK);
+    assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+    assert!(
+        tokio::net::TcpStream::connect(tg.addr).await.is_err(),
+        "no longer accepting"
+    );
+}
+
+#[tokio::test]
+async fn redis_down_fails_open_or_closed_per_rule() {
+    let limits = "\
+domain: it
+rules:
+  - name: open
+    match: { path: /open }
+    limits: [{ requests: 1, per: 30s }]
+  - name: closed
+    match: { path: /closed }
+    limits: [{ requests: 1, per: 30s }]
+    failure_mode: closed
+";
+    let upstream = TestUpstream::start().await;
+    let url = format!("redis://127.0.0.1:{}/", free_port());
+    let tg = Tollgate::start(limits, upstream.addr, &["--redis", &url]);
+    let c = client();
+    for _ in 0..3 {
+        let started = Instant::now();
+        assert_eq!(get(&c, &tg.url("/open"), &[]).await.status, StatusCode::OK);
+        let closed = get(&c, &tg.url("/closed"), &[]).await;
+        assert_eq!(closed.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(closed.header("retry-after"), Some("1"));
+        assert!(started.elapsed() < Duration::from_secs(1));
+    }
+    let admin = get(&c, &format!("http://{}/readyz", tg.admin), &[]).await;
+    assert_eq!(admin.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(tg.log_text().contains("counter store unavailable"));
+}
+
+#[tokio::test]
+async fn admin_health_endpoints() {
+    let upstream = TestUpstream::start().await;
+    let redis = RedisServer::start();
+    let tg = Tollgate::start(LOGIN, upstream.addr, &["--redis", &redis.url()]);
+    let c = client();
+    assert_eq!(
+        get(&c, &format!("http://{}/healthz", tg.admin), &[]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&c, &format!("http://{}/readyz", tg.admin), &[]).await.status,
+        StatusCode::OK
+    );
+}

@@ -1,0 +1,235 @@
+//! One behaviour suite for both counter stores: the in-process one and the
+//! Redis stream script on a real `redis-server`. Time is pinned by hand (the
+//! script's test clock) so every expectation is exact.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use tollgate::config::Window;
+use tollgate::limiter::{Check, CounterStore, ManualClock, MemoryStore, RedisStore, StoreAnswer, WindowCount};
+
+use crate::common::RedisServer;
+
+const T0: u64 = 1_700_000_000_000;
+
+/// A store driven synchronously, one decision per call.
+type Decide = Box<dyn Fn(&[Check<'_>]) -> StoreAnswer + Send + Sync>;
+
+struct Subject {
+    name: &'static str,
+    clock: Arc<ManualClock>,
+    store: Decide,
+    _redis: Option<RedisServer>,
+}
+
+fn subjects() -> Vec<Subject> {
+    let memory_clock = Arc::new(ManualClock::new(T0));
+    let memory = Arc::new(MemoryStore::new(memory_clock.clone()));
+    let redis = RedisServer::start();
+    let redis_clock = Arc::new(ManualClock::new(T0));
+    let store = Arc::new(RedisStore::connect(&redis.url(), Some(redis_clock.clone())).unwrap());
+    vec![
+        Subject {
+            name: "memory",
+            clock: memory_clock,
+            store: Box::new(move |c| block(memory.decide(c))),
+            _redis: None,
+        },
+        Subject {
+            name: "redis",
+            clock: redis_clock,
+            store: Box::new(move |c| block(store.decide(c))),
+            _redis: Some(redis),
+        },
+    ]
+}
+
+/// The stores are async; these tests drive them one call at a time.
+fn block<F: std::future::Future<Output = Result<StoreAnswer, tollgate::limiter::StoreError>>>(f: F) -> StoreAnswer {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f)).expect("store failed")
+}
+
+fn w(requests: u64, period_ms: u64) -> Window {
+    Window { requests, period_ms }
+}
+
+fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64) -> Check<'a> {
+    Check {
+        key,
+        windows,
+        cost,
+        shadow: false,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn windows_slide_and_retry_times_are_exact() {
+    for s in subjects() {
+        let ws = [w(3, 1_000), w(5, 10_000)];
+        let decide = |cost| (s.store)(&[check("k", &ws, cost)]);
+        // Three at t=0, t=100, t=200.
+        for i in 0..3 {
+            let a = decide(1);
+            assert!(a.admitted, "{} #{i}", s.name);
+            assert_eq!(a.checks[0].windows[0].used, i);
+            s.clock.advance(100);
+        }
+        // t=300: the 1s window is full; the first unit leaves at t=1000.
+        let a = decide(1);
+        assert!(!a.admitted, "{}", s.name);
+        assert!(!a.checks[0].charged);
+        assert_eq!(
+            a.checks[0].windows[0],
+            WindowCount {
+                used: 3,
+                reset_ms: 700,
+                retry_ms: Some(700)
+            }
+        );
+        assert_eq!(
+            a.checks[0].windows[1],
+            WindowCount {
+                used: 3,
+                reset_ms: 9_700,
+                retry_ms: None
+            }
+        );
+        // A cost of 2 needs the first two units gone: t=1100.
+        assert_eq!(decide(2).checks[0].windows[0].retry_ms, Some(800), "{}", s.name);
+        // More than the limit can ever hold: a whole window.
+        assert_eq!(decide(4).checks[0].windows[0].retry_ms, Some(1_000), "{}", s.name);
+        s.clock.advance(699);
+        assert!(!decide(1).admitted, "{}: one ms early", s.name);
+        s.clock.advance(1);
+        let a = decide(1);
+        assert!(a.admitted, "{}: exactly on time", s.name);
+        assert_eq!(a.checks[0].windows[0].used, 2);
+        // t=1300: the 1s window holds one unit, the 10s window four: one more fits.
+        s.clock.advance(300);
+        assert!(decide(1).admitted, "{}", s.name);
+        // t=2300: the 1s window is empty but the 10s one is full until the
+        // unit from t=0 leaves at t=10000.
+        s.clock.advance(1_000);
+        let a = decide(1);
+        assert!(!a.admitted, "{}", s.name);
+        assert_eq!(
+            a.checks[0].windows[0],
+            WindowCount {
+                used: 0,
+                reset_ms: 1_000,
+                retry_ms: None
+            }
+        );
+        assert_eq!(
+            a.checks[0].windows[1],
+            WindowCount {
+                used: 5,
+                reset_ms: 7_700,
+                retry_ms: Some(7_700)
+            }
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_counters_or_none() {
+    for s in subjects() {
+        let small = [w(1, 5_000)];
+        let large = [w(10, 5_000)];
+        assert!((s.store)(&[check("a", &small, 1), check("b", &large, 1)]).admitted);
+        let refused = (s.store)(&[check("a", &small, 1), check("b", &large, 1)]);
+        assert!(!refused.admitted);
+        assert!(!refused.checks[1].charged, "{}: b was not charged", s.name);
+        let b = (s.store)(&[check("b", &large, 0)]);
+        assert_eq!(
+            b.checks[0].windows[0].used, 1,
+            "{}: b holds only the admitted request",
+            s.name
+        );
+        assert!(!b.checks[0].charged, "cost 0 checks without charging");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shadow_counters_never_refuse() {
+    for s in subjects() {
+        let ws = [w(1, 5_000)];
+        let shadow = Check {
+            key: "s",
+            windows: &ws,
+            cost: 1,
+            shadow: true,
+        };
+        assert!((s.store)(&[shadow]).admitted);
+        let a = (s.store)(&[shadow, check("e", &ws, 1)]);
+        assert!(a.admitted, "{}", s.name);
+        assert!(a.checks[0].windows[0].retry_ms.is_some(), "it reports it would refuse");
+        assert!(!a.checks[0].charged && a.checks[1].charged);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_keys_expire_after_the_longest_window() {
+    let redis = RedisServer::start();
+    let store = RedisStore::connect(&redis.url(), None).unwrap();
+    let ws = [w(5, 1_000), w(10, 3_000)];
+    store.decide(&[check("tg:exp", &ws, 1)]).await.unwrap();
+    let ttl: i64 = redis.cli(&["PTTL", "tg:exp"]).unwrap().trim().parse().unwrap();
+    assert!((2_000..=3_000).contains(&ttl), "pttl {ttl}");
+    let entry = redis.cli(&["XRANGE", "tg:exp", "-", "+"]).unwrap();
+    assert!(entry.contains("n\n1\nc\n1"), "{entry}");
+}
+
+type Step = (u64, Vec<(usize, u64, bool)>);
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let pick = (0usize..3, 0u64..4, prop::bool::weighted(0.2));
+    prop::collection::vec((0u64..700, prop::collection::vec(pick, 1..3)), 1..60)
+}
+
+fn windows_of(key: usize) -> Vec<Window> {
+    match key {
+        0 => vec![w(3, 1_000)],
+        1 => vec![w(2, 300), w(5, 2_000)],
+        _ => vec![w(4, 500), w(6, 1_500)],
+    }
+}
+
+#[test]
+fn redis_script_answers_exactly_like_the_memory_store() {
+    // The memory store is checked against a plain reference model in its own
+    // unit tests; here the Lua script must give identical answers, field by
+    // field, for random sequences of time steps, costs and counter sets.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = RedisServer::start();
+    let case = std::sync::atomic::AtomicU64::new(0);
+    let config = ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(steps in steps())| {
+        let n = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let clock = Arc::new(ManualClock::new(T0));
+        let memory = MemoryStore::new(clock.clone());
+        let redis_store = runtime.block_on(async { RedisStore::connect(&redis.url(), Some(clock.clone())) }).unwrap();
+        let keys: Vec<String> = (0..3).map(|k| format!("prop:{n}:{k}")).collect();
+        for (dt, mut picks) in steps {
+            clock.advance(dt);
+            picks.sort_by_key(|p| p.0);
+            picks.dedup_by_key(|p| p.0);
+            let specs: Vec<(usize, Vec<Window>, u64, bool)> =
+                picks.iter().map(|&(k, cost, shadow)| (k, windows_of(k), cost, shadow)).collect();
+            let checks: Vec<Check<'_>> = specs
+                .iter()
+                .map(|(k, ws, cost, shadow)| Check { key: &keys[*k], windows: ws, cost: *cost, shadow: *shadow })
+                .collect();
+            let expected = runtime.block_on(memory.decide(&checks)).unwrap();
+            let got = runtime.block_on(redis_store.decide(&checks)).unwrap();
+            prop_assert_eq!(got, expected);
+        }
+    });
+}
