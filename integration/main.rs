@@ -4,4 +4,5 @@
 mod cli;
 mod common;
 mod proxy;
+mod reload;
 mod stores;

@@ -1,7 +1,7 @@
-//! The admin listener: liveness and readiness for orchestrators.
+//! The admin listener: liveness, readiness and the active limits.
 //!
-//! Bound to loopback by default; it answers small fixed documents and never
-//! anything a caller controls.
+//! Bound to loopback by default; it answers small documents about tollgate's
+//! own state and never echoes anything a caller sent.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,16 +12,18 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 
 use crate::limiter::Limiter;
+use crate::reload::LiveLimits;
 
 /// State the admin endpoints report on.
 pub struct Admin {
     limiter: Arc<Limiter>,
+    limits: Arc<LiveLimits>,
 }
 
 impl Admin {
-    /// Admin endpoints for this limiter.
-    pub fn new(limiter: Arc<Limiter>) -> Self {
-        Admin { limiter }
+    /// Admin endpoints for this limiter and limits file.
+    pub fn new(limiter: Arc<Limiter>, limits: Arc<LiveLimits>) -> Self {
+        Admin { limiter, limits }
     }
 
     /// Handles one admin request.
@@ -38,7 +40,17 @@ impl Admin {
                     &format!("counter store unavailable: {e}\n"),
                 ),
             },
-            _ => text(StatusCode::NOT_FOUND, "not found; try /healthz or /readyz\n"),
+            "/config" => {
+                let body = serde_json::json!({
+                    "status": &*self.limits.status(),
+                    "limits": &**self.limits.active().load(),
+                });
+                let mut r = text(StatusCode::OK, &format!("{body:#}\n"));
+                r.headers_mut()
+                    .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+                r
+            }
+            _ => text(StatusCode::NOT_FOUND, "not found; try /healthz, /readyz or /config\n"),
         }
     }
 }

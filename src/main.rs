@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use arc_swap::ArcSwap;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -17,6 +16,7 @@ use tollgate::admin::Admin;
 use tollgate::client_ip::TrustedProxies;
 use tollgate::config;
 use tollgate::limiter::{Limiter, MemoryStore, RedisStore, Store, SystemClock};
+use tollgate::reload::LiveLimits;
 use tollgate::serve::{ConnLimits, serve};
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
 
@@ -80,6 +80,9 @@ struct RunArgs {
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     shutdown_timeout: Duration,
+    /// Reload the limits file when it changes (SIGHUP always reloads).
+    #[arg(long, env = "TOLLGATE_WATCH_CONFIG", default_value_t = true, action = ArgAction::Set)]
+    watch_config: bool,
     /// Log format.
     #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "human")]
     log_format: LogFormat,
@@ -150,9 +153,19 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let config_path = args.config.context("--config is required")?;
     let upstream = Upstream::parse(args.upstream.as_deref().context("--upstream is required")?)?;
     let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
-    let limits = config::load_file(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?;
-    tracing::info!(file = %config_path.display(), domain = %limits.domain, rules = limits.rules.len(), "limits loaded");
-    let limits = Arc::new(ArcSwap::from_pointee(limits));
+    let live = Arc::new(LiveLimits::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?);
+    {
+        let limits = live.active().load();
+        tracing::info!(file = %config_path.display(), domain = %limits.domain, rules = limits.rules.len(), version = %live.status().version, "limits loaded");
+    }
+    let _watch = if args.watch_config {
+        Some(
+            live.watch()
+                .with_context(|| format!("cannot watch {}", config_path.display()))?,
+        )
+    } else {
+        None
+    };
 
     let store = match &args.redis {
         Some(url) => {
@@ -183,7 +196,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let proxy = Arc::new(Proxy::new(
         limiter.clone(),
-        limits.clone(),
+        live.active(),
         ProxyOptions {
             upstream,
             upstream_timeout: args.upstream_timeout,
@@ -191,7 +204,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             ratelimit_headers: args.ratelimit_headers,
         },
     ));
-    let admin = Arc::new(Admin::new(limiter.clone()));
+    let admin = Arc::new(Admin::new(limiter.clone(), live.clone()));
 
     let proxy_task = tokio::spawn(serve(proxy_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let proxy = proxy.clone();
@@ -202,7 +215,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         async move { admin.handle(req, peer).await }
     }));
 
-    wait_for_stop().await;
+    wait_for_stop(&live).await;
     tracing::info!(grace = ?args.shutdown_timeout, "shutting down: no new connections, finishing requests in flight");
     let _ = stop_tx.send(true);
     let _ = tokio::join!(proxy_task, admin_task);
@@ -210,15 +223,26 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn wait_for_stop() {
+/// Waits for SIGTERM or SIGINT, reloading the limits on every SIGHUP.
+async fn wait_for_stop(live: &Arc<LiveLimits>) {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
         tracing::warn!("cannot install signal handlers; stop with SIGKILL");
         std::future::pending::<()>().await;
         return;
     };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+    loop {
+        tokio::select! {
+            _ = term.recv() => return,
+            _ = int.recv() => return,
+            _ = hup.recv() => {
+                let live = live.clone();
+                let _ = tokio::task::spawn_blocking(move || live.reload_and_log("SIGHUP")).await;
+            }
+        }
     }
 }

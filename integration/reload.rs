@@ -1,0 +1,296 @@
+//! Live limits: every way operators write the file, under load, and the
+//! ways it can go wrong (invalid, half-written, deleted).
+
+use std::io::Write;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+
+use crate::common::*;
+
+fn limits(n: u64) -> String {
+    format!(
+        "domain: it\nrules:\n  - name: probe\n    match: {{ path: /probe }}\n    by: [\"header:x-probe\"]\n    limits: [{{ requests: {n}, per: 60s }}]\n"
+    )
+}
+
+static PROBE: AtomicUsize = AtomicUsize::new(0);
+
+/// How many requests a fresh caller gets through before its first 429.
+async fn enforced_limit(tg: &Tollgate) -> usize {
+    let c = client();
+    let key = format!("p{}", PROBE.fetch_add(1, Ordering::SeqCst));
+    for admitted in 0..100 {
+        let a = get(&c, &tg.url("/probe"), &[("x-probe", &key)]).await;
+        match a.status {
+            StatusCode::OK => continue,
+            StatusCode::TOO_MANY_REQUESTS => return admitted,
+            other => panic!("unexpected {other}"),
+        }
+    }
+    100
+}
+
+async fn config(tg: &Tollgate) -> serde_json::Value {
+    get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json()
+}
+
+/// Waits up to `limit` for the enforced limit to become `n`; returns how long it took.
+async fn wait_for_limit(tg: &Tollgate, n: usize, limit: Duration) -> Duration {
+    let started = Instant::now();
+    loop {
+        if enforced_limit(tg).await == n {
+            return started.elapsed();
+        }
+        assert!(
+            started.elapsed() < limit,
+            "limit {n} not enforced within {limit:?}:\n{}",
+            tg.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn write_via_rename(path: &Path, text: &str) {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, text).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+#[tokio::test]
+async fn in_place_and_rename_writes_apply_within_a_second() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(&limits(2), upstream.addr, &[]);
+    assert_eq!(enforced_limit(&tg).await, 2);
+
+    std::fs::write(&tg.config, limits(4)).unwrap();
+    let took = wait_for_limit(&tg, 4, Duration::from_secs(1)).await;
+    eprintln!("in place: {took:?}");
+
+    write_via_rename(&tg.config, &limits(3));
+    let took = wait_for_limit(&tg, 3, Duration::from_secs(1)).await;
+    eprintln!("rename: {took:?}");
+    let c = config(&tg).await;
+    assert_eq!(c["limits"]["rules"][0]["windows"][0]["requests"], 3);
+    assert_eq!(c["status"]["reloads_ok"], 2);
+    assert!(tg.log_text().contains("limits reloaded"));
+}
+
+#[tokio::test]
+async fn configmap_symlink_swaps_apply_within_a_second() {
+    // The layout Kubernetes mounts: limits.yaml -> ..data/limits.yaml,
+    // ..data -> ..<timestamp>, and an update swaps ..data atomically.
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    let version = |name: &str, n: u64| {
+        std::fs::create_dir(root.join(name)).unwrap();
+        std::fs::write(root.join(name).join("limits.yaml"), limits(n)).unwrap();
+    };
+    version("..2026_11_22_v1", 2);
+    std::os::unix::fs::symlink("..2026_11_22_v1", root.join("..data")).unwrap();
+    std::os::unix::fs::symlink("..data/limits.yaml", root.join("limits.yaml")).unwrap();
+    let config = root.join("limits.yaml");
+    let args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--upstream".into(),
+        format!("http://{}", upstream.addr),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--admin-listen".into(),
+        "127.0.0.1:0".into(),
+    ];
+    let tg = Tollgate::spawn(&args, config, tempfile::tempdir().unwrap());
+    assert_eq!(enforced_limit(&tg).await, 2);
+
+    version("..2026_11_22_v2", 5);
+    std::os::unix::fs::symlink("..2026_11_22_v2", root.join("..data_tmp")).unwrap();
+    std::fs::rename(root.join("..data_tmp"), root.join("..data")).unwrap();
+    std::fs::remove_dir_all(root.join("..2026_11_22_v1")).unwrap();
+    let took = wait_for_limit(&tg, 5, Duration::from_secs(1)).await;
+    eprintln!("configmap swap: {took:?}");
+}
+
+#[tokio::test]
+async fn lowering_a_limit_applies_to_the_existing_count() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(&limits(100), upstream.addr, &[]);
+    let c = client();
+    for _ in 0..50 {
+        assert_eq!(
+            get(&c, &tg.url("/probe"), &[("x-probe", "same")]).await.status,
+            StatusCode::OK
+        );
+    }
+    std::fs::write(&tg.config, limits(10)).unwrap();
+    wait_for_limit(&tg, 10, Duration::from_secs(1)).await;
+    let a = get(&c, &tg.url("/probe"), &[("x-probe", "same")]).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "50 counted against the new 10");
+    assert_eq!(a.header("ratelimit"), Some("\"probe\";r=0;t=60"));
+    // And raising it back: the count survived the reloads.
+    std::fs::write(&tg.config, limits(52)).unwrap();
+    wait_for_limit(&tg, 52, Duration::from_secs(1)).await;
+    assert_eq!(
+        get(&c, &tg.url("/probe"), &[("x-probe", "same")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&c, &tg.url("/probe"), &[("x-probe", "same")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        get(&c, &tg.url("/probe"), &[("x-probe", "same")]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+#[tokio::test]
+async fn invalid_half_written_and_deleted_files_change_nothing() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(&limits(2), upstream.addr, &[]);
+
+    // Invalid: the error is logged and shown on /config; limits stay.
+    std::fs::write(&tg.config, limits(2).replace("per: 60s", "per: sixty")).unwrap();
+    wait_for_error(&tg).await;
+    assert_eq!(enforced_limit(&tg).await, 2);
+    let err = config(&tg).await["status"]["last_error"].as_str().unwrap().to_string();
+    assert!(
+        err.contains("limits.yaml:6: ") && err.contains("\"sixty\" is not a duration"),
+        "{err}"
+    );
+    assert!(tg.log_text().contains("keeping the last good limits"));
+
+    // Written in two halves: the first half alone is refused...
+    let full = limits(6);
+    let (first, second) = full.split_at(full.len() - 20);
+    let mut f = std::fs::File::create(&tg.config).unwrap();
+    f.write_all(first.as_bytes()).unwrap();
+    f.flush().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(enforced_limit(&tg).await, 2, "half a file changes nothing");
+    // ...and the whole file applies.
+    f.write_all(second.as_bytes()).unwrap();
+    drop(f);
+    wait_for_limit(&tg, 6, Duration::from_secs(1)).await;
+    assert!(
+        config(&tg).await["status"]["last_error"].is_null(),
+        "a good file clears the error"
+    );
+
+    // Deleted: the last good limits stay, and it says so.
+    std::fs::remove_file(&tg.config).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(enforced_limit(&tg).await, 6);
+    assert_eq!(config(&tg).await["status"]["file_present"], false);
+    assert!(tg.log_text().contains("limits file missing"));
+    // Re-created: applies again.
+    std::fs::write(&tg.config, limits(3)).unwrap();
+    wait_for_limit(&tg, 3, Duration::from_secs(1)).await;
+    assert_eq!(config(&tg).await["status"]["file_present"], true);
+}
+
+async fn wait_for_error(tg: &Tollgate) {
+    let started = Instant::now();
+    while config(tg).await["status"]["last_error"].is_null() {
+        assert!(started.elapsed() < Duration::from_secs(1), "error not reported");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test]
+async fn sighup_reloads_when_watching_is_off() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(&limits(2), upstream.addr, &["--watch-config", "false"]);
+    std::fs::write(&tg.config, limits(4)).unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(enforced_limit(&tg).await, 2, "not watching: nothing yet");
+    tg.signal("HUP");
+    wait_for_limit(&tg, 4, Duration::from_secs(1)).await;
+    tg.signal("HUP");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        tg.log_text().contains("limits unchanged"),
+        "a SIGHUP always gets an answer"
+    );
+}
+
+#[tokio::test]
+async fn two_hundred_edits_under_load_drop_nothing() {
+    let upstream = TestUpstream::start().await;
+    let body = |n: u64| {
+        format!(
+            "{}  - name: load\n    match: {{ path: /load }}\n    limits: [{{ requests: 100000000, per: 1s }}]\n",
+            limits(n)
+        )
+    };
+    let tg = Arc::new(Tollgate::start(&body(2), upstream.addr, &[]));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(AtomicUsize::new(0));
+    let served = Arc::new(AtomicUsize::new(0));
+    let mut load = Vec::new();
+    for _ in 0..8 {
+        let (tg, stop, failures, served) = (tg.clone(), stop.clone(), failures.clone(), served.clone());
+        load.push(tokio::spawn(async move {
+            let c = client();
+            while !stop.load(Ordering::SeqCst) {
+                let req = http::Request::get(tg.url("/load"))
+                    .body(http_body_util::Full::new(bytes::Bytes::new()))
+                    .unwrap();
+                match c.request(req).await {
+                    Ok(r) if r.status() == StatusCode::OK => served.fetch_add(1, Ordering::SeqCst),
+                    _ => failures.fetch_add(1, Ordering::SeqCst),
+                };
+            }
+        }));
+    }
+
+    let mut last_valid = 2;
+    for edit in 0..200u64 {
+        let before = config(&tg).await["status"].clone();
+        if edit % 2 == 0 {
+            last_valid = 2 + edit % 3;
+            write_via_rename(&tg.config, &body(last_valid));
+        } else {
+            // Each invalid file differs, so each one is read and refused.
+            std::fs::write(
+                &tg.config,
+                format!("# edit {edit}\n{}", body(9).replace("requests: 9", "requests: -9")),
+            )
+            .unwrap();
+        }
+        // Wait until tollgate has looked at this edit.
+        let started = Instant::now();
+        loop {
+            let now = config(&tg).await["status"].clone();
+            if now["reloads_ok"] != before["reloads_ok"] || now["reloads_failed"] != before["reloads_failed"] {
+                break;
+            }
+            // A valid edit equal to the active limits is not a change.
+            if edit % 2 == 0 && now["last_error"].is_null() && enforced_limit(&tg).await == last_valid as usize {
+                break;
+            }
+            assert!(started.elapsed() < Duration::from_secs(2), "edit {edit} not seen");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if edit % 10 == 0 || edit % 10 == 1 {
+            assert_eq!(enforced_limit(&tg).await, last_valid as usize, "after edit {edit}");
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in load {
+        t.await.unwrap();
+    }
+    assert_eq!(enforced_limit(&tg).await, last_valid as usize);
+    assert_eq!(failures.load(Ordering::SeqCst), 0, "no request failed during 200 edits");
+    assert!(
+        served.load(Ordering::SeqCst) > 1000,
+        "load kept flowing: {}",
+        served.load(Ordering::SeqCst)
+    );
+    eprintln!("served {} requests during 200 edits", served.load(Ordering::SeqCst));
+}

@@ -1,0 +1,329 @@
+//! Live limits: watch the limits file and swap in every good version of it.
+//!
+//! The file's *directory* is watched, so in-place writes, write-then-rename
+//! (vim, deploy tools) and Kubernetes ConfigMap `..data` symlink swaps are all
+//! seen. Events are debounced, the content is hashed, and only a changed,
+//! valid file is swapped in (atomically, with `arc-swap`): requests never wait
+//! on a reload, requests in flight keep the limits they started with, and a
+//! bad or half-written file changes nothing but the reported error. A slow
+//! poll backs the watcher up in case an event is lost.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use crate::config::{self, ConfigError, Limits};
+
+/// Quiet time after the last file event before the file is read.
+const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How often the file is checked even without events.
+const POLL: Duration = Duration::from_secs(2);
+
+/// How the limits file stands, for the admin endpoint and metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReloadStatus {
+    /// The limits file.
+    pub file: String,
+    /// Content hash of the active limits (first 16 hex digits of SHA-256).
+    pub version: String,
+    /// When the active limits were loaded, RFC 3339.
+    pub loaded_at: String,
+    /// The last reload error, until a good file replaces it.
+    pub last_error: Option<String>,
+    /// False while the file is missing (the last good limits stay in force).
+    pub file_present: bool,
+    /// Successful reloads since start.
+    pub reloads_ok: u64,
+    /// Refused reloads since start.
+    pub reloads_failed: u64,
+}
+
+/// Why a reload changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file is gone; the last good limits stay.
+    #[error("{0}: limits file missing; keeping the last good limits")]
+    Missing(String),
+    /// The file could not be read.
+    #[error("{0}: cannot read: {1}")]
+    Read(String, std::io::Error),
+    /// The file is invalid; the last good limits stay.
+    #[error("{0}; keeping the last good limits")]
+    Invalid(ConfigError),
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reloaded {
+    /// New limits are active.
+    Changed,
+    /// The file holds what is already active.
+    Unchanged,
+}
+
+/// One limits file and the limits it currently stands for.
+pub struct LiveLimits {
+    path: PathBuf,
+    active: Arc<ArcSwap<Limits>>,
+    status: ArcSwap<ReloadStatus>,
+    /// Hash of the last content looked at (good or bad), to skip re-parsing.
+    last_seen: Mutex<Option<String>>,
+    on_change: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+}
+
+impl LiveLimits {
+    /// Loads `path` for the first time; a bad file here is fatal to start-up.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
+            line: None,
+            reason: format!("cannot read: {e}"),
+        })?;
+        let limits = config::parse_str(&text, &path.display().to_string())?;
+        let version = hash(&text);
+        let status = ReloadStatus {
+            file: path.display().to_string(),
+            version: version.clone(),
+            loaded_at: now_rfc3339(),
+            last_error: None,
+            file_present: true,
+            reloads_ok: 0,
+            reloads_failed: 0,
+        };
+        Ok(LiveLimits {
+            path: path.to_path_buf(),
+            active: Arc::new(ArcSwap::from_pointee(limits)),
+            status: ArcSwap::from_pointee(status),
+            last_seen: Mutex::new(Some(version)),
+            on_change: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The handle surfaces read the active limits from.
+    pub fn active(&self) -> Arc<ArcSwap<Limits>> {
+        self.active.clone()
+    }
+
+    /// The file's current standing.
+    pub fn status(&self) -> Arc<ReloadStatus> {
+        self.status.load_full()
+    }
+
+    /// Runs `f` after every change of the active limits (e.g. to drop caches).
+    pub fn on_change(&self, f: impl Fn() + Send + Sync + 'static) {
+        self.on_change
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(f));
+    }
+
+    /// Reads the file and swaps its limits in if it changed and is valid.
+    pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        let name = self.path.display().to_string();
+        let text = match std::fs::read_to_string(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let was_present = self.status().file_present;
+                self.update_status(|s| s.file_present = false);
+                *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                return if was_present {
+                    Err(ReloadError::Missing(name))
+                } else {
+                    Ok(Reloaded::Unchanged)
+                };
+            }
+            Err(e) => return Err(ReloadError::Read(name, e)),
+        };
+        let version = hash(&text);
+        {
+            let mut last = self.last_seen.lock().unwrap_or_else(|e| e.into_inner());
+            if last.as_deref() == Some(version.as_str()) {
+                self.update_status(|s| s.file_present = true);
+                return Ok(Reloaded::Unchanged);
+            }
+            *last = Some(version.clone());
+        }
+        match config::parse_str(&text, &name) {
+            Ok(limits) => {
+                self.active.store(Arc::new(limits));
+                self.update_status(|s| {
+                    s.version = version.clone();
+                    s.loaded_at = now_rfc3339();
+                    s.last_error = None;
+                    s.file_present = true;
+                    s.reloads_ok += 1;
+                });
+                for f in self.on_change.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                    f();
+                }
+                Ok(Reloaded::Changed)
+            }
+            Err(e) => {
+                self.update_status(|s| {
+                    s.last_error = Some(e.to_string());
+                    s.file_present = true;
+                    s.reloads_failed += 1;
+                });
+                Err(ReloadError::Invalid(e))
+            }
+        }
+    }
+
+    /// Reloads and logs the outcome in one line.
+    pub fn reload_and_log(&self, cause: &str) {
+        match self.reload() {
+            Ok(Reloaded::Changed) => {
+                let status = self.status();
+                let limits = self.active.load();
+                tracing::info!(cause, file = %status.file, version = %status.version, rules = limits.rules.len(), "limits reloaded");
+            }
+            // Only an operator's SIGHUP expects an answer when nothing changed.
+            Ok(Reloaded::Unchanged) if cause == "SIGHUP" => {
+                tracing::info!(cause, file = %self.path.display(), "limits unchanged")
+            }
+            Ok(Reloaded::Unchanged) => tracing::debug!(cause, file = %self.path.display(), "limits unchanged"),
+            Err(e) => tracing::error!(cause, "{e}"),
+        }
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut ReloadStatus)) {
+        let mut next = (*self.status.load_full()).clone();
+        f(&mut next);
+        self.status.store(Arc::new(next));
+    }
+
+    /// Watches the file's directory (and polls as a backstop) until the
+    /// returned guard is dropped. Must be called inside a tokio runtime.
+    pub fn watch(self: &Arc<Self>) -> notify::Result<WatchGuard> {
+        let dir = match self.path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if event.is_ok() {
+                let _ = tx.send(());
+            }
+        })?;
+        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        let live = self.clone();
+        let task = tokio::spawn(async move {
+            let mut poll = tokio::time::interval(POLL);
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    event = rx.recv() => {
+                        if event.is_none() {
+                            return;
+                        }
+                        // Let a burst of events (an editor's save) settle first.
+                        loop {
+                            match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+                                Ok(Some(())) => continue,
+                                Ok(None) => return,
+                                Err(_) => break,
+                            }
+                        }
+                        let live = live.clone();
+                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
+                    }
+                    _ = poll.tick() => {
+                        let live = live.clone();
+                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("poll")).await;
+                    }
+                }
+            }
+        });
+        Ok(WatchGuard {
+            _watcher: watcher,
+            task,
+        })
+    }
+}
+
+/// Keeps a file watch alive; dropping it stops watching.
+pub struct WatchGuard {
+    _watcher: RecommendedWatcher,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+fn hash(text: &str) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "domain: d\nrules:\n  - name: r\n    limits: [{requests: 1, per: 1s}]\n";
+    const B: &str = "domain: d\nrules:\n  - name: r\n    limits: [{requests: 2, per: 1s}]\n";
+
+    fn limit(live: &LiveLimits) -> u64 {
+        live.active().load().rules[0].windows[0].requests
+    }
+
+    #[test]
+    fn only_good_changed_files_are_swapped_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let live = LiveLimits::load(&path).unwrap();
+        let changes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = changes.clone();
+        live.on_change(move || {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        assert_eq!(live.reload().unwrap(), Reloaded::Unchanged);
+
+        std::fs::write(
+            &path,
+            "domain: d\nrules:\n  - name: r\n    limits: [{requests: 0, per: 1s}]\n",
+        )
+        .unwrap();
+        let err = live.reload().unwrap_err();
+        assert!(err.to_string().contains("l.yaml:4: "), "{err}");
+        assert_eq!(limit(&live), 1);
+        assert!(
+            live.status()
+                .last_error
+                .as_deref()
+                .unwrap()
+                .contains("requests must be at least 1")
+        );
+
+        std::fs::write(&path, B).unwrap();
+        assert_eq!(live.reload().unwrap(), Reloaded::Changed);
+        assert_eq!(limit(&live), 2);
+        assert_eq!(live.status().last_error, None);
+        assert_eq!(live.status().reloads_ok, 1);
+        assert_eq!(live.status().reloads_failed, 1);
+        assert_eq!(changes.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(live.reload(), Err(ReloadError::Missing(_))));
+        assert!(!live.status().file_present);
+        assert_eq!(limit(&live), 2, "a deleted file keeps the last good limits");
+        assert_eq!(live.reload().unwrap(), Reloaded::Unchanged, "said once");
+        std::fs::write(&path, A).unwrap();
+        assert_eq!(live.reload().unwrap(), Reloaded::Changed);
+        assert!(live.status().file_present);
+        assert_eq!(limit(&live), 1);
+    }
+}
