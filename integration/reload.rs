@@ -34,8 +34,9 @@ async fn enforced_limit(tg: &Tollgate) -> usize {
     100
 }
 
+/// The first (only) file's entry of `GET /config`.
 async fn config(tg: &Tollgate) -> serde_json::Value {
-    get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json()
+    get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json()["files"][0].clone()
 }
 
 /// Waits up to `limit` for the enforced limit to become `n`; returns how long it took.
@@ -103,6 +104,8 @@ async fn configmap_symlink_swaps_apply_within_a_second() {
         "127.0.0.1:0".into(),
         "--admin-listen".into(),
         "127.0.0.1:0".into(),
+        "--grpc-listen".into(),
+        "off".into(),
     ];
     let tg = Tollgate::spawn(&args, config, tempfile::tempdir().unwrap());
     assert_eq!(enforced_limit(&tg).await, 2);

@@ -12,18 +12,18 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 
 use crate::limiter::Limiter;
-use crate::reload::LiveLimits;
+use crate::reload::Catalog;
 
 /// State the admin endpoints report on.
 pub struct Admin {
     limiter: Arc<Limiter>,
-    limits: Arc<LiveLimits>,
+    catalog: Arc<Catalog>,
 }
 
 impl Admin {
-    /// Admin endpoints for this limiter and limits file.
-    pub fn new(limiter: Arc<Limiter>, limits: Arc<LiveLimits>) -> Self {
-        Admin { limiter, limits }
+    /// Admin endpoints for this limiter and these limits files.
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>) -> Self {
+        Admin { limiter, catalog }
     }
 
     /// Handles one admin request.
@@ -41,10 +41,13 @@ impl Admin {
                 ),
             },
             "/config" => {
-                let body = serde_json::json!({
-                    "status": &*self.limits.status(),
-                    "limits": &**self.limits.active().load(),
-                });
+                let files: Vec<serde_json::Value> = self
+                    .catalog
+                    .files()
+                    .iter()
+                    .map(|f| serde_json::json!({ "status": &*f.status(), "limits": &**f.active().load() }))
+                    .collect();
+                let body = serde_json::json!({ "files": files });
                 let mut r = text(StatusCode::OK, &format!("{body:#}\n"));
                 r.headers_mut()
                     .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -53,7 +53,7 @@ pub enum DescriptorError {
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, DescriptorError> {
     let host = req.host.map(strip_port);
     let mut hits = Vec::new();
-    for rule in &limits.rules {
+    for rule in limits.http_rules() {
         if !rule.matcher.matches(req.method, req.path, host, req.headers) {
             continue;
         }
@@ -93,7 +93,7 @@ fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&s
     let mut key = String::with_capacity(64);
     key.push_str("tg:");
     push_component(&mut key, domain);
-    push_component(&mut key, &rule.name);
+    push_component(&mut key, &rule.id);
     for part in &rule.by {
         let value = part_value(part, req, host)?;
         if value.is_empty() {
@@ -102,6 +102,20 @@ fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&s
         push_component(&mut key, &value);
     }
     Some(key)
+}
+
+/// The counter of an Envoy descriptor matched to `rule`: the request's own
+/// values, so a bare `key` or a `value*` pattern counts each value apart.
+pub fn descriptor_key<'a>(domain: &str, rule: &Rule, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut key = String::with_capacity(64);
+    key.push_str("tg:");
+    push_component(&mut key, domain);
+    push_component(&mut key, &rule.id);
+    for (k, v) in entries {
+        push_component(&mut key, k);
+        push_component(&mut key, v);
+    }
+    key
 }
 
 /// Appends `<len>=<value>` (or `<len>#<sha256>` for long values) and a

@@ -54,7 +54,7 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
     let mut state = String::new();
     for (i, (rule, w)) in windows.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
-        let name = &rule.rule.name;
+        let name = sf_string(&rule.rule.name);
         let _ = write!(
             policy,
             "{sep}\"{name}\";q={};w={}",
@@ -64,11 +64,23 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
         let t = ceil_secs(w.retry_ms.unwrap_or(w.reset_ms));
         let _ = write!(state, "{sep}\"{name}\";r={};t={t}", w.remaining);
     }
-    // Rule names are restricted to token characters, so these are valid values.
     if let (Ok(p), Ok(s)) = (HeaderValue::from_str(&policy), HeaderValue::from_str(&state)) {
         headers.insert(RATELIMIT_POLICY, p);
         headers.insert(RATELIMIT, s);
     }
+}
+
+/// `name` as the inside of a structured-field string: `\` and `"` escaped,
+/// anything outside printable ASCII dropped (names from Envoy files are free-form).
+fn sf_string(name: &str) -> String {
+    let mut out = String::with_capacity(name.len());
+    for c in name.chars().filter(|c| (' '..='~').contains(c)) {
+        if c == '"' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// A short JSON body naming the rule and window that refused.
@@ -148,6 +160,11 @@ mod tests {
         assert_eq!(body["limit"], 5);
         assert_eq!(body["window_seconds"], 3.0);
         assert_eq!(body["retry_after_seconds"], 3);
+    }
+
+    #[test]
+    fn names_are_escaped_as_structured_field_strings() {
+        assert_eq!(sf_string("a\"b\\c\u{e9}d"), "a\\\"b\\\\cd");
     }
 
     #[test]

@@ -12,12 +12,14 @@ use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tollgate::admin::Admin;
 use tollgate::client_ip::TrustedProxies;
-use tollgate::config;
 use tollgate::limiter::{Limiter, MemoryStore, RedisStore, Store, SystemClock};
-use tollgate::reload::LiveLimits;
+use tollgate::reload::Catalog;
 use tollgate::serve::{ConnLimits, serve};
+use tollgate::surfaces::decision_http::DecisionHttp;
+use tollgate::surfaces::envoy_rls::RlsService;
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
 
 #[derive(Parser)]
@@ -38,24 +40,31 @@ struct Cli {
 enum Command {
     /// Validate a limits file and exit (non-zero with file:line: reason on error).
     Check {
-        /// The limits file (YAML or JSON).
-        #[arg(long, env = "TOLLGATE_CONFIG")]
-        config: PathBuf,
+        /// Limits files (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
+        #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
+        config: Vec<PathBuf>,
     },
 }
 
 #[derive(clap::Args)]
 struct RunArgs {
-    /// The limits file (YAML or JSON).
-    #[arg(long, env = "TOLLGATE_CONFIG", required = true)]
-    config: Option<PathBuf>,
+    /// Limits file (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
+    /// Repeat for several domains, one file each.
+    #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
+    config: Vec<PathBuf>,
     /// Where admitted requests go, as http://host:port.
     #[arg(long, env = "TOLLGATE_UPSTREAM", required = true)]
     upstream: Option<String>,
     /// Address the proxy listens on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
     listen: SocketAddr,
-    /// Address of the admin listener (/healthz, /readyz).
+    /// Envoy RLS gRPC listener (ShouldRateLimit and grpc.health.v1), or "off".
+    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", default_value = "0.0.0.0:8081", value_parser = parse_listen)]
+    grpc_listen: Listen,
+    /// HTTP decision listener: /ext_authz/<path> for Envoy, /auth_request for NGINX (off unless given).
+    #[arg(long, env = "TOLLGATE_CHECK_LISTEN", value_parser = parse_listen)]
+    check_listen: Option<Listen>,
+    /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
     /// Keep counters in Redis (redis://[user:password@]host:port/db), shared by
@@ -88,6 +97,20 @@ struct RunArgs {
     log_format: LogFormat,
 }
 
+/// A listener address, or `off`.
+#[derive(Clone, Copy)]
+struct Listen(Option<SocketAddr>);
+
+fn parse_listen(text: &str) -> Result<Listen, String> {
+    match text {
+        "off" | "" => Ok(Listen(None)),
+        _ => text
+            .parse()
+            .map(|a| Listen(Some(a)))
+            .map_err(|e| format!("{e} (or \"off\")")),
+    }
+}
+
 #[derive(Clone, Copy, ValueEnum)]
 enum LogFormat {
     Human,
@@ -118,15 +141,18 @@ fn main() -> ExitCode {
     }
 }
 
-fn check(path: &std::path::Path) -> ExitCode {
-    match config::load_file(path) {
-        Ok(limits) => {
-            println!(
-                "{}: ok (domain {}, {} rules)",
-                path.display(),
-                limits.domain,
-                limits.rules.len()
-            );
+fn check(paths: &[PathBuf]) -> ExitCode {
+    match Catalog::load(paths) {
+        Ok(catalog) => {
+            for f in catalog.files() {
+                let limits = f.active().load();
+                println!(
+                    "{}: ok (domain {}, {} rules)",
+                    f.status().file,
+                    limits.domain,
+                    limits.rules.len()
+                );
+            }
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -150,19 +176,16 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let config_path = args.config.context("--config is required")?;
     let upstream = Upstream::parse(args.upstream.as_deref().context("--upstream is required")?)?;
     let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
-    let live = Arc::new(LiveLimits::load(&config_path).map_err(|e| anyhow::anyhow!("{e}"))?);
-    {
-        let limits = live.active().load();
-        tracing::info!(file = %config_path.display(), domain = %limits.domain, rules = limits.rules.len(), version = %live.status().version, "limits loaded");
+    let catalog = Arc::new(Catalog::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?);
+    for f in catalog.files() {
+        let limits = f.active().load();
+        let status = f.status();
+        tracing::info!(file = %status.file, domain = %limits.domain, format = ?limits.format, rules = limits.rules.len(), version = %status.version, "limits loaded");
     }
     let _watch = if args.watch_config {
-        Some(
-            live.watch()
-                .with_context(|| format!("cannot watch {}", config_path.display()))?,
-        )
+        Some(catalog.watch().context("cannot watch the limits files")?)
     } else {
         None
     };
@@ -180,13 +203,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let limiter = Arc::new(Limiter::new(store, args.redis_timeout));
 
-    let proxy_listener = TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let admin_listener = TcpListener::bind(args.admin_listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", args.admin_listen))?;
-    tracing::info!(proxy = %proxy_listener.local_addr()?, admin = %admin_listener.local_addr()?, "listening");
+    let proxy_listener = bind(args.listen).await?;
+    let admin_listener = bind(args.admin_listen).await?;
+    let grpc_listener = match args.grpc_listen.0 {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    let check_listener = match args.check_listen.and_then(|l| l.0) {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    let shown = |l: &Option<TcpListener>| {
+        l.as_ref()
+            .and_then(|l| l.local_addr().ok())
+            .map_or("off".to_string(), |a| a.to_string())
+    };
+    tracing::info!(
+        proxy = %proxy_listener.local_addr()?,
+        admin = %admin_listener.local_addr()?,
+        grpc = %shown(&grpc_listener),
+        check = %shown(&check_listener),
+        "listening"
+    );
 
     let conn_limits = ConnLimits {
         header_read_timeout: args.header_read_timeout,
@@ -194,37 +232,80 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ..ConnLimits::default()
     };
     let (stop_tx, stop_rx) = watch::channel(false);
+
     let proxy = Arc::new(Proxy::new(
         limiter.clone(),
-        live.active(),
+        catalog.clone(),
         ProxyOptions {
             upstream,
             upstream_timeout: args.upstream_timeout,
-            trusted,
+            trusted: trusted.clone(),
             ratelimit_headers: args.ratelimit_headers,
         },
     ));
-    let admin = Arc::new(Admin::new(limiter.clone(), live.clone()));
+    let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone()));
 
     let proxy_task = tokio::spawn(serve(proxy_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let proxy = proxy.clone();
         async move { proxy.handle(req, peer).await }
     }));
-    let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx, move |req, peer| {
+    let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let admin = admin.clone();
         async move { admin.handle(req, peer).await }
     }));
 
-    wait_for_stop(&live).await;
+    let mut tasks = vec![proxy_task, admin_task];
+    if let Some(listener) = check_listener {
+        let check = Arc::new(DecisionHttp::new(limiter.clone(), catalog.clone(), trusted));
+        tasks.push(tokio::spawn(serve(
+            listener,
+            conn_limits,
+            stop_rx.clone(),
+            move |req, peer| {
+                let check = check.clone();
+                async move { check.handle(req, peer).await }
+            },
+        )));
+    }
+    if let Some(listener) = grpc_listener {
+        let rls = RlsService::new(limiter.clone(), catalog.clone());
+        tasks.push(tokio::spawn(serve_grpc(listener, rls, stop_rx.clone())));
+    }
+
+    wait_for_stop(&catalog).await;
     tracing::info!(grace = ?args.shutdown_timeout, "shutting down: no new connections, finishing requests in flight");
     let _ = stop_tx.send(true);
-    let _ = tokio::join!(proxy_task, admin_task);
+    for task in tasks {
+        let _ = task.await;
+    }
     tracing::info!("stopped");
     Ok(())
 }
 
+async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {addr}"))
+}
+
+/// Serves Envoy RLS and gRPC health until `stop` turns true.
+async fn serve_grpc(listener: TcpListener, rls: RlsService, mut stop: watch::Receiver<bool>) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    let result = tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(RateLimitServiceServer::new(rls))
+        .serve_with_incoming_shutdown(tonic::transport::server::TcpIncoming::from(listener), async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Err(e) = result {
+        tracing::error!(error = %e, "gRPC listener failed");
+    }
+}
+
 /// Waits for SIGTERM or SIGINT, reloading the limits on every SIGHUP.
-async fn wait_for_stop(live: &Arc<LiveLimits>) {
+async fn wait_for_stop(catalog: &Arc<Catalog>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -240,8 +321,8 @@ async fn wait_for_stop(live: &Arc<LiveLimits>) {
             _ = term.recv() => return,
             _ = int.recv() => return,
             _ = hup.recv() => {
-                let live = live.clone();
-                let _ = tokio::task::spawn_blocking(move || live.reload_and_log("SIGHUP")).await;
+                let catalog = catalog.clone();
+                let _ = tokio::task::spawn_blocking(move || catalog.reload_all("SIGHUP")).await;
             }
         }
     }

@@ -327,3 +327,76 @@ mod tests {
         assert_eq!(limit(&live), 1);
     }
 }
+
+/// Every limits file tollgate serves (one per domain), each live.
+pub struct Catalog {
+    files: Vec<Arc<LiveLimits>>,
+}
+
+/// Why a set of limits files cannot be served together.
+#[derive(Debug, thiserror::Error)]
+pub enum CatalogError {
+    /// One of the files is invalid.
+    #[error("{0}")]
+    Config(#[from] ConfigError),
+    /// Two files declare the same domain.
+    #[error("{0} and {1} both declare domain \"{2}\"; use one file per domain")]
+    DuplicateDomain(String, String, String),
+}
+
+impl Catalog {
+    /// Loads every file; any invalid file or a repeated domain is fatal here.
+    pub fn load(paths: &[PathBuf]) -> Result<Self, CatalogError> {
+        let mut files: Vec<Arc<LiveLimits>> = Vec::with_capacity(paths.len());
+        for path in paths {
+            let live = Arc::new(LiveLimits::load(path)?);
+            let domain = live.active().load().domain.clone();
+            if let Some(other) = files.iter().find(|f| f.active().load().domain == domain) {
+                return Err(CatalogError::DuplicateDomain(
+                    other.status().file.clone(),
+                    live.status().file.clone(),
+                    domain,
+                ));
+            }
+            files.push(live);
+        }
+        Ok(Catalog { files })
+    }
+
+    /// The files, in command-line order.
+    pub fn files(&self) -> &[Arc<LiveLimits>] {
+        &self.files
+    }
+
+    /// The active limits of `domain`, for the Envoy RLS surface.
+    pub fn domain(&self, domain: &str) -> Option<Arc<Limits>> {
+        self.files
+            .iter()
+            .map(|f| f.active.load_full())
+            .find(|l| l.domain == domain)
+    }
+
+    /// The counters an HTTP request touches, across every file.
+    pub fn http_hits(
+        &self,
+        req: &crate::descriptor::RequestInfo<'_>,
+    ) -> Result<Vec<crate::limiter::Hit>, crate::descriptor::DescriptorError> {
+        let mut hits = Vec::new();
+        for file in &self.files {
+            hits.extend(crate::descriptor::hits(&file.active.load(), req)?);
+        }
+        Ok(hits)
+    }
+
+    /// Reloads every file (SIGHUP).
+    pub fn reload_all(&self, cause: &str) {
+        for f in &self.files {
+            f.reload_and_log(cause);
+        }
+    }
+
+    /// Watches every file; see [`LiveLimits::watch`].
+    pub fn watch(&self) -> notify::Result<Vec<WatchGuard>> {
+        self.files.iter().map(|f| f.watch()).collect()
+    }
+}

@@ -115,6 +115,8 @@ pub struct Tollgate {
     child: Child,
     pub addr: SocketAddr,
     pub admin: SocketAddr,
+    pub grpc: Option<SocketAddr>,
+    pub check: Option<SocketAddr>,
     pub logs: Arc<Mutex<Vec<String>>>,
     pub config: PathBuf,
     _dir: tempfile::TempDir,
@@ -134,6 +136,10 @@ impl Tollgate {
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--admin-listen".into(),
+            "127.0.0.1:0".into(),
+            "--grpc-listen".into(),
+            "127.0.0.1:0".into(),
+            "--check-listen".into(),
             "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
@@ -168,12 +174,16 @@ impl Tollgate {
                 panic!("tollgate did not start: {:?}", logs.lock().unwrap());
             }
         };
-        let addr = field(&line, "proxy=");
-        let admin = field(&line, "admin=");
+        let addr = field(&line, "proxy=").unwrap();
+        let admin = field(&line, "admin=").unwrap();
+        let grpc = field(&line, "grpc=");
+        let check = field(&line, "check=");
         Tollgate {
             child,
             addr,
             admin,
+            grpc,
+            check,
             logs,
             config,
             _dir: dir,
@@ -219,11 +229,12 @@ impl Drop for Tollgate {
     }
 }
 
-fn field(line: &str, name: &str) -> SocketAddr {
+/// An address from the "listening" line (`None` for a listener that is off).
+fn field(line: &str, name: &str) -> Option<SocketAddr> {
     let start = line.find(name).unwrap_or_else(|| panic!("no {name} in {line}")) + name.len();
     let rest = &line[start..];
     let end = rest.find(|c: char| c.is_whitespace()).unwrap_or(rest.len());
-    rest[..end].parse().unwrap()
+    rest[..end].parse().ok()
 }
 
 pub fn binary() -> &'static Path {

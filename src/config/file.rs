@@ -14,7 +14,9 @@ use http::{HeaderName, Method, StatusCode};
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 
-use super::{Cost, FailureMode, HeaderValueMatch, Limits, Matcher, Part, PathPattern, Rule, Window};
+use super::{
+    Cost, EntryPattern, FailureMode, HeaderValueMatch, Limits, Matcher, Part, PathPattern, Rule, ValuePattern, Window,
+};
 
 /// Longest accepted rule name; names end up in headers and metric labels.
 const MAX_NAME_LEN: usize = 64;
@@ -57,34 +59,68 @@ pub fn load_file(path: &Path) -> Result<Limits, ConfigError> {
 /// Validates limits from text; `file` names it in errors and picks the format
 /// (`.json` is JSON, anything else YAML).
 pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
-    let raw: RawLimits = if file.ends_with(".json") {
+    if looks_like_envoy(text, file) {
+        let raw: super::envoy::EnvoyFile = deserialize(text, file)?;
+        return raw.into_limits().map_err(|reason| ConfigError {
+            file: file.to_string(),
+            line: None,
+            reason,
+        });
+    }
+    let raw: RawLimits = deserialize(text, file)?;
+    let default_mode = raw.failure_mode.unwrap_or_default();
+    let mut tree = super::DescriptorTree::default();
+    let mut rules = Vec::with_capacity(raw.rules.0.len());
+    for parsed in raw.rules.0 {
+        let mut rule = parsed.rule;
+        rule.failure_mode = parsed.failure_mode.unwrap_or(default_mode);
+        let rule = Arc::new(rule);
+        if let Some(path) = &rule.descriptor {
+            // Duplicates were refused while parsing, with their line.
+            let _ = tree.insert(path, Some(rule.clone()));
+        }
+        rules.push(rule);
+    }
+    Ok(Limits {
+        domain: raw.domain.0,
+        format: super::Format::Tollgate,
+        rules,
+        tree,
+    })
+}
+
+/// Parses `text` as JSON (`.json`) or YAML into `T`, keeping the line of the
+/// first problem.
+pub(super) fn deserialize<T: serde::de::DeserializeOwned>(text: &str, file: &str) -> Result<T, ConfigError> {
+    if file.ends_with(".json") {
         serde_json::from_str(text).map_err(|e| ConfigError {
             file: file.to_string(),
             line: (e.line() > 0).then_some(e.line()),
             reason: strip_position(&e.to_string(), " at line "),
-        })?
+        })
     } else {
         yaml_serde::from_str(text).map_err(|e| ConfigError {
             file: file.to_string(),
             line: e.location().map(|l| l.line()),
             reason: strip_position(&e.to_string(), " at line "),
-        })?
-    };
-    let default_mode = raw.failure_mode.unwrap_or_default();
-    let rules = raw
-        .rules
-        .0
-        .into_iter()
-        .map(|parsed| {
-            let mut rule = parsed.rule;
-            rule.failure_mode = parsed.failure_mode.unwrap_or(default_mode);
-            Arc::new(rule)
         })
-        .collect();
-    Ok(Limits {
-        domain: raw.domain.0,
-        rules,
-    })
+    }
+}
+
+/// An envoyproxy/ratelimit file is recognised by its shape: a top-level
+/// `descriptors` list and no `rules`.
+fn looks_like_envoy(text: &str, file: &str) -> bool {
+    #[derive(Deserialize)]
+    struct Shape {
+        descriptors: Option<serde::de::IgnoredAny>,
+        rules: Option<serde::de::IgnoredAny>,
+    }
+    let shape: Option<Shape> = if file.ends_with(".json") {
+        serde_json::from_str(text).ok()
+    } else {
+        yaml_serde::from_str(text).ok()
+    };
+    shape.is_some_and(|s| s.descriptors.is_some() && s.rules.is_none())
 }
 
 /// Both parsers append "at line N column M"; the line is reported separately.
@@ -105,7 +141,7 @@ struct RawLimits {
     rules: RuleList,
 }
 
-struct Domain(String);
+pub(super) struct Domain(pub(super) String);
 
 impl<'de> Deserialize<'de> for Domain {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -134,7 +170,7 @@ impl<'de> Deserialize<'de> for RuleList {
                 f.write_str("a list of rules")
             }
             fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RuleList, A::Error> {
-                let mut seen = HashSet::new();
+                let mut seen = Seen::default();
                 let mut rules = Vec::new();
                 while let Some(rule) = seq.next_element_seed(UniqueRule { seen: &mut seen })? {
                     rules.push(rule);
@@ -146,20 +182,36 @@ impl<'de> Deserialize<'de> for RuleList {
     }
 }
 
-/// Deserializes one rule and refuses a name used before, so the error is
-/// reported at the duplicate rule itself.
+/// Names and descriptor patterns of the rules read so far.
+#[derive(Default)]
+struct Seen {
+    names: HashSet<String>,
+    patterns: HashSet<Vec<EntryPattern>>,
+}
+
+/// Deserializes one rule and refuses a name (or descriptor) used before, so
+/// the error is reported at the duplicate rule itself.
 struct UniqueRule<'a> {
-    seen: &'a mut HashSet<String>,
+    seen: &'a mut Seen,
 }
 
 impl<'de> DeserializeSeed<'de> for UniqueRule<'_> {
     type Value = ParsedRule;
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<ParsedRule, D::Error> {
         validated_map(d, "a rule (name, match, by, limits ...)", |raw: RawRule| {
-            if !self.seen.insert(raw.name.clone()) {
+            if !self.seen.names.insert(raw.name.clone()) {
                 return Err(format!("duplicate rule name \"{}\"", raw.name));
             }
-            raw.into_rule()
+            let parsed = raw.into_rule()?;
+            if let Some(pattern) = &parsed.rule.descriptor
+                && !self.seen.patterns.insert(pattern.clone())
+            {
+                return Err(format!(
+                    "rule \"{}\": another rule already matches this descriptor",
+                    parsed.rule.name
+                ));
+            }
+            Ok(parsed)
         })
     }
 }
@@ -167,7 +219,7 @@ impl<'de> DeserializeSeed<'de> for UniqueRule<'_> {
 /// Deserializes a mapping as `R` and validates it with `check` while the
 /// parser is still inside the mapping, so an error carries the mapping's line
 /// rather than that of whatever encloses it.
-fn validated_map<'de, D, R, T>(
+pub(super) fn validated_map<'de, D, R, T>(
     d: D,
     what: &'static str,
     check: impl FnOnce(R) -> Result<T, String>,
@@ -199,7 +251,9 @@ where
 struct RawRule {
     name: String,
     #[serde(default, rename = "match")]
-    matcher: RawMatch,
+    matcher: Option<RawMatch>,
+    #[serde(default)]
+    descriptor: Option<Vec<RawEntry>>,
     #[serde(default)]
     by: Vec<PartSpec>,
     limits: Vec<WindowSpec>,
@@ -238,10 +292,34 @@ impl RawRule {
                 pair[0].period_ms
             ));
         }
+        let descriptor = match self.descriptor {
+            None => None,
+            Some(_) if self.matcher.is_some() || !self.by.is_empty() => {
+                return Err(format!(
+                    "rule \"{name}\": a rule with a descriptor (for Envoy) cannot also have match or by"
+                ));
+            }
+            Some(entries) if entries.is_empty() => {
+                return Err(format!("rule \"{name}\": descriptor needs at least one entry"));
+            }
+            Some(entries) => Some(
+                entries
+                    .into_iter()
+                    .map(|e| EntryPattern {
+                        key: e.key,
+                        value: ValuePattern::parse(e.value.as_deref()),
+                    })
+                    .collect(),
+            ),
+        };
         Ok(ParsedRule {
             rule: Rule {
+                id: name.clone(),
                 name,
-                matcher: self.matcher.into_matcher()?,
+                descriptor,
+                unlimited: false,
+                replaces: Vec::new(),
+                matcher: self.matcher.unwrap_or_default().into_matcher()?,
                 by: self.by.into_iter().map(|p| p.0).collect(),
                 windows,
                 shadow: self.shadow,
@@ -252,6 +330,15 @@ impl RawRule {
             failure_mode: self.failure_mode,
         })
     }
+}
+
+/// One `{ key, value }` entry of a rule's Envoy descriptor.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEntry {
+    key: String,
+    #[serde(default)]
+    value: Option<String>,
 }
 
 #[derive(Deserialize, Default)]

@@ -5,9 +5,12 @@
 //! with `file:line: reason`; the rest of tollgate only ever sees a [`Limits`]
 //! that passed validation, so the request path never re-checks it.
 
+mod envoy;
 mod file;
+mod tree;
 
 pub use file::{ConfigError, load_file, parse_str};
+pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 
 use std::sync::Arc;
 
@@ -19,15 +22,48 @@ use serde::Serialize;
 pub struct Limits {
     /// Namespaces the counter keys, so two files never share counters.
     pub domain: String,
+    /// Which format the file was written in.
+    pub format: Format,
     /// The rules, in file order (headers and logs follow this order).
     pub rules: Vec<Arc<Rule>>,
+    /// Rules that match Envoy descriptors, arranged for lookup.
+    #[serde(skip)]
+    pub tree: DescriptorTree,
+}
+
+/// The two limits file formats tollgate reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// tollgate's own (`rules:`).
+    Tollgate,
+    /// envoyproxy/ratelimit's (`descriptors:`), loaded unchanged.
+    EnvoyRatelimit,
+}
+
+impl Limits {
+    /// The rules the HTTP surfaces (proxy, ext_authz, auth_request) apply.
+    pub fn http_rules(&self) -> impl Iterator<Item = &Arc<Rule>> {
+        self.rules.iter().filter(|r| r.descriptor.is_none())
+    }
 }
 
 /// One rule: which requests it sees, how it tells callers apart, its windows.
 #[derive(Debug, Clone, Serialize)]
 pub struct Rule {
-    /// Unique within the file; part of the counter key and of headers.
+    /// Unique within the file; names the counter in keys.
+    pub id: String,
+    /// Shown in headers, logs and metrics (the id unless the file names it).
     pub name: String,
+    /// For Envoy descriptors: the entries this rule matches, in order.
+    /// A rule with a descriptor is not applied by the HTTP surfaces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub descriptor: Option<Vec<EntryPattern>>,
+    /// Matches and reports, but never counts or refuses (Envoy `unlimited`).
+    pub unlimited: bool,
+    /// Names of rules this one displaces when both match one request.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub replaces: Vec<String>,
     /// Which requests this rule applies to.
     #[serde(rename = "match")]
     pub matcher: Matcher,

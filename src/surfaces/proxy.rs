@@ -10,7 +10,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::{Authority, PathAndQuery, Scheme};
@@ -22,10 +21,10 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
 use crate::client_ip::TrustedProxies;
-use crate::config::Limits;
-use crate::descriptor::{self, RequestInfo};
+use crate::descriptor::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter};
+use crate::reload::Catalog;
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<Incoming, Full<Bytes>>;
@@ -101,14 +100,14 @@ pub struct ProxyOptions {
 /// The proxy: shared by every connection.
 pub struct Proxy {
     limiter: Arc<Limiter>,
-    limits: Arc<ArcSwap<Limits>>,
+    catalog: Arc<Catalog>,
     client: Client<HttpConnector, Incoming>,
     options: ProxyOptions,
 }
 
 impl Proxy {
-    /// A proxy deciding with `limiter` against the active `limits`.
-    pub fn new(limiter: Arc<Limiter>, limits: Arc<ArcSwap<Limits>>, options: ProxyOptions) -> Self {
+    /// A proxy deciding with `limiter` against the live limits in `catalog`.
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, options: ProxyOptions) -> Self {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(options.upstream_timeout));
@@ -119,7 +118,7 @@ impl Proxy {
             .build(connector);
         Proxy {
             limiter,
-            limits,
+            catalog,
             client,
             options,
         }
@@ -130,7 +129,6 @@ impl Proxy {
         let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
         let host = request_host(&req).map(str::to_owned);
         let decision = {
-            let limits = self.limits.load();
             let info = RequestInfo {
                 method: req.method(),
                 path: req.uri().path(),
@@ -139,7 +137,7 @@ impl Proxy {
                 headers: req.headers(),
                 client_ip,
             };
-            match descriptor::hits(&limits, &info) {
+            match self.catalog.http_hits(&info) {
                 Ok(hits) => self.limiter.decide(&hits).await,
                 Err(e) => return plain(StatusCode::BAD_REQUEST, &e.to_string()),
             }

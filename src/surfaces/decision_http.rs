@@ -1,0 +1,171 @@
+//! The HTTP decision service (`--check-listen`): Envoy `ext_authz` (HTTP
+//! mode) under `/ext_authz/<original path>` and NGINX `auth_request` at
+//! `/auth_request`.
+//!
+//! Both only translate: they rebuild the original request's method, path,
+//! host and client from what the proxy in front sends, decide with the same
+//! rules as tollgate's own proxy, and answer in the status codes each proxy
+//! understands. Neither forwards anything anywhere.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use http::header::{self, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri};
+use http_body_util::Full;
+use hyper::body::Incoming;
+
+use crate::client_ip::TrustedProxies;
+use crate::descriptor::RequestInfo;
+use crate::headers;
+use crate::limiter::{Decision, Limiter, Verdict};
+use crate::reload::Catalog;
+
+/// Path prefix Envoy's ext_authz `path_prefix` should be set to.
+pub const EXT_AUTHZ_PREFIX: &str = "/ext_authz";
+/// Path NGINX's `auth_request` subrequest should be proxied to.
+pub const AUTH_REQUEST_PATH: &str = "/auth_request";
+/// On an auth_request refusal: the status NGINX should send the client.
+pub const TOLLGATE_STATUS: HeaderName = HeaderName::from_static("x-tollgate-status");
+
+/// Both HTTP decision surfaces, on one listener.
+pub struct DecisionHttp {
+    limiter: Arc<Limiter>,
+    catalog: Arc<Catalog>,
+    trusted: TrustedProxies,
+}
+
+impl DecisionHttp {
+    /// Decision endpoints for these limits, believing forwarding headers from `trusted`.
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, trusted: TrustedProxies) -> Self {
+        DecisionHttp {
+            limiter,
+            catalog,
+            trusted,
+        }
+    }
+
+    /// Handles one decision request.
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+        let path = req.uri().path();
+        if path == AUTH_REQUEST_PATH {
+            return self.auth_request(&req, peer).await;
+        }
+        if let Some(rest) = path.strip_prefix(EXT_AUTHZ_PREFIX)
+            && (rest.is_empty() || rest.starts_with('/'))
+        {
+            return self.ext_authz(&req, peer).await;
+        }
+        reply(
+            StatusCode::NOT_FOUND,
+            "use /ext_authz/<path> (Envoy) or /auth_request (NGINX)",
+        )
+    }
+
+    async fn decide(&self, info: &RequestInfo<'_>) -> Result<Decision, Response<Full<Bytes>>> {
+        match self.catalog.http_hits(info) {
+            Ok(hits) => Ok(self.limiter.decide(&hits).await),
+            Err(e) => Err(reply(StatusCode::BAD_REQUEST, &e.to_string())),
+        }
+    }
+
+    /// Envoy ext_authz: 200 allows; any other non-5xx status is relayed to
+    /// the client with the headers listed in `allowed_client_headers`.
+    async fn ext_authz(&self, req: &Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+        let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
+        let path = if original.is_empty() { "/" } else { original };
+        let host = req.headers().get(header::HOST).and_then(|h| h.to_str().ok());
+        let info = RequestInfo {
+            method: req.method(),
+            path,
+            query: req.uri().query(),
+            host,
+            headers: req.headers(),
+            client_ip: self.trusted.client_ip(peer.ip(), req.headers()),
+        };
+        let decision = match self.decide(&info).await {
+            Ok(d) => d,
+            Err(response) => return response,
+        };
+        if decision.verdict.admits() {
+            let mut r = reply(StatusCode::OK, "");
+            headers::admission_headers(&decision, r.headers_mut());
+            return r;
+        }
+        refusal(&decision, decision.status(), None)
+    }
+
+    /// NGINX auth_request: 2xx allows; only 401 and 403 deny (anything else
+    /// becomes a 500), so a refusal is a 403 carrying the status the client
+    /// should get in `X-Tollgate-Status`, for `error_page 403 = @…`.
+    async fn auth_request(&self, req: &Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+        let headers = req.headers();
+        let uri: Uri = match headers.get("x-original-uri").map(|v| Uri::try_from(v.as_bytes())) {
+            Some(Ok(uri)) => uri,
+            Some(Err(_)) => return reply(StatusCode::BAD_REQUEST, "X-Original-URI is not a request target"),
+            None => {
+                return reply(
+                    StatusCode::BAD_REQUEST,
+                    "auth_request needs X-Original-URI (see conf/nginx/)",
+                );
+            }
+        };
+        let method = match headers
+            .get("x-original-method")
+            .map(|m| Method::from_bytes(m.as_bytes()))
+        {
+            Some(Ok(m)) => m,
+            Some(Err(_)) => return reply(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
+            None => Method::GET,
+        };
+        let info = RequestInfo {
+            method: &method,
+            path: uri.path(),
+            query: uri.query(),
+            host: headers.get(header::HOST).and_then(|h| h.to_str().ok()),
+            headers,
+            client_ip: self.trusted.client_ip(peer.ip(), headers),
+        };
+        let decision = match self.decide(&info).await {
+            Ok(d) => d,
+            Err(response) => return response,
+        };
+        if decision.verdict.admits() {
+            let mut r = reply(StatusCode::NO_CONTENT, "");
+            headers::admission_headers(&decision, r.headers_mut());
+            return r;
+        }
+        refusal(&decision, StatusCode::FORBIDDEN, Some(decision.status()))
+    }
+}
+
+fn refusal(decision: &Decision, status: StatusCode, intended: Option<StatusCode>) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(headers::refusal_body(decision)));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    headers::refusal_headers(decision, h);
+    if let Some(intended) = intended {
+        h.insert(TOLLGATE_STATUS, HeaderValue::from(intended.as_u16()));
+    }
+    if decision.verdict == Verdict::FailedClosed {
+        tracing::debug!("refused: counter store unavailable and a rule fails closed");
+    }
+    r
+}
+
+fn reply(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let body = if message.is_empty() {
+        Bytes::new()
+    } else {
+        Bytes::from(serde_json::json!({ "error": status.canonical_reason(), "message": message }).to_string())
+    };
+    let mut r = Response::new(Full::new(body));
+    *r.status_mut() = status;
+    if !message.is_empty() {
+        r.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    r
+}

@@ -1,0 +1,272 @@
+//! Envoy's global rate limit service (RLS v3, gRPC): `ShouldRateLimit`.
+//!
+//! Translation only: the request's domain picks a limits file, each
+//! descriptor is looked up in that file's descriptor tree (or takes its own
+//! `limit` override), and all of them are decided together by the limiter,
+//! so a refused request charges nothing. The answer carries one status per
+//! descriptor, in order, with the exact time until the window frees up.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_limit::Unit;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use http::{HeaderMap, StatusCode};
+
+use crate::config::{Cost, FailureMode, Matcher, Rule, Window};
+use crate::descriptor::descriptor_key;
+use crate::headers;
+use crate::limiter::{Decision, Hit, Limiter, RuleOutcome, Verdict};
+use crate::reload::Catalog;
+
+/// The RLS service, shared by every gRPC connection.
+pub struct RlsService {
+    limiter: Arc<Limiter>,
+    catalog: Arc<Catalog>,
+    unknown_domain: AtomicU64,
+}
+
+impl RlsService {
+    /// An RLS service deciding with `limiter` against the files in `catalog`.
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>) -> Self {
+        RlsService {
+            limiter,
+            catalog,
+            unknown_domain: AtomicU64::new(0),
+        }
+    }
+
+    /// Requests for a domain no file declares (answered OK).
+    pub fn unknown_domain_requests(&self) -> u64 {
+        self.unknown_domain.load(Ordering::Relaxed)
+    }
+
+    /// Decides one RLS request.
+    pub async fn decide(&self, req: &RateLimitRequest) -> RateLimitResponse {
+        let Some(limits) = self.catalog.domain(&req.domain) else {
+            // envoyproxy/ratelimit answers OK for domains it does not know.
+            self.unknown_domain.fetch_add(1, Ordering::Relaxed);
+            tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
+            return ok_response(req.descriptors.len());
+        };
+        let request_hits = u64::from(if req.hits_addend == 0 { 1 } else { req.hits_addend });
+
+        // Which rule each descriptor matched (None: no limit applies).
+        let mut matched: Vec<Option<Arc<Rule>>> = req
+            .descriptors
+            .iter()
+            .map(|d| match &d.limit {
+                Some(o) => override_rule(o.requests_per_unit, o.unit),
+                None => limits
+                    .tree
+                    .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
+                    .cloned(),
+            })
+            .collect();
+        // A matched rule that `replaces` another drops it from this request.
+        let replaced: Vec<String> = matched
+            .iter()
+            .flatten()
+            .flat_map(|r| r.replaces.iter().cloned())
+            .collect();
+        if !replaced.is_empty() {
+            for m in matched.iter_mut() {
+                if m.as_ref().is_some_and(|r| replaced.contains(&r.name)) {
+                    *m = None;
+                }
+            }
+        }
+
+        // One hit per limited descriptor; `hit_of[i]` maps descriptor -> hit.
+        let mut hits = Vec::new();
+        let mut hit_of = vec![None; req.descriptors.len()];
+        for (i, (d, rule)) in req.descriptors.iter().zip(&matched).enumerate() {
+            let Some(rule) = rule.as_ref().filter(|r| !r.unlimited) else {
+                continue;
+            };
+            let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+            hit_of[i] = Some(hits.len());
+            hits.push(Hit {
+                rule: rule.clone(),
+                key: descriptor_key(&limits.domain, rule, entries),
+                cost: cost_of(d, request_hits),
+            });
+        }
+        let decision = self.limiter.decide(&hits).await;
+
+        let statuses = matched
+            .iter()
+            .zip(&hit_of)
+            .map(|(rule, hit)| match (rule, hit) {
+                (Some(r), _) if r.unlimited => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    current_limit: None,
+                    limit_remaining: u32::MAX,
+                    ..Default::default()
+                },
+                (_, Some(h)) => descriptor_status(&decision, &decision.rules[*h]),
+                _ => DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                },
+            })
+            .collect();
+        let overall = if decision.verdict.admits() {
+            Code::Ok
+        } else {
+            Code::OverLimit
+        };
+        let mut headers = HeaderMap::new();
+        if decision.verdict.admits() {
+            headers::admission_headers(&decision, &mut headers);
+        } else {
+            headers::refusal_headers(&decision, &mut headers);
+        }
+        RateLimitResponse {
+            overall_code: overall as i32,
+            statuses,
+            response_headers_to_add: header_options(&headers),
+            ..Default::default()
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for RlsService {
+    async fn should_rate_limit(
+        &self,
+        request: tonic::Request<RateLimitRequest>,
+    ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
+        Ok(tonic::Response::new(self.decide(request.get_ref()).await))
+    }
+}
+
+/// A descriptor's own `hits_addend` wins over the request's; 0 there means
+/// "check, do not charge". Refunds (`is_negative_hits`) are only checked:
+/// units in a sliding window are never taken back.
+fn cost_of(d: &RateLimitDescriptor, request_hits: u64) -> u64 {
+    if d.is_negative_hits {
+        return 0;
+    }
+    d.hits_addend.as_ref().map_or(request_hits, |v| v.value)
+}
+
+/// The rule for a descriptor that brings its own `limit`.
+fn override_rule(requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
+    let unit = Unit::try_from(unit).ok()?;
+    let period_ms = unit_ms(unit)?;
+    let id = format!(
+        "override_{requests_per_unit}_per_{}",
+        unit.as_str_name().to_ascii_lowercase()
+    );
+    Some(Arc::new(Rule {
+        name: id.clone(),
+        id,
+        descriptor: None,
+        unlimited: false,
+        replaces: Vec::new(),
+        matcher: Matcher::default(),
+        by: Vec::new(),
+        windows: vec![Window {
+            requests: u64::from(requests_per_unit),
+            period_ms,
+        }],
+        shadow: false,
+        status: StatusCode::TOO_MANY_REQUESTS,
+        cost: Cost::Fixed(1),
+        failure_mode: FailureMode::Open,
+    }))
+}
+
+fn unit_ms(unit: Unit) -> Option<u64> {
+    Some(match unit {
+        Unit::Second => 1_000,
+        Unit::Minute => 60_000,
+        Unit::Hour => 3_600_000,
+        Unit::Day => 86_400_000,
+        Unit::Week => 7 * 86_400_000,
+        Unit::Month => 30 * 86_400_000,
+        Unit::Year => 365 * 86_400_000,
+        Unit::Unknown => return None,
+    })
+}
+
+/// The Envoy unit of a window, when the window is exactly one unit long.
+fn unit_of(period_ms: u64) -> Unit {
+    [
+        Unit::Second,
+        Unit::Minute,
+        Unit::Hour,
+        Unit::Day,
+        Unit::Week,
+        Unit::Month,
+        Unit::Year,
+    ]
+    .into_iter()
+    .find(|u| unit_ms(*u) == Some(period_ms))
+    .unwrap_or(Unit::Unknown)
+}
+
+fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorStatus {
+    let rule = &outcome.rule;
+    let refused = outcome.over && !rule.shadow;
+    let failed_closed = decision.verdict == Verdict::FailedClosed;
+    // Report the window that refused, else the one with the least room.
+    let window = outcome
+        .windows
+        .iter()
+        .filter(|w| w.retry_ms.is_some() || !outcome.over)
+        .min_by_key(|w| (w.remaining, std::cmp::Reverse(w.reset_ms)));
+    let code = if refused || (failed_closed && rule.failure_mode == FailureMode::Closed) {
+        Code::OverLimit
+    } else {
+        Code::Ok
+    };
+    let current = window.map(|w| w.window).or_else(|| rule.windows.first().copied());
+    DescriptorStatus {
+        code: code as i32,
+        current_limit: current.map(|w| RateLimit {
+            name: rule.name.clone(),
+            requests_per_unit: u32::try_from(w.requests).unwrap_or(u32::MAX),
+            unit: unit_of(w.period_ms) as i32,
+        }),
+        limit_remaining: window.map_or(0, |w| u32::try_from(w.remaining).unwrap_or(u32::MAX)),
+        duration_until_reset: window.map(|w| {
+            let ms = w.retry_ms.unwrap_or(w.reset_ms);
+            PbDuration {
+                seconds: (ms / 1000) as i64,
+                nanos: ((ms % 1000) * 1_000_000) as i32,
+            }
+        }),
+        ..Default::default()
+    }
+}
+
+fn ok_response(descriptors: usize) -> RateLimitResponse {
+    RateLimitResponse {
+        overall_code: Code::Ok as i32,
+        statuses: (0..descriptors)
+            .map(|_| DescriptorStatus {
+                code: Code::Ok as i32,
+                ..Default::default()
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn header_options(headers: &HeaderMap) -> Vec<HeaderValue> {
+    headers
+        .iter()
+        .map(|(name, value)| HeaderValue {
+            key: name.as_str().to_string(),
+            value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            ..Default::default()
+        })
+        .collect()
+}
