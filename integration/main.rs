@@ -3,6 +3,8 @@
 
 mod cli;
 mod common;
+mod envoy;
+mod nginx;
 mod proxy;
 mod reload;
 mod stores;

@@ -246,6 +246,7 @@ pub fn binary() -> &'static Path {
 ///   method, path and headers as `x-seen-*` response headers
 /// - `/bytes/N`: N bytes of a known pattern
 /// - `/slow/MS`: answers after MS milliseconds
+/// - `/status/N`: answers status N
 /// - `/hop`: sets hop-by-hop headers and two Set-Cookie lines
 /// - `/ws`: answers 101 and then echoes every byte
 pub struct TestUpstream {
@@ -307,6 +308,11 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
     if let Some(ms) = path.strip_prefix("/slow/") {
         tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
         return Ok(Response::new(full(b"slow".to_vec())));
+    }
+    if let Some(code) = path.strip_prefix("/status/") {
+        let mut r = Response::new(full(format!("upstream says {code}").into_bytes()));
+        *r.status_mut() = StatusCode::from_u16(code.parse().unwrap()).unwrap();
+        return Ok(r);
     }
     if path == "/hop" {
         let r = Response::builder()
@@ -408,4 +414,100 @@ pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
     let mut out = Vec::new();
     let _ = tokio::time::timeout(limit, stream.read_to_end(&mut out)).await;
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One request from a chosen loopback source address (127.0.0.2 ...), so
+/// tests can play several clients behind a proxy.
+pub async fn get_from(source: std::net::IpAddr, addr: SocketAddr, path: &str, headers: &[(&str, &str)]) -> Answer {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(source, 0)).unwrap();
+    let stream = socket.connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let mut req = Request::builder().uri(path).header("host", "app.example");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = sender
+        .send_request(req.body(Full::new(Bytes::new())).unwrap())
+        .await
+        .unwrap();
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    }
+}
+
+/// A real `nginx` on a free loopback port, configured with `server_body`
+/// inside `server { listen ...; }` and `http_extra` beside it.
+pub struct Nginx {
+    child: Child,
+    pub addr: SocketAddr,
+    dir: tempfile::TempDir,
+}
+
+impl Nginx {
+    pub fn start(http_extra: &str, server_body: &str) -> Nginx {
+        let dir = tempfile::tempdir().unwrap();
+        // Workers run as an unprivileged user and need the temp paths.
+        let open = std::os::unix::fs::PermissionsExt::from_mode(0o777);
+        std::fs::set_permissions(dir.path(), open).unwrap();
+        let port = free_port();
+        let d = dir.path().display();
+        let conf = format!(
+            "worker_processes 1;\npid {d}/nginx.pid;\nerror_log {d}/error.log warn;\nevents {{ worker_connections 512; }}\n\
+             http {{\n  access_log off;\n  client_body_temp_path {d}/body;\n  proxy_temp_path {d}/proxy;\n\
+             fastcgi_temp_path {d}/fastcgi;\n  uwsgi_temp_path {d}/uwsgi;\n  scgi_temp_path {d}/scgi;\n\
+             {http_extra}\n  server {{\n    listen 127.0.0.1:{port};\n{server_body}\n  }}\n}}\n"
+        );
+        let path = dir.path().join("nginx.conf");
+        std::fs::write(&path, conf).unwrap();
+        let bin = if Path::new("/usr/sbin/nginx").exists() {
+            "/usr/sbin/nginx"
+        } else {
+            "nginx"
+        };
+        let child = Command::new(bin)
+            .args([
+                "-p",
+                &d.to_string(),
+                "-c",
+                &path.display().to_string(),
+                "-g",
+                "daemon off;",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nginx must be installed (the test command installs it)");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let nginx = Nginx { child, addr, dir };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while std::net::TcpStream::connect(addr).is_err() {
+            assert!(Instant::now() < deadline, "nginx did not start: {}", nginx.error_log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        nginx
+    }
+
+    pub fn error_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("error.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Nginx {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A file of this repository, by path from its root.
+pub fn repo_file(path: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
 }

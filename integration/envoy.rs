@@ -1,0 +1,522 @@
+//! Envoy's two ways of asking: the RLS gRPC service (driven by a client
+//! generated from Envoy's protos) and ext_authz in HTTP mode (requests shaped
+//! as Envoy sends them). The RLS cases are the examples documented for
+//! envoyproxy/ratelimit, each file loaded unchanged.
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use http::{Method, StatusCode};
+use tonic::transport::Channel;
+
+use crate::common::*;
+
+/// envoyproxy/ratelimit's documented examples, one domain per file.
+const EXAMPLES: &[(&str, &str)] = &[
+    (
+        "messaging.yaml",
+        "domain: messaging
+descriptors:
+  - key: message_type
+    value: marketing
+    descriptors:
+      - key: to_number
+        rate_limit:
+          unit: day
+          requests_per_unit: 5
+  - key: to_number
+    rate_limit:
+      unit: day
+      requests_per_unit: 100
+",
+    ),
+    (
+        "per_ip.yaml",
+        "domain: edge_proxy_per_ip
+descriptors:
+  - key: remote_address
+    rate_limit:
+      unit: second
+      requests_per_unit: 10
+  - key: remote_address
+    value: 50.0.0.5
+    rate_limit:
+      unit: second
+      requests_per_unit: 0
+",
+    ),
+    (
+        "depth.yaml",
+        "domain: example4
+descriptors:
+  - key: key
+    value: value
+    rate_limit:
+      requests_per_unit: 300
+      unit: second
+",
+    ),
+    (
+        "unlimited.yaml",
+        "domain: internal
+descriptors:
+  - key: ldap
+    rate_limit:
+      unlimited: true
+  - key: azure
+    rate_limit:
+      unit: minute
+      requests_per_unit: 100
+",
+    ),
+    (
+        "shadow.yaml",
+        "domain: example6
+descriptors:
+  - key: service
+    descriptors:
+      - key: user
+        value: user-a
+        rate_limit:
+          requests_per_unit: 10
+          unit: second
+        shadow_mode: true
+      - key: user
+        value: user-b
+        rate_limit:
+          requests_per_unit: 20
+          unit: second
+",
+    ),
+    (
+        "replaces.yaml",
+        "domain: example7
+descriptors:
+  - key: key_1
+    value: value_1
+    descriptors:
+      - key: user
+        value: bkthomps
+        rate_limit:
+          name: specific_limit
+          requests_per_unit: 5
+          unit: second
+  - key: key_2
+    value: value_2
+    descriptors:
+      - key: user
+        value: bkthomps
+        rate_limit:
+          replaces:
+            - name: specific_limit
+          requests_per_unit: 10
+          unit: second
+",
+    ),
+    (
+        "detailed.json",
+        r#"{"domain": "example8", "descriptors": [
+  {"key": "key1", "detailed_metric": true, "rate_limit": {"unit": "minute", "requests_per_unit": 10}},
+  {"key": "key1", "value": "value1", "rate_limit": {"unit": "minute", "requests_per_unit": 20}}
+]}"#,
+    ),
+    (
+        "wildcard.yaml",
+        "domain: example9
+descriptors:
+  - key: key1
+    value: value*
+    rate_limit:
+      unit: minute
+      requests_per_unit: 20
+",
+    ),
+    (
+        "native.yaml",
+        "domain: native
+rules:
+  - name: login
+    descriptor: [{ key: remote_address }, { key: path, value: /login }]
+    limits:
+      - { requests: 2, per: 90s }
+      - { requests: 5, per: 1h }
+",
+    ),
+];
+
+struct Rls {
+    tg: Tollgate,
+    client: RateLimitServiceClient<Channel>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_rls(extra: &[&str]) -> Rls {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args: Vec<String> = Vec::new();
+    for (name, text) in EXAMPLES {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        args.push("--config".into());
+        args.push(path.display().to_string());
+    }
+    for a in [
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+    ] {
+        args.push(a.into());
+    }
+    args.extend(["--grpc-listen".into(), "127.0.0.1:0".into()]);
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let tg = Tollgate::spawn(&args, dir.path().join("messaging.yaml"), tempfile::tempdir().unwrap());
+    let client = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    Rls { tg, client, _dir: dir }
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: k.to_string(),
+                value: v.to_string(),
+            })
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn request(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+impl Rls {
+    async fn ask(&mut self, req: RateLimitRequest) -> RateLimitResponse {
+        self.client.should_rate_limit(req).await.unwrap().into_inner()
+    }
+
+    /// How many identical requests pass before the first OVER_LIMIT (up to `max`).
+    async fn admitted(&mut self, domain: &str, descriptors: &[&[(&str, &str)]], max: usize) -> usize {
+        for n in 0..max {
+            let r = self
+                .ask(request(domain, descriptors.iter().map(|d| descriptor(d)).collect()))
+                .await;
+            if r.overall_code == Code::OverLimit as i32 {
+                return n;
+            }
+            assert_eq!(r.overall_code, Code::Ok as i32, "never UNKNOWN");
+        }
+        max
+    }
+}
+
+#[tokio::test]
+async fn nested_descriptors_and_matching_order() {
+    let mut rls = start_rls(&[]).await;
+    let marketing: &[(&str, &str)] = &[("message_type", "marketing"), ("to_number", "2061111111")];
+    assert_eq!(rls.admitted("messaging", &[marketing], 10).await, 5);
+    // Another number has its own 5.
+    assert_eq!(
+        rls.admitted(
+            "messaging",
+            &[&[("message_type", "marketing"), ("to_number", "2062222222")]],
+            10
+        )
+        .await,
+        5
+    );
+
+    let r = rls.ask(request("messaging", vec![descriptor(marketing)])).await;
+    let status = &r.statuses[0];
+    assert_eq!(status.code, Code::OverLimit as i32);
+    let limit = status.current_limit.as_ref().unwrap();
+    assert_eq!((limit.requests_per_unit, limit.unit), (5, 4), "5 per DAY");
+    assert_eq!(limit.name, "message_type_marketing.to_number");
+    assert_eq!(status.limit_remaining, 0);
+    let reset = status.duration_until_reset.as_ref().unwrap();
+    assert!(reset.seconds > 86_300 && reset.seconds < 86_400, "exact: {reset:?}");
+    let headers: Vec<(String, String)> = r
+        .response_headers_to_add
+        .iter()
+        .map(|h| (h.key.clone(), h.value.clone()))
+        .collect();
+    assert!(
+        headers
+            .iter()
+            .any(|(k, v)| k == "retry-after" && v.parse::<u64>().unwrap() > 86_000),
+        "{headers:?}"
+    );
+    assert!(
+        headers
+            .iter()
+            .any(|(k, v)| k == "ratelimit-policy" && v.contains("q=5;w=86400")),
+        "{headers:?}"
+    );
+
+    // Most specific match first: a blocked address gets 0, others 10 per second.
+    assert_eq!(
+        rls.admitted("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.5")]], 5)
+            .await,
+        0
+    );
+    assert_eq!(
+        rls.admitted("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.1")]], 20)
+            .await,
+        10
+    );
+    // Depth must match the configuration exactly.
+    let deep = rls
+        .ask(request(
+            "example4",
+            vec![descriptor(&[("key", "value"), ("subkey", "subvalue")])],
+        ))
+        .await;
+    assert_eq!(deep.overall_code, Code::Ok as i32);
+    assert!(deep.statuses[0].current_limit.is_none());
+    // Wildcards: each value counts apart.
+    assert_eq!(rls.admitted("example9", &[&[("key1", "value1")]], 30).await, 20);
+    assert_eq!(rls.admitted("example9", &[&[("key1", "value2")]], 30).await, 20);
+    assert_eq!(
+        rls.admitted("example9", &[&[("key1", "other")]], 30).await,
+        30,
+        "no match, no limit"
+    );
+    // detailed_metric only changes metrics: limits apply as usual.
+    assert_eq!(rls.admitted("example8", &[&[("key1", "unspecified")]], 30).await, 10);
+    assert_eq!(rls.admitted("example8", &[&[("key1", "value1")]], 30).await, 20);
+}
+
+#[tokio::test]
+async fn all_descriptors_of_a_request_are_decided_together() {
+    let mut rls = start_rls(&[]).await;
+    let marketing = descriptor(&[("message_type", "marketing"), ("to_number", "2069999999")]);
+    let number = descriptor(&[("to_number", "2069999999")]);
+    for _ in 0..5 {
+        let r = rls
+            .ask(request("messaging", vec![marketing.clone(), number.clone()]))
+            .await;
+        assert_eq!(r.overall_code, Code::Ok as i32);
+    }
+    let r = rls
+        .ask(request("messaging", vec![marketing.clone(), number.clone()]))
+        .await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[1].code, Code::Ok as i32);
+    assert_eq!(
+        r.statuses[1].limit_remaining, 95,
+        "the number's own limit was not charged by the refusal"
+    );
+    let r = rls.ask(request("messaging", vec![number.clone()])).await;
+    assert_eq!(r.statuses[0].limit_remaining, 94);
+}
+
+#[tokio::test]
+async fn unlimited_shadow_and_replaces() {
+    let mut rls = start_rls(&[]).await;
+    let ldap = rls.ask(request("internal", vec![descriptor(&[("ldap", "x")])])).await;
+    assert_eq!(ldap.statuses[0].code, Code::Ok as i32);
+    assert_eq!(ldap.statuses[0].limit_remaining, u32::MAX);
+    assert_eq!(rls.admitted("internal", &[&[("azure", "x")]], 120).await, 100);
+
+    // Shadow mode: user-a is never limited, user-b is.
+    assert_eq!(
+        rls.admitted("example6", &[&[("service", "s"), ("user", "user-a")]], 15)
+            .await,
+        15
+    );
+    let r = rls
+        .ask(request(
+            "example6",
+            vec![descriptor(&[("service", "s"), ("user", "user-a")])],
+        ))
+        .await;
+    assert_eq!(r.statuses[0].code, Code::Ok as i32, "shadow never refuses");
+    assert_eq!(
+        r.statuses[0].limit_remaining, 0,
+        "but reports the limit it would enforce"
+    );
+    assert_eq!(
+        rls.admitted("example6", &[&[("service", "s"), ("user", "user-b")]], 25)
+            .await,
+        20
+    );
+
+    // Replaces: with both descriptors only the replacing 10/s applies, and
+    // the replaced 5/s limit is not touched.
+    let both: &[&[(&str, &str)]] = &[
+        &[("key_1", "value_1"), ("user", "bkthomps")],
+        &[("key_2", "value_2"), ("user", "bkthomps")],
+    ];
+    assert_eq!(rls.admitted("example7", both, 15).await, 10);
+    assert_eq!(
+        rls.admitted("example7", &[&[("key_1", "value_1"), ("user", "bkthomps")]], 15)
+            .await,
+        5
+    );
+}
+
+#[tokio::test]
+async fn hits_addend_overrides_unknown_domains_and_native_rules() {
+    let mut rls = start_rls(&[]).await;
+    let mut req = request("edge_proxy_per_ip", vec![descriptor(&[("remote_address", "10.1.1.1")])]);
+    req.hits_addend = 4;
+    assert_eq!(rls.ask(req.clone()).await.statuses[0].limit_remaining, 6);
+    // A descriptor's own hits_addend wins; 0 there checks without charging.
+    req.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    assert_eq!(rls.ask(req.clone()).await.statuses[0].limit_remaining, 6);
+    req.descriptors[0].hits_addend = Some(UInt64Value { value: 7 });
+    assert_eq!(
+        rls.ask(req.clone()).await.overall_code,
+        Code::OverLimit as i32,
+        "6 left, 7 asked"
+    );
+
+    // A descriptor's limit override replaces the configured limit.
+    let mut custom = descriptor(&[("anything", "x")]);
+    custom.limit = Some(RateLimitOverride {
+        requests_per_unit: 3,
+        unit: 2,
+    });
+    let custom_req = request("edge_proxy_per_ip", vec![custom]);
+    for _ in 0..3 {
+        assert_eq!(rls.ask(custom_req.clone()).await.overall_code, Code::Ok as i32);
+    }
+    let r = rls.ask(custom_req).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].current_limit.as_ref().unwrap().unit, 2, "MINUTE");
+
+    // Unknown domains answer OK, one status per descriptor.
+    let r = rls
+        .ask(request(
+            "nobody",
+            vec![descriptor(&[("a", "b")]), descriptor(&[("c", "d")])],
+        ))
+        .await;
+    assert_eq!(r.overall_code, Code::Ok as i32);
+    assert_eq!(r.statuses.len(), 2);
+
+    // tollgate's own format: two windows on one descriptor, one of them 90s.
+    let login: &[(&str, &str)] = &[("remote_address", "10.2.2.2"), ("path", "/login")];
+    assert_eq!(rls.admitted("native", &[login], 5).await, 2);
+    let r = rls.ask(request("native", vec![descriptor(login)])).await;
+    let s = &r.statuses[0];
+    assert_eq!(s.current_limit.as_ref().unwrap().requests_per_unit, 2);
+    assert_eq!(s.current_limit.as_ref().unwrap().unit, 0, "90s is no Envoy unit");
+    assert!(s.duration_until_reset.as_ref().unwrap().seconds >= 89);
+}
+
+#[tokio::test]
+async fn rls_on_redis_and_grpc_health() {
+    let redis = RedisServer::start();
+    let mut rls = start_rls(&["--redis", &redis.url()]).await;
+    assert_eq!(
+        rls.admitted("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.1")]], 20)
+            .await,
+        10
+    );
+    let keys = redis.cli(&["--scan", "--pattern", "tg:*"]).unwrap();
+    assert!(
+        keys.contains("edge_proxy_per_ip") && keys.contains("50.0.0.1"),
+        "{keys}"
+    );
+
+    let channel = Channel::from_shared(format!("http://{}", rls.tg.grpc.unwrap()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+        let r = health
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: service.into(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            r.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32,
+            "{service:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn ext_authz_requests_shaped_as_envoy_sends_them() {
+    let limits = "\
+domain: it
+rules:
+  - name: login
+    match: { methods: [POST], path: /login }
+    by: [client_ip]
+    limits: [{ requests: 2, per: 20s }]
+";
+    let app = TestUpstream::start().await;
+    let tg = Tollgate::start(limits, app.addr, &["--trusted-proxies", "127.0.0.1/32"]);
+    let url = format!("http://{}/ext_authz/login", tg.check.unwrap());
+    let c = client();
+    // Envoy: original method and path behind the prefix, Content-Length: 0,
+    // only Host, Authorization and the allowed headers.
+    let envoy_headers = |client_ip: &'static str| {
+        vec![
+            ("host", "api.example.com"),
+            ("content-length", "0"),
+            ("x-forwarded-for", client_ip),
+        ]
+    };
+    for i in 0..2 {
+        let a = send(&c, Method::POST, &url, &envoy_headers("203.0.113.5"), Vec::new()).await;
+        assert_eq!(a.status, StatusCode::OK, "#{i}");
+        assert_eq!(
+            a.header("ratelimit"),
+            Some(format!("\"login\";r={};t=20", 1 - i).as_str())
+        );
+    }
+    let refused = send(&c, Method::POST, &url, &envoy_headers("203.0.113.5"), Vec::new()).await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(refused.header("retry-after").is_some());
+    assert_eq!(refused.header("ratelimit-policy"), Some("\"login\";q=2;w=20"));
+    assert_eq!(refused.json()["rule"], "login");
+    // Per client, and only POST /login is counted.
+    assert_eq!(
+        send(&c, Method::POST, &url, &envoy_headers("203.0.113.6"), Vec::new())
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let plain_get = send(&c, Method::GET, &url, &envoy_headers("203.0.113.5"), Vec::new()).await;
+    assert_eq!(plain_get.status, StatusCode::OK);
+    assert!(plain_get.header("ratelimit").is_none(), "no rule matched");
+    // The prefix alone is the root path; other paths are not ours.
+    let root = format!("http://{}/ext_authz", tg.check.unwrap());
+    assert_eq!(get(&c, &root, &[]).await.status, StatusCode::OK);
+    let elsewhere = format!("http://{}/other", tg.check.unwrap());
+    assert_eq!(get(&c, &elsewhere, &[]).await.status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn auth_request_answers_need_the_original_uri() {
+    let app = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: it\nrules: []\n", app.addr, &[]);
+    let c = client();
+    let url = format!("http://{}/auth_request", tg.check.unwrap());
+    let a = get(&c, &url, &[]).await;
+    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&a.body).contains("X-Original-URI"));
+    let ok = get(&c, &url, &[("x-original-uri", "/x?y=1"), ("x-original-method", "POST")]).await;
+    assert_eq!(ok.status, StatusCode::NO_CONTENT);
+}
