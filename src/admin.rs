@@ -40,6 +40,14 @@ impl Admin {
                     &format!("counter store unavailable: {e}\n"),
                 ),
             },
+            "/metrics" => {
+                let mut r = text(StatusCode::OK, &crate::metrics::get().render());
+                r.headers_mut().insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                );
+                r
+            }
             "/config" => {
                 let files: Vec<serde_json::Value> = self
                     .catalog
@@ -53,7 +61,10 @@ impl Admin {
                     .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
                 r
             }
-            _ => text(StatusCode::NOT_FOUND, "not found; try /healthz, /readyz or /config\n"),
+            _ => text(
+                StatusCode::NOT_FOUND,
+                "not found; try /healthz, /readyz, /metrics or /config\n",
+            ),
         }
     }
 }

@@ -50,8 +50,12 @@ pub enum DescriptorError {
 }
 
 /// The counters of every rule that matches the request.
+/// Paths are matched normalised (see [`crate::path`]), whatever the surface
+/// passed in.
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, DescriptorError> {
     let host = req.host.map(strip_port);
+    let path = crate::path::normalize(req.path);
+    let req = &RequestInfo { path: &path, ..*req };
     let mut hits = Vec::new();
     for rule in limits.http_rules() {
         if !rule.matcher.matches(req.method, req.path, host, req.headers) {

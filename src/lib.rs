@@ -13,6 +13,8 @@ pub mod config;
 pub mod descriptor;
 pub mod headers;
 pub mod limiter;
+pub mod metrics;
+pub mod path;
 pub mod reload;
 pub mod serve;
 pub mod surfaces;

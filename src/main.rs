@@ -202,6 +202,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         }
     };
     let limiter = Arc::new(Limiter::new(store, args.redis_timeout));
+    // Cached denials were exact for the old limits only.
+    let forget = limiter.clone();
+    catalog.on_change(move || forget.forget_denials());
 
     let proxy_listener = bind(args.listen).await?;
     let admin_listener = bind(args.admin_listen).await?;

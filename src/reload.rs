@@ -96,6 +96,7 @@ impl LiveLimits {
             reloads_ok: 0,
             reloads_failed: 0,
         };
+        crate::metrics::get().config_version(&path.display().to_string(), &version);
         Ok(LiveLimits {
             path: path.to_path_buf(),
             active: Arc::new(ArcSwap::from_pointee(limits)),
@@ -152,6 +153,8 @@ impl LiveLimits {
         match config::parse_str(&text, &name) {
             Ok(limits) => {
                 self.active.store(Arc::new(limits));
+                crate::metrics::get().reload(&name, true);
+                crate::metrics::get().config_version(&name, &version);
                 self.update_status(|s| {
                     s.version = version.clone();
                     s.loaded_at = now_rfc3339();
@@ -165,6 +168,7 @@ impl LiveLimits {
                 Ok(Reloaded::Changed)
             }
             Err(e) => {
+                crate::metrics::get().reload(&name, false);
                 self.update_status(|s| {
                     s.last_error = Some(e.to_string());
                     s.file_present = true;
@@ -386,6 +390,15 @@ impl Catalog {
             hits.extend(crate::descriptor::hits(&file.active.load(), req)?);
         }
         Ok(hits)
+    }
+
+    /// Runs `f` after any file's limits change.
+    pub fn on_change(&self, f: impl Fn() + Send + Sync + 'static) {
+        let f = Arc::new(f);
+        for file in &self.files {
+            let f = f.clone();
+            file.on_change(move || f());
+        }
     }
 
     /// Reloads every file (SIGHUP).

@@ -349,6 +349,8 @@ struct RawMatch {
     #[serde(default)]
     path: Option<String>,
     #[serde(default)]
+    ignore_case: bool,
+    #[serde(default)]
     host: Option<String>,
     #[serde(default)]
     headers: BTreeMap<String, String>,
@@ -387,9 +389,17 @@ impl RawMatch {
                 Ok((name, value))
             })
             .collect::<Result<_, String>>()?;
+        // Rules see normalised paths, so a pattern is normalised the same way
+        // (a prefix only when it ends at a segment boundary).
+        let path = path.map(|p| match p {
+            PathPattern::Exact(p) => PathPattern::Exact(crate::path::normalize(&p).into_owned()),
+            PathPattern::Prefix(p) if p.ends_with('/') => PathPattern::Prefix(crate::path::normalize(&p).into_owned()),
+            PathPattern::Prefix(p) => PathPattern::Prefix(p),
+        });
         Ok(Matcher {
             methods,
             path,
+            ignore_case: self.ignore_case,
             host: self.host.map(|h| h.to_ascii_lowercase()),
             headers,
         })

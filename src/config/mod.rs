@@ -106,6 +106,8 @@ pub struct Matcher {
     pub methods: Vec<Method>,
     /// Exact path, or prefix when written with a trailing `*`.
     pub path: Option<PathPattern>,
+    /// Compare paths without regard to ASCII case.
+    pub ignore_case: bool,
     /// Exact host (port ignored, case-insensitive).
     pub host: Option<String>,
     /// Headers that must be present, with this value unless it is `*`.
@@ -205,9 +207,13 @@ impl Matcher {
             return false;
         }
         if let Some(pattern) = &self.path {
-            let ok = match pattern {
-                PathPattern::Exact(p) => path == p,
-                PathPattern::Prefix(p) => path.starts_with(p.as_str()),
+            let ok = match (pattern, self.ignore_case) {
+                (PathPattern::Exact(p), false) => path == p,
+                (PathPattern::Exact(p), true) => path.eq_ignore_ascii_case(p),
+                (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
+                (PathPattern::Prefix(p), true) => {
+                    path.len() >= p.len() && path.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes())
+                }
             };
             if !ok {
                 return false;

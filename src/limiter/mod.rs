@@ -6,6 +6,7 @@
 //! the store cannot answer in time, and returns a [`Decision`] that the
 //! surfaces render in their own wire format. Nothing else talks to the store.
 
+mod denials;
 mod memory;
 mod redis_stream;
 
@@ -18,6 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::{FailureMode, Rule, Window};
+use crate::metrics;
 
 /// One counter to check (and charge) for one request.
 #[derive(Debug, Clone, Copy)]
@@ -219,6 +221,8 @@ pub struct Limiter {
     store: Store,
     deadline: Duration,
     failures: FailureLog,
+    denials: denials::DenialCache,
+    rejections: denials::RejectionLog,
 }
 
 impl Limiter {
@@ -228,7 +232,14 @@ impl Limiter {
             store,
             deadline,
             failures: FailureLog::default(),
+            denials: denials::DenialCache::default(),
+            rejections: denials::RejectionLog::default(),
         }
+    }
+
+    /// Drops every cached denial (the limits changed, so they may be wrong).
+    pub fn forget_denials(&self) {
+        self.denials.clear();
     }
 
     /// Whether the store answers within the deadline.
@@ -246,6 +257,35 @@ impl Limiter {
                 rules: Vec::new(),
             };
         }
+        let started = Instant::now();
+        let metrics = metrics::get();
+        let decision = match self.denials.check(hits) {
+            Some(cached) => {
+                metrics.denial_cache_hit();
+                for r in &cached.rules {
+                    metrics.rule(&r.rule.name, metrics::RuleOutcome::LimitedCached);
+                }
+                cached
+            }
+            None => {
+                let decision = self.ask_store(hits).await;
+                self.denials.remember(hits, &decision);
+                for r in &decision.rules {
+                    if let Some(outcome) = rule_outcome(decision.verdict, r) {
+                        metrics.rule(&r.rule.name, outcome);
+                    }
+                }
+                decision
+            }
+        };
+        if decision.verdict == Verdict::Limited {
+            self.rejections.record(hits, &decision);
+        }
+        metrics.decision_time(started.elapsed());
+        decision
+    }
+
+    async fn ask_store(&self, hits: &[Hit]) -> Decision {
         let checks: Vec<Check<'_>> = hits
             .iter()
             .map(|h| Check {
@@ -255,8 +295,12 @@ impl Limiter {
                 shadow: h.rule.shadow,
             })
             .collect();
+        let asked = Instant::now();
         let answer = match tokio::time::timeout(self.deadline, self.store.decide(&checks)).await {
-            Ok(Ok(answer)) => answer,
+            Ok(Ok(answer)) => {
+                metrics::get().store_time(asked.elapsed());
+                answer
+            }
             Ok(Err(e)) => return self.failed(hits, e),
             Err(_) => return self.failed(hits, StoreError::Timeout(self.deadline)),
         };
@@ -296,6 +340,11 @@ impl Limiter {
     }
 
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
+        metrics::get().store_error(match error {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Redis(_) => "redis",
+            StoreError::Reply(_) => "reply",
+        });
         let closed = hits
             .iter()
             .any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
@@ -316,6 +365,19 @@ impl Limiter {
             .collect();
         Decision { verdict, rules }
     }
+}
+
+/// The metrics word for what one rule said; `None` for a rule that had room
+/// in a request another rule refused (it decided nothing).
+fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleOutcome> {
+    Some(match verdict {
+        Verdict::FailedOpen => metrics::RuleOutcome::FailedOpen,
+        Verdict::FailedClosed => metrics::RuleOutcome::FailedClosed,
+        _ if rule.over && rule.rule.shadow => metrics::RuleOutcome::ShadowLimited,
+        _ if rule.over => metrics::RuleOutcome::Limited,
+        Verdict::Limited => return None,
+        Verdict::Allowed => metrics::RuleOutcome::Allowed,
+    })
 }
 
 /// Logs store failures at most once a second, with how many were folded in,

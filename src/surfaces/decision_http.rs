@@ -20,6 +20,7 @@ use crate::client_ip::TrustedProxies;
 use crate::descriptor::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter, Verdict};
+use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
 
 /// Path prefix Envoy's ext_authz `path_prefix` should be set to.
@@ -63,10 +64,17 @@ impl DecisionHttp {
         )
     }
 
-    async fn decide(&self, info: &RequestInfo<'_>) -> Result<Decision, Response<Full<Bytes>>> {
+    async fn decide(&self, surface: Surface, info: &RequestInfo<'_>) -> Result<Decision, Response<Full<Bytes>>> {
         match self.catalog.http_hits(info) {
-            Ok(hits) => Ok(self.limiter.decide(&hits).await),
-            Err(e) => Err(reply(StatusCode::BAD_REQUEST, &e.to_string())),
+            Ok(hits) => {
+                let decision = self.limiter.decide(&hits).await;
+                metrics::get().request(surface, decision.verdict.into());
+                Ok(decision)
+            }
+            Err(e) => {
+                metrics::get().request(surface, metrics::Verdict::BadRequest);
+                Err(reply(StatusCode::BAD_REQUEST, &e.to_string()))
+            }
         }
     }
 
@@ -84,7 +92,7 @@ impl DecisionHttp {
             headers: req.headers(),
             client_ip: self.trusted.client_ip(peer.ip(), req.headers()),
         };
-        let decision = match self.decide(&info).await {
+        let decision = match self.decide(Surface::ExtAuthz, &info).await {
             Ok(d) => d,
             Err(response) => return response,
         };
@@ -127,7 +135,7 @@ impl DecisionHttp {
             headers,
             client_ip: self.trusted.client_ip(peer.ip(), headers),
         };
-        let decision = match self.decide(&info).await {
+        let decision = match self.decide(Surface::AuthRequest, &info).await {
             Ok(d) => d,
             Err(response) => return response,
         };

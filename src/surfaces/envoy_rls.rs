@@ -22,6 +22,7 @@ use crate::config::{Cost, FailureMode, Matcher, Rule, Window};
 use crate::descriptor::descriptor_key;
 use crate::headers;
 use crate::limiter::{Decision, Hit, Limiter, RuleOutcome, Verdict};
+use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
 
 /// The RLS service, shared by every gRPC connection.
@@ -51,6 +52,8 @@ impl RlsService {
         let Some(limits) = self.catalog.domain(&req.domain) else {
             // envoyproxy/ratelimit answers OK for domains it does not know.
             self.unknown_domain.fetch_add(1, Ordering::Relaxed);
+            metrics::get().unknown_domain();
+            metrics::get().request(Surface::Rls, metrics::Verdict::Allowed);
             tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
             return ok_response(req.descriptors.len());
         };
@@ -98,6 +101,7 @@ impl RlsService {
             });
         }
         let decision = self.limiter.decide(&hits).await;
+        metrics::get().request(Surface::Rls, decision.verdict.into());
 
         let statuses = matched
             .iter()

@@ -8,7 +8,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -24,6 +24,7 @@ use crate::client_ip::TrustedProxies;
 use crate::descriptor::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter};
+use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
 
 /// What the proxy answers with: the upstream's body, or one of our own.
@@ -139,9 +140,13 @@ impl Proxy {
             };
             match self.catalog.http_hits(&info) {
                 Ok(hits) => self.limiter.decide(&hits).await,
-                Err(e) => return plain(StatusCode::BAD_REQUEST, &e.to_string()),
+                Err(e) => {
+                    metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);
+                    return plain(StatusCode::BAD_REQUEST, &e.to_string());
+                }
             }
         };
+        metrics::get().request(Surface::Proxy, decision.verdict.into());
         if !decision.verdict.admits() {
             return refusal(&decision);
         }
@@ -152,18 +157,25 @@ impl Proxy {
             Ok(r) => r,
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
-        let mut response =
-            match tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await {
-                Ok(Ok(r)) => r,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
-                    return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
-                }
-                Err(_) => {
-                    tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
-                    return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
-                }
-            };
+        let sent = Instant::now();
+        let answer = tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await;
+        let class = match &answer {
+            Ok(Ok(r)) => status_class(r.status()),
+            Ok(Err(_)) => "error",
+            Err(_) => "timeout",
+        };
+        metrics::get().upstream(class, sent.elapsed());
+        let mut response = match answer {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
+                return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
+            }
+            Err(_) => {
+                tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
+                return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
+            }
+        };
 
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
@@ -201,11 +213,13 @@ impl Proxy {
         upgrade: bool,
     ) -> Result<Request<Incoming>, StatusCode> {
         let (mut parts, body) = req.into_parts();
-        let path = parts
-            .uri
-            .path_and_query()
-            .cloned()
-            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        // The upstream sees the normalised path the limits were matched on.
+        let normal = crate::path::normalize(parts.uri.path());
+        let path = match parts.uri.query() {
+            Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
+            None => PathAndQuery::try_from(normal.as_ref()),
+        }
+        .map_err(|_| StatusCode::BAD_REQUEST)?;
         parts.uri = Uri::builder()
             .scheme(self.options.upstream.scheme.clone())
             .authority(self.options.upstream.authority.clone())
@@ -226,6 +240,16 @@ impl Proxy {
             headers.insert(X_FORWARDED_HOST, host);
         }
         Ok(Request::from_parts(parts, body))
+    }
+}
+
+fn status_class(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
     }
 }
 

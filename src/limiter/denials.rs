@@ -1,0 +1,145 @@
+//! What the limiter remembers about refusals.
+//!
+//! [`DenialCache`]: a refusal stays exact until its retry time, because counts
+//! inside a sliding window only grow from other instances and units leave at
+//! fixed times. So a key refused for cost `k` is refused again, without asking
+//! the store, for any cost `>= k` until then; a flood from one caller over its
+//! limit costs the store about one call per retry period per instance. A
+//! reload of the limits drops the cache.
+//!
+//! [`RejectionLog`]: one log line per refused counter, then a summary of how
+//! many more were refused, at most every few seconds per counter.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use super::{Decision, Hit, RuleOutcome, Verdict};
+
+/// Most counters remembered at once; past it, expired ones go, then all.
+const MAX_ENTRIES: usize = 100_000;
+/// How often one counter's refusals are logged at most.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+struct Denial {
+    until: Instant,
+    at: Instant,
+    cost: u64,
+    outcome: RuleOutcome,
+}
+
+/// Exact refusals, by counter key, until their retry time.
+#[derive(Default)]
+pub(super) struct DenialCache {
+    entries: Mutex<HashMap<String, Denial>>,
+    /// Lets the common case (nothing cached) skip the lock.
+    len: AtomicUsize,
+}
+
+impl DenialCache {
+    /// A refusal for this request, if a cached denial still covers one of its counters.
+    pub(super) fn check(&self, hits: &[Hit]) -> Option<Decision> {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let now = Instant::now();
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        hits.iter().filter(|h| !h.rule.shadow).find_map(|hit| {
+            let d = entries.get(&hit.key)?;
+            if d.until <= now || hit.cost < d.cost || d.outcome.rule.windows != hit.rule.windows {
+                return None;
+            }
+            let elapsed = now.duration_since(d.at).as_millis() as u64;
+            let mut outcome = d.outcome.clone();
+            for w in &mut outcome.windows {
+                w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
+                w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed).max(1));
+            }
+            Some(Decision {
+                verdict: Verdict::Limited,
+                rules: vec![outcome],
+            })
+        })
+    }
+
+    /// Remembers the counters that refused this request.
+    pub(super) fn remember(&self, hits: &[Hit], decision: &Decision) {
+        if decision.verdict != Verdict::Limited {
+            return;
+        }
+        let now = Instant::now();
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        if entries.len() >= MAX_ENTRIES {
+            entries.retain(|_, d| d.until > now);
+            if entries.len() >= MAX_ENTRIES {
+                entries.clear();
+            }
+        }
+        for (hit, outcome) in hits.iter().zip(&decision.rules) {
+            if !outcome.over || hit.rule.shadow {
+                continue;
+            }
+            let Some(retry) = outcome.windows.iter().filter_map(|w| w.retry_ms).max() else {
+                continue;
+            };
+            entries.insert(
+                hit.key.clone(),
+                Denial {
+                    until: now + Duration::from_millis(retry),
+                    at: now,
+                    cost: hit.cost,
+                    outcome: outcome.clone(),
+                },
+            );
+        }
+        self.len.store(entries.len(), Ordering::Relaxed);
+    }
+
+    /// Forgets everything.
+    pub(super) fn clear(&self) {
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.clear();
+        self.len.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Per refused counter: when it was last logged and how many refusals since.
+#[derive(Default)]
+pub(super) struct RejectionLog {
+    seen: Mutex<HashMap<String, (Instant, u64)>>,
+}
+
+impl RejectionLog {
+    /// Logs a refusal, or folds it into the counter's next summary line.
+    pub(super) fn record(&self, hits: &[Hit], decision: &Decision) {
+        let now = Instant::now();
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.len() >= MAX_ENTRIES {
+            seen.retain(|_, (at, _)| now.duration_since(*at) < LOG_EVERY);
+        }
+        for outcome in decision.refusing() {
+            let Some(hit) = hits.iter().find(|h| h.rule.id == outcome.rule.id) else {
+                continue;
+            };
+            let window = outcome.windows.iter().find(|w| w.retry_ms.is_some());
+            let folded = match seen.get_mut(&hit.key) {
+                Some((at, folded)) if now.duration_since(*at) < LOG_EVERY => {
+                    *folded += 1;
+                    continue;
+                }
+                Some((_, folded)) => *folded,
+                None => 0,
+            };
+            tracing::info!(
+                rule = %outcome.rule.name,
+                window = %window.map(|w| format!("{}/{}ms", w.window.requests, w.window.period_ms)).unwrap_or_default(),
+                retry_after_ms = window.and_then(|w| w.retry_ms).unwrap_or(0),
+                counter = %hit.key,
+                refused_since_last_line = folded,
+                "rate limited"
+            );
+            seen.insert(hit.key.clone(), (now, 0));
+        }
+    }
+}

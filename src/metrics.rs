@@ -1,0 +1,308 @@
+//! Prometheus metrics, served as text on the admin listener's `/metrics`.
+//!
+//! One process-wide set, so every part records where it knows the fact (the
+//! limiter its decisions, the proxy its upstream, the reloader its reloads)
+//! without threading a handle through. Label values are rule names, file
+//! names and fixed words only: nothing a caller sends ever becomes a label,
+//! so the number of series stays bounded by the configuration.
+
+use std::collections::HashMap;
+use std::sync::{LazyLock, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// What a rule said about one request.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum RuleOutcome {
+    /// Had room; charged.
+    Allowed,
+    /// Refused the request.
+    Limited,
+    /// A shadow rule that would have refused.
+    ShadowLimited,
+    /// The store failed; admitted by the failure mode.
+    FailedOpen,
+    /// The store failed; refused by the failure mode.
+    FailedClosed,
+    /// Refused by the local cache of an exact denial, without asking the store.
+    LimitedCached,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    rule: String,
+    outcome: RuleOutcome,
+}
+
+/// Which surface a request came through.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Surface {
+    /// The reverse proxy.
+    Proxy,
+    /// Envoy RLS gRPC.
+    Rls,
+    /// Envoy ext_authz.
+    ExtAuthz,
+    /// NGINX auth_request.
+    AuthRequest,
+}
+
+/// A request's overall answer.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum Verdict {
+    /// Admitted (no rule refused, or no rule matched).
+    Allowed,
+    /// Refused by a limit.
+    Limited,
+    /// Admitted because the store failed.
+    FailedOpen,
+    /// Refused because the store failed.
+    FailedClosed,
+    /// Refused as malformed (400).
+    BadRequest,
+}
+
+impl From<crate::limiter::Verdict> for Verdict {
+    fn from(v: crate::limiter::Verdict) -> Self {
+        match v {
+            crate::limiter::Verdict::Allowed => Verdict::Allowed,
+            crate::limiter::Verdict::Limited => Verdict::Limited,
+            crate::limiter::Verdict::FailedOpen => Verdict::FailedOpen,
+            crate::limiter::Verdict::FailedClosed => Verdict::FailedClosed,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    surface: Surface,
+    verdict: Verdict,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabels {
+    class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReloadLabels {
+    file: String,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ConfigLabels {
+    file: String,
+    version: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FileLabels {
+    file: String,
+}
+
+/// Every metric tollgate exports.
+pub struct Metrics {
+    registry: Registry,
+    decisions: Family<DecisionLabels, Counter>,
+    requests: Family<RequestLabels, Counter>,
+    decision_seconds: Histogram,
+    store_seconds: Histogram,
+    store_errors: Family<KindLabels, Counter>,
+    upstream: Family<ClassLabels, Counter>,
+    upstream_seconds: Histogram,
+    reloads: Family<ReloadLabels, Counter>,
+    config: Family<ConfigLabels, Gauge>,
+    config_error: Family<FileLabels, Gauge>,
+    denial_cache_hits: Counter,
+    unknown_domain: Counter,
+    /// The version last published per file, so a reload retires the old series.
+    versions: Mutex<HashMap<String, String>>,
+}
+
+fn latency_buckets() -> Histogram {
+    // 50 µs to ~1.6 s.
+    Histogram::new(exponential_buckets(0.000_05, 2.0, 16))
+}
+
+static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+
+/// The process's metrics.
+pub fn get() -> &'static Metrics {
+    &METRICS
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            decisions: Family::default(),
+            requests: Family::default(),
+            decision_seconds: latency_buckets(),
+            store_seconds: latency_buckets(),
+            store_errors: Family::default(),
+            upstream: Family::default(),
+            upstream_seconds: latency_buckets(),
+            reloads: Family::default(),
+            config: Family::default(),
+            config_error: Family::default(),
+            denial_cache_hits: Counter::default(),
+            unknown_domain: Counter::default(),
+            versions: Mutex::default(),
+            registry: Registry::default(),
+        };
+        registry.register("tollgate_decisions", "Rule outcomes, per rule", m.decisions.clone());
+        registry.register(
+            "tollgate_requests",
+            "Requests decided, per surface and verdict",
+            m.requests.clone(),
+        );
+        registry.register(
+            "tollgate_decision_seconds",
+            "Time to decide one request",
+            m.decision_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_store_seconds",
+            "Counter store round trips that answered",
+            m.store_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_store_errors",
+            "Counter store failures (timeout, redis, reply)",
+            m.store_errors.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_responses",
+            "Upstream answers by status class",
+            m.upstream.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_seconds",
+            "Time to the upstream's response headers",
+            m.upstream_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_config_reloads",
+            "Limits file reloads (ok, failed)",
+            m.reloads.clone(),
+        );
+        registry.register(
+            "tollgate_config_info",
+            "The active limits version per file",
+            m.config.clone(),
+        );
+        registry.register(
+            "tollgate_config_last_reload_failed",
+            "1 while a file's last edit was refused",
+            m.config_error.clone(),
+        );
+        registry.register(
+            "tollgate_denial_cache_hits",
+            "Requests refused from the exact local denial cache",
+            m.denial_cache_hits.clone(),
+        );
+        registry.register(
+            "tollgate_rls_unknown_domain",
+            "RLS requests for a domain no file declares",
+            m.unknown_domain.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The whole set in Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Records what one rule said.
+    pub fn rule(&self, rule: &str, outcome: RuleOutcome) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                rule: rule.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    /// Records a request's verdict on a surface.
+    pub fn request(&self, surface: Surface, verdict: Verdict) {
+        self.requests.get_or_create(&RequestLabels { surface, verdict }).inc();
+    }
+
+    /// Records the time one decision took.
+    pub fn decision_time(&self, d: Duration) {
+        self.decision_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Records a store round trip that answered.
+    pub fn store_time(&self, d: Duration) {
+        self.store_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Records a store failure of this kind.
+    pub fn store_error(&self, kind: &'static str) {
+        self.store_errors.get_or_create(&KindLabels { kind }).inc();
+    }
+
+    /// Records an upstream answer (status class, or `error` / `timeout`).
+    pub fn upstream(&self, class: &'static str, d: Duration) {
+        self.upstream.get_or_create(&ClassLabels { class }).inc();
+        self.upstream_seconds.observe(d.as_secs_f64());
+    }
+
+    /// Records a reload of `file` and, when it succeeded, its new version.
+    pub fn reload(&self, file: &str, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.reloads
+            .get_or_create(&ReloadLabels {
+                file: file.to_string(),
+                result,
+            })
+            .inc();
+        self.config_error
+            .get_or_create(&FileLabels { file: file.to_string() })
+            .set(i64::from(!ok));
+    }
+
+    /// Publishes the active version of `file`, retiring the previous one.
+    pub fn config_version(&self, file: &str, version: &str) {
+        let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = versions.insert(file.to_string(), version.to_string()) {
+            self.config.remove(&ConfigLabels {
+                file: file.to_string(),
+                version: old,
+            });
+        }
+        self.config
+            .get_or_create(&ConfigLabels {
+                file: file.to_string(),
+                version: version.to_string(),
+            })
+            .set(1);
+    }
+
+    /// Records a request refused from the denial cache.
+    pub fn denial_cache_hit(&self) {
+        self.denial_cache_hits.inc();
+    }
+
+    /// Records an RLS request for an unknown domain.
+    pub fn unknown_domain(&self) {
+        self.unknown_domain.inc();
+    }
+}
