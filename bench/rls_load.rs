@@ -50,7 +50,7 @@ async fn main() {
                 let value = if keys <= 1 {
                     "hot".to_string()
                 } else {
-                    format!("k{}", (n >> 33) as usize % keys)
+                    format!("k{}", (n >> 33) % keys)
                 };
                 let req = RateLimitRequest {
                     domain: domain.clone(),
