@@ -11,6 +11,7 @@ for _, e in ipairs(redis.call('XRANGE', KEYS[1], now - period + 1, '+')) do
   used = used + tonumber(e[2][2])
 end
 if used + cost > limit then return { 0 } end
+if cost == 0 then return { 1 } end
 redis.call('XADD', KEYS[1], '*', 'n', cost, 'c', 0)
 redis.call('PEXPIRE', KEYS[1], period)
 return { 1 }

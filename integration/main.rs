@@ -5,6 +5,7 @@ mod cli;
 mod common;
 mod envoy;
 mod nginx;
+mod production;
 mod proxy;
 mod reload;
 mod stores;

@@ -10,7 +10,7 @@ use std::collections::HashMap;
 use std::sync::{LazyLock, Mutex};
 use std::time::Duration;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -18,7 +18,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 
 /// What a rule said about one request.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum RuleOutcome {
     /// Had room; charged.
     Allowed,
@@ -37,11 +37,47 @@ pub enum RuleOutcome {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
     rule: String,
-    outcome: RuleOutcome,
+    outcome: &'static str,
+}
+
+impl RuleOutcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            RuleOutcome::Allowed => "allowed",
+            RuleOutcome::Limited => "limited",
+            RuleOutcome::ShadowLimited => "shadow_limited",
+            RuleOutcome::FailedOpen => "failed_open",
+            RuleOutcome::FailedClosed => "failed_closed",
+            RuleOutcome::LimitedCached => "limited_cached",
+        }
+    }
+}
+
+impl Surface {
+    fn as_str(self) -> &'static str {
+        match self {
+            Surface::Proxy => "proxy",
+            Surface::Rls => "envoy_rls",
+            Surface::ExtAuthz => "ext_authz",
+            Surface::AuthRequest => "auth_request",
+        }
+    }
+}
+
+impl Verdict {
+    fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Allowed => "allowed",
+            Verdict::Limited => "limited",
+            Verdict::FailedOpen => "failed_open",
+            Verdict::FailedClosed => "failed_closed",
+            Verdict::BadRequest => "bad_request",
+        }
+    }
 }
 
 /// Which surface a request came through.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Surface {
     /// The reverse proxy.
     Proxy,
@@ -54,7 +90,7 @@ pub enum Surface {
 }
 
 /// A request's overall answer.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum Verdict {
     /// Admitted (no rule refused, or no rule matched).
     Allowed,
@@ -81,8 +117,8 @@ impl From<crate::limiter::Verdict> for Verdict {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RequestLabels {
-    surface: Surface,
-    verdict: Verdict,
+    surface: &'static str,
+    verdict: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -234,14 +270,19 @@ impl Metrics {
         self.decisions
             .get_or_create(&DecisionLabels {
                 rule: rule.to_string(),
-                outcome,
+                outcome: outcome.as_str(),
             })
             .inc();
     }
 
     /// Records a request's verdict on a surface.
     pub fn request(&self, surface: Surface, verdict: Verdict) {
-        self.requests.get_or_create(&RequestLabels { surface, verdict }).inc();
+        self.requests
+            .get_or_create(&RequestLabels {
+                surface: surface.as_str(),
+                verdict: verdict.as_str(),
+            })
+            .inc();
     }
 
     /// Records the time one decision took.

@@ -31,6 +31,7 @@ pub struct RedisServer {
     child: Child,
     pub port: u16,
     dir: tempfile::TempDir,
+    extra: Vec<String>,
 }
 
 impl RedisServer {
@@ -39,33 +40,44 @@ impl RedisServer {
     }
 
     pub fn start_with(extra: &[&str]) -> RedisServer {
+        let extra: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         for _ in 0..5 {
             let port = free_port();
             let dir = tempfile::tempdir().unwrap();
-            let child = Command::new("redis-server")
-                .args([
-                    "--port",
-                    &port.to_string(),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ])
-                .args(["--dir", dir.path().to_str().unwrap()])
-                .args(extra)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("redis-server must be installed (the test command installs it)");
-            let mut server = RedisServer { child, port, dir };
+            let child = spawn_redis(port, dir.path(), &extra);
+            let mut server = RedisServer {
+                child,
+                port,
+                dir,
+                extra: extra.clone(),
+            };
             if server.wait_ready() {
                 return server;
             }
             let _ = server.child.kill();
         }
         panic!("could not start redis-server");
+    }
+
+    /// Kills the server outright (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Starts it again on the same port, empty (nothing is persisted).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.child = spawn_redis(self.port, self.dir.path(), &self.extra);
+        assert!(self.wait_ready(), "redis-server did not come back on {}", self.port);
+    }
+
+    /// Sends a signal (STOP, CONT) to the server.
+    pub fn signal(&self, sig: &str) {
+        Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap();
     }
 
     fn wait_ready(&mut self) -> bool {
@@ -88,11 +100,12 @@ impl RedisServer {
 
     /// Runs one command through `redis-cli` and returns its raw output.
     pub fn cli(&self, args: &[&str]) -> Option<String> {
-        let out = Command::new("redis-cli")
-            .args(["-p", &self.port.to_string(), "--raw"])
-            .args(args)
-            .output()
-            .ok()?;
+        let mut cmd = Command::new("redis-cli");
+        // A server started with --requirepass is asked with that password.
+        if let Some(i) = self.extra.iter().position(|a| a == "--requirepass") {
+            cmd.env("REDISCLI_AUTH", &self.extra[i + 1]);
+        }
+        let out = cmd.args(["-p", &self.port.to_string(), "--raw"]).args(args).output().ok()?;
         out.status
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
@@ -108,6 +121,26 @@ impl Drop for RedisServer {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+fn spawn_redis(port: u16, dir: &Path, extra: &[String]) -> Child {
+    Command::new("redis-server")
+        .args([
+            "--port",
+            &port.to_string(),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ])
+        .args(["--dir", dir.to_str().unwrap()])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server must be installed (the test command installs it)")
 }
 
 /// A running `tollgate` binary.
@@ -229,8 +262,13 @@ impl Drop for Tollgate {
     }
 }
 
-/// An address from the "listening" line (`None` for a listener that is off).
+/// An address from the "listening" line, human or JSON (`None` for a
+/// listener that is off).
 fn field(line: &str, name: &str) -> Option<SocketAddr> {
+    if line.starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        return v["fields"][name.trim_end_matches('=')].as_str()?.parse().ok();
+    }
     let start = line.find(name).unwrap_or_else(|| panic!("no {name} in {line}")) + name.len();
     let rest = &line[start..];
     let end = rest.find(|c: char| c.is_whitespace()).unwrap_or(rest.len());

@@ -1,0 +1,392 @@
+//! Running in production: Redis crashing, freezing and coming back, secrets,
+//! the denial cache, metrics, and the ways callers try to get around limits.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+
+use crate::common::*;
+
+const LIMITS: &str = "\
+domain: prod
+rules:
+  - name: load
+    match: { path: /load }
+    limits: [{ requests: 100000000, per: 1s }]
+  - name: probe
+    match: { path: /probe }
+    by: [\"header:x-probe\"]
+    limits: [{ requests: 3, per: 60s }]
+";
+
+static PROBE: AtomicUsize = AtomicUsize::new(0);
+
+/// Admissions a fresh caller gets on /probe before a 429 (3 when exact).
+async fn probe(tg: &Tollgate) -> usize {
+    let c = client();
+    let key = format!("p{}", PROBE.fetch_add(1, Ordering::SeqCst));
+    for n in 0..10 {
+        if get(&c, &tg.url("/probe"), &[("x-probe", &key)]).await.status != StatusCode::OK {
+            return n;
+        }
+    }
+    10
+}
+
+/// Steady load on /load; counts answers and the slowest one.
+struct Load {
+    stop: Arc<AtomicBool>,
+    answered: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+    slowest_us: Arc<AtomicU64>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(tg: &Tollgate, callers: usize) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let answered = Arc::new(AtomicUsize::new(0));
+        let failed = Arc::new(AtomicUsize::new(0));
+        let slowest_us = Arc::new(AtomicU64::new(0));
+        let tasks = (0..callers)
+            .map(|_| {
+                let (stop, answered, failed, slowest) =
+                    (stop.clone(), answered.clone(), failed.clone(), slowest_us.clone());
+                let url = tg.url("/load");
+                tokio::spawn(async move {
+                    let c = client();
+                    while !stop.load(Ordering::SeqCst) {
+                        let started = Instant::now();
+                        let status = get(&c, &url, &[]).await.status;
+                        slowest.fetch_max(started.elapsed().as_micros() as u64, Ordering::SeqCst);
+                        if status == StatusCode::OK {
+                            answered.fetch_add(1, Ordering::SeqCst);
+                        } else {
+                            failed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            answered,
+            failed,
+            slowest_us,
+            tasks,
+        }
+    }
+
+    async fn finish(self) -> (usize, usize, Duration) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.tasks {
+            t.await.unwrap();
+        }
+        (
+            self.answered.load(Ordering::SeqCst),
+            self.failed.load(Ordering::SeqCst),
+            Duration::from_micros(self.slowest_us.load(Ordering::SeqCst)),
+        )
+    }
+}
+
+/// Waits for exact limiting to be back; returns how long it took.
+async fn until_exact(tg: &Tollgate, limit: Duration) -> Duration {
+    let started = Instant::now();
+    while probe(tg).await != 3 {
+        assert!(
+            started.elapsed() < limit,
+            "limits not exact again after {limit:?}:\n{}",
+            tg.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    started.elapsed()
+}
+
+#[tokio::test]
+async fn redis_killed_and_restarted_under_load() {
+    let mut redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LIMITS,
+        upstream.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "50ms"],
+    );
+    assert_eq!(probe(&tg).await, 3);
+
+    let load = Load::start(&tg, 4);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    redis.kill();
+    let down = Instant::now();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let during = load.answered.load(Ordering::SeqCst);
+    // Fail open: no limits while Redis is gone, every request still answered.
+    assert_eq!(probe(&tg).await, 10);
+    redis.restart();
+    let outage = down.elapsed();
+    let recovered = until_exact(&tg, Duration::from_secs(1)).await;
+    let (answered, failed, slowest) = load.finish().await;
+    eprintln!(
+        "redis restart: outage {outage:?}, {during} requests answered by then, {answered} in all, \
+         slowest {slowest:?}, exact again {recovered:?} after redis came back"
+    );
+    assert_eq!(failed, 0, "every request was answered 200 (fail open)");
+    assert!(
+        slowest < Duration::from_millis(500),
+        "no request hung: slowest {slowest:?}"
+    );
+    assert!(
+        tg.log_text().contains("counter store unavailable"),
+        "the outage was logged"
+    );
+}
+
+#[tokio::test]
+async fn redis_frozen_with_sigstop() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LIMITS,
+        upstream.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "50ms"],
+    );
+    let load = Load::start(&tg, 4);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    redis.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let started = Instant::now();
+    assert_eq!(get(&client(), &tg.url("/load"), &[]).await.status, StatusCode::OK);
+    assert!(
+        started.elapsed() < Duration::from_millis(300),
+        "answered within the deadline: {:?}",
+        started.elapsed()
+    );
+    redis.signal("CONT");
+    let recovered = until_exact(&tg, Duration::from_secs(1)).await;
+    let (answered, failed, slowest) = load.finish().await;
+    eprintln!("redis frozen 1.5s: {answered} answered, slowest {slowest:?}, exact again {recovered:?} after SIGCONT");
+    assert_eq!(failed, 0);
+    assert!(slowest < Duration::from_millis(500), "slowest {slowest:?}");
+}
+
+#[tokio::test]
+async fn passwords_and_acl_users_work_and_never_show() {
+    let redis = RedisServer::start_with(&[
+        "--requirepass",
+        "default-S3CRET",
+        "--user",
+        "tollgate",
+        "on",
+        ">acl-S3CRET",
+        "~tg:*",
+        "+@all",
+    ]);
+    let upstream = TestUpstream::start().await;
+    for url in [
+        format!("redis://tollgate:acl-S3CRET@127.0.0.1:{}/", redis.port),
+        format!("redis://:default-S3CRET@127.0.0.1:{}/", redis.port),
+    ] {
+        let tg = Tollgate::start(LIMITS, upstream.addr, &["--redis", &url]);
+        assert_eq!(probe(&tg).await, 3, "limits work through {url}");
+        let c = client();
+        let admin = |p: &str| format!("http://{}{p}", tg.admin);
+        let shown = format!(
+            "{}{}{}",
+            tg.log_text(),
+            String::from_utf8_lossy(&get(&c, &admin("/config"), &[]).await.body),
+            String::from_utf8_lossy(&get(&c, &admin("/metrics"), &[]).await.body)
+        );
+        assert!(!shown.contains("S3CRET"), "a password leaked:\n{shown}");
+        assert!(
+            shown.contains(&format!("127.0.0.1:{}", redis.port)),
+            "the server itself is named"
+        );
+    }
+    // A wrong password fails open, and the log does not echo it either.
+    let wrong = format!("redis://tollgate:wrong-S3CRET@127.0.0.1:{}/", redis.port);
+    let tg = Tollgate::start(LIMITS, upstream.addr, &["--redis", &wrong]);
+    assert_eq!(probe(&tg).await, 10);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!tg.log_text().contains("S3CRET"), "{}", tg.log_text());
+}
+
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
+    stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split("calls=").nth(1))
+        .and_then(|v| v.split(',').next())
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+#[tokio::test]
+async fn a_flood_over_the_limit_barely_reaches_redis() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let limits = "\
+domain: flood
+rules:
+  - name: per-key
+    by: [\"header:x-key\"]
+    limits: [{ requests: 5, per: 2s }]
+";
+    let tg = Tollgate::start(limits, upstream.addr, &["--redis", &redis.url()]);
+    let c = client();
+    let before = evalsha_calls(&redis);
+    let started = Instant::now();
+    let (mut admitted, mut refused, mut last_admit) = (0, 0, started);
+    while started.elapsed() < Duration::from_millis(3500) {
+        match get(&c, &tg.url("/"), &[("x-key", "flooder")]).await.status {
+            StatusCode::OK => {
+                admitted += 1;
+                last_admit = Instant::now();
+            }
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            other => panic!("{other}"),
+        }
+    }
+    let calls = evalsha_calls(&redis) - before;
+    let total = admitted + refused;
+    eprintln!(
+        "flood: {total} requests in 3.5s, {admitted} admitted, {refused} refused, {calls} Redis calls \
+         ({} saved by the denial cache)",
+        total as u64 - calls
+    );
+    // Two full windows passed: 5 at the start, 5 more once they left, maybe 5 more.
+    assert!((10..=15).contains(&admitted), "{admitted} admitted");
+    assert!(
+        last_admit > started + Duration::from_secs(2),
+        "admitted again after the retry time"
+    );
+    // Each admission is a call; each window adds at most a refusal or two.
+    assert!(calls <= admitted as u64 + 6, "{calls} Redis calls for {total} requests");
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    assert!(metrics.contains("tollgate_denial_cache_hits_total"), "{metrics}");
+}
+
+#[tokio::test]
+async fn metrics_describe_decisions_upstream_and_reloads() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, upstream.addr, &[]);
+    let c = client();
+    for _ in 0..4 {
+        get(&c, &tg.url("/probe"), &[("x-probe", "m")]).await;
+    }
+    get(&c, &tg.url("/load"), &[]).await;
+    std::fs::write(&tg.config, "domain: prod\nrules: [oops").unwrap();
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    for line in [
+        "tollgate_decisions_total{rule=\"probe\",outcome=\"allowed\"} 3",
+        "tollgate_decisions_total{rule=\"probe\",outcome=\"limited\"} 1",
+        "tollgate_requests_total{surface=\"proxy\",verdict=\"limited\"} 1",
+        "tollgate_upstream_responses_total{class=\"2xx\"} 4",
+        "tollgate_config_last_reload_failed{file=",
+        "tollgate_decision_seconds_bucket",
+        "tollgate_config_info{file=",
+    ] {
+        assert!(m.contains(line), "missing {line}:\n{m}");
+    }
+    assert!(
+        !m.contains("x-probe") && !m.contains("\"m\""),
+        "caller values never become labels"
+    );
+}
+
+#[tokio::test]
+async fn every_spelling_of_a_path_counts_the_same() {
+    let limits = "\
+domain: paths
+rules:
+  - name: login
+    match: { path: /login }
+    limits: [{ requests: 1, per: 30s }]
+  - name: admin
+    match: { path: /Admin/*, ignore_case: true }
+    limits: [{ requests: 1, per: 30s }]
+";
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    for spelling in ["//login", "/./login", "/log%69n", "/api/../login", "/%6Cogin?x=1"] {
+        let tg = Tollgate::start(limits, upstream.addr, &[]);
+        let first = get(&c, &tg.url("/login"), &[]).await;
+        assert_eq!(first.status, StatusCode::OK);
+        let again = raw(
+            tg.addr,
+            format!("GET {spelling} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+            Duration::from_secs(2),
+        )
+        .await;
+        assert!(
+            again.starts_with("HTTP/1.1 429"),
+            "{spelling} escaped the /login rule: {again}"
+        );
+    }
+    // The upstream sees the same normalised path the rule matched.
+    let tg = Tollgate::start(limits, upstream.addr, &[]);
+    let seen = raw(
+        tg.addr,
+        b"GET /a/..//echo/./x%2fy?q=%2e HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(seen.to_lowercase().contains("x-seen-uri: /echo/x%2fy?q=%2e"), "{seen}");
+    // Case-insensitive only where a rule says so.
+    assert_eq!(get(&c, &tg.url("/ADMIN/users"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&c, &tg.url("/admin/other"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        get(&c, &tg.url("/LOGIN"), &[]).await.status,
+        StatusCode::OK,
+        "/login is case-sensitive"
+    );
+}
+
+#[tokio::test]
+async fn oversized_headers_are_refused_and_serving_goes_on() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, upstream.addr, &[]);
+    let mut many = String::from("GET /echo HTTP/1.1\r\nHost: x\r\n");
+    for i in 0..300 {
+        many.push_str(&format!("X-H{i}: v\r\n"));
+    }
+    many.push_str("\r\n");
+    let answer = raw(tg.addr, many.as_bytes(), Duration::from_secs(2)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "too many headers: {answer:.80}");
+    let huge = format!(
+        "GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: {}\r\n\r\n",
+        "a".repeat(200 * 1024)
+    );
+    let answer = raw(tg.addr, huge.as_bytes(), Duration::from_secs(2)).await;
+    assert!(answer.starts_with("HTTP/1.1 431"), "a 200 KiB header: {answer:.80}");
+    let garbage = raw(tg.addr, b"NOT HTTP AT ALL\r\n\r\n", Duration::from_secs(2)).await;
+    assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage:.80}");
+    assert_eq!(get(&client(), &tg.url("/echo"), &[]).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn json_logs_are_one_object_per_line() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, upstream.addr, &["--log-format", "json"]);
+    for _ in 0..4 {
+        get(&client(), &tg.url("/probe"), &[("x-probe", "j")]).await;
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let logs = tg.log_text();
+    let mut saw_rejection = false;
+    for line in logs.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}"));
+        if v["fields"]["message"] == "rate limited" {
+            saw_rejection = true;
+            assert_eq!(v["fields"]["rule"], "probe");
+        }
+    }
+    assert!(saw_rejection, "{logs}");
+}
