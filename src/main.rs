@@ -22,6 +22,11 @@ use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
 
+// Many small short-lived allocations per request (headers, keys); glibc's
+// allocator showed up at ~5% of proxy CPU in profiles, mimalloc much less.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "tollgate",

@@ -7,7 +7,7 @@
 //! so the number of series stays bounded by the configuration.
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex};
+use std::sync::{LazyLock, Mutex, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -41,6 +41,8 @@ struct DecisionLabels {
 }
 
 impl RuleOutcome {
+    const COUNT: usize = 6;
+
     fn as_str(self) -> &'static str {
         match self {
             RuleOutcome::Allowed => "allowed",
@@ -165,6 +167,8 @@ pub struct Metrics {
     unknown_domain: Counter,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
+    /// Per rule name, one counter handle per outcome.
+    rule_counters: RwLock<HashMap<String, [Option<Counter>; RuleOutcome::COUNT]>>,
 }
 
 fn latency_buckets() -> Histogram {
@@ -196,6 +200,7 @@ impl Metrics {
             denial_cache_hits: Counter::default(),
             unknown_domain: Counter::default(),
             versions: Mutex::default(),
+            rule_counters: RwLock::default(),
             registry: Registry::default(),
         };
         registry.register("tollgate_decisions", "Rule outcomes, per rule", m.decisions.clone());
@@ -267,12 +272,24 @@ impl Metrics {
 
     /// Records what one rule said.
     pub fn rule(&self, rule: &str, outcome: RuleOutcome) {
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                rule: rule.to_string(),
-                outcome: outcome.as_str(),
-            })
-            .inc();
+        // The hot path reuses counter handles instead of building labels.
+        if let Some(Some(c)) = self
+            .rule_counters
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(rule)
+            .map(|cs| &cs[outcome as usize])
+        {
+            c.inc();
+            return;
+        }
+        let counter = self.decisions.get_or_create_owned(&DecisionLabels {
+            rule: rule.to_string(),
+            outcome: outcome.as_str(),
+        });
+        counter.inc();
+        let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
+        counters.entry(rule.to_string()).or_default()[outcome as usize] = Some(counter);
     }
 
     /// Records a request's verdict on a surface.

@@ -105,7 +105,11 @@ impl RedisServer {
         if let Some(i) = self.extra.iter().position(|a| a == "--requirepass") {
             cmd.env("REDISCLI_AUTH", &self.extra[i + 1]);
         }
-        let out = cmd.args(["-p", &self.port.to_string(), "--raw"]).args(args).output().ok()?;
+        let out = cmd
+            .args(["-p", &self.port.to_string(), "--raw"])
+            .args(args)
+            .output()
+            .ok()?;
         out.status
             .success()
             .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
