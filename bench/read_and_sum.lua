@@ -1,11 +1,11 @@
 -- The baseline tollgate is measured against in bench/run: the published way
 -- of counting with streams, which reads every entry of the window and sums
--- it. Same arguments and reply shape as decide.lua for one key and window.
+-- it. Same arguments as decide.lua for one decision of one key and window.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cost = tonumber(ARGV[2])
-local limit = tonumber(ARGV[5])
-local period = tonumber(ARGV[6])
+local cost = tonumber(ARGV[4])
+local limit = tonumber(ARGV[7])
+local period = tonumber(ARGV[8])
 local used = 0
 for _, e in ipairs(redis.call('XRANGE', KEYS[1], now - period + 1, '+')) do
   used = used + tonumber(e[2][2])

@@ -233,3 +233,37 @@ fn redis_script_answers_exactly_like_the_memory_store() {
         }
     });
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_decisions_share_calls_and_stay_exact() {
+    let redis = RedisServer::start();
+    let store = Arc::new(RedisStore::connect(&redis.url(), None).unwrap());
+    let windows = [w(50, 60_000)];
+    let tasks: Vec<_> = (0..400)
+        .map(|_| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let checks = [Check {
+                    key: "tg:batch:hot",
+                    windows: &windows,
+                    cost: 1,
+                    shadow: false,
+                }];
+                store.decide(&checks).await.unwrap().admitted
+            })
+        })
+        .collect();
+    let mut admitted = 0;
+    for t in tasks {
+        admitted += usize::from(t.await.unwrap());
+    }
+    assert_eq!(admitted, 50, "exactly the limit, however decisions were grouped");
+    let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
+    let calls: u64 = stats
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .and_then(|l| l.split("calls=").nth(1)?.split(',').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("{stats}"));
+    eprintln!("400 concurrent decisions in {calls} EVALSHA calls");
+    assert!(calls < 400, "decisions waiting together went in shared calls ({calls})");
+}

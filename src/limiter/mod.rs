@@ -72,6 +72,9 @@ pub enum StoreError {
     /// Redis answered with an error or the connection failed.
     #[error("redis: {0}")]
     Redis(#[from] redis::RedisError),
+    /// The call carrying this decision among others failed.
+    #[error("redis: {0}")]
+    Batch(String),
     /// Redis answered something the script never returns.
     #[error("unexpected reply from redis: {0}")]
     Reply(String),
@@ -349,7 +352,7 @@ impl Limiter {
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
         metrics::get().store_error(match error {
             StoreError::Timeout(_) => "timeout",
-            StoreError::Redis(_) => "redis",
+            StoreError::Redis(_) | StoreError::Batch(_) => "redis",
             StoreError::Reply(_) => "reply",
         });
         let closed = hits
