@@ -3,9 +3,9 @@
 -- it. Same arguments as decide.lua for one decision of one key and window.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local cost = tonumber(ARGV[4])
-local limit = tonumber(ARGV[7])
-local period = tonumber(ARGV[8])
+local cost = tonumber(ARGV[5])
+local limit = tonumber(ARGV[8])
+local period = tonumber(ARGV[9])
 local used = 0
 for _, e in ipairs(redis.call('XRANGE', KEYS[1], now - period + 1, '+')) do
   used = used + tonumber(e[2][2])

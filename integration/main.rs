@@ -9,3 +9,4 @@ mod production;
 mod proxy;
 mod reload;
 mod stores;
+mod topologies;

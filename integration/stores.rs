@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use proptest::prelude::*;
 use tollgate::config::Window;
-use tollgate::limiter::{Check, CounterStore, ManualClock, MemoryStore, RedisStore, StoreAnswer, WindowCount};
+use tollgate::limiter::{
+    Check, CounterStore, ManualClock, MemoryStore, RedisMode, RedisStore, StoreAnswer, WindowCount,
+};
 
 use crate::common::RedisServer;
 
@@ -27,7 +29,8 @@ fn subjects() -> Vec<Subject> {
     let memory = Arc::new(MemoryStore::new(memory_clock.clone()));
     let redis = RedisServer::start();
     let redis_clock = Arc::new(ManualClock::new(T0));
-    let store = Arc::new(RedisStore::connect(&redis.url(), Some(redis_clock.clone())).unwrap());
+    let store =
+        Arc::new(RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(redis_clock.clone())).unwrap());
     vec![
         Subject {
             name: "memory",
@@ -171,7 +174,7 @@ async fn shadow_counters_never_refuse() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_keys_expire_after_the_longest_window() {
     let redis = RedisServer::start();
-    let store = RedisStore::connect(&redis.url(), None).unwrap();
+    let store = RedisStore::connect(&[redis.url()], &RedisMode::Standalone, None).unwrap();
     let ws = [w(5, 1_000), w(10, 3_000)];
     store.decide(&[check("tg:exp", &ws, 1)]).await.unwrap();
     let ttl: i64 = redis.cli(&["PTTL", "tg:exp"]).unwrap().trim().parse().unwrap();
@@ -215,7 +218,7 @@ fn redis_script_answers_exactly_like_the_memory_store() {
         let n = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let clock = Arc::new(ManualClock::new(T0));
         let memory = MemoryStore::new(clock.clone());
-        let redis_store = runtime.block_on(async { RedisStore::connect(&redis.url(), Some(clock.clone())) }).unwrap();
+        let redis_store = runtime.block_on(async { RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())) }).unwrap();
         let keys: Vec<String> = (0..3).map(|k| format!("prop:{n}:{k}")).collect();
         for (dt, mut picks) in steps {
             clock.advance(dt);
@@ -237,7 +240,7 @@ fn redis_script_answers_exactly_like_the_memory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_decisions_share_calls_and_stay_exact() {
     let redis = RedisServer::start();
-    let store = Arc::new(RedisStore::connect(&redis.url(), None).unwrap());
+    let store = Arc::new(RedisStore::connect(&[redis.url()], &RedisMode::Standalone, None).unwrap());
     let windows = [w(50, 60_000)];
     let tasks: Vec<_> = (0..400)
         .map(|_| {

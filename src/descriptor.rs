@@ -94,27 +94,41 @@ fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, DescriptorError> {
 }
 
 fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
-    let mut key = String::with_capacity(64);
-    key.push_str("tg:");
-    push_component(&mut key, domain);
-    push_component(&mut key, &rule.id);
+    let mut values = Vec::with_capacity(rule.by.len());
     for part in &rule.by {
         let value = part_value(part, req, host)?;
         if value.is_empty() {
             return None;
         }
-        push_component(&mut key, &value);
+        values.push(value);
+    }
+    let mut key = key_start(domain, values.first().map_or(&rule.id, |v| v), &rule.id);
+    for value in &values {
+        push_component(&mut key, value);
     }
     Some(key)
+}
+
+/// `tg:{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
+/// tag, so counters of one domain keyed first on the same value (say the
+/// client address) share a slot and are decided in one atomic call. A `}`
+/// inside a value only shortens the tag; the key itself stays unique.
+fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
+    let mut key = String::with_capacity(64);
+    key.push_str("tg:{");
+    push_component(&mut key, domain);
+    push_component(&mut key, first);
+    key.push('}');
+    push_component(&mut key, rule_id);
+    key
 }
 
 /// The counter of an Envoy descriptor matched to `rule`: the request's own
 /// values, so a bare `key` or a `value*` pattern counts each value apart.
 pub fn descriptor_key<'a>(domain: &str, rule: &Rule, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut key = String::with_capacity(64);
-    key.push_str("tg:");
-    push_component(&mut key, domain);
-    push_component(&mut key, &rule.id);
+    let mut entries = entries.into_iter().peekable();
+    let first = entries.peek().map_or(rule.id.as_str(), |&(_, v)| v);
+    let mut key = key_start(domain, first, &rule.id);
     for (k, v) in entries {
         push_component(&mut key, k);
         push_component(&mut key, v);
@@ -234,9 +248,9 @@ rules:
         assert_eq!(
             keys,
             vec![
-                "tg:3=api|5=login|8=10.0.0.7|",
-                "tg:3=api|7=per-key|2=k1|3=a b|",
-                "tg:3=api|5=hosts|15=api.example.com|4=POST|6=/login|",
+                "tg:{3=api|8=10.0.0.7|}5=login|8=10.0.0.7|",
+                "tg:{3=api|2=k1|}7=per-key|2=k1|3=a b|",
+                "tg:{3=api|15=api.example.com|}5=hosts|15=api.example.com|4=POST|6=/login|",
             ]
         );
         assert_eq!(hits[1].cost, 3);

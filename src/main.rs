@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tollgate::admin::Admin;
 use tollgate::client_ip::TrustedProxies;
-use tollgate::limiter::{Limiter, MemoryStore, RedisStore, Store, SystemClock};
+use tollgate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, SystemClock};
 use tollgate::reload::Catalog;
 use tollgate::serve::{ConnLimits, serve};
 use tollgate::surfaces::decision_http::DecisionHttp;
@@ -72,10 +72,17 @@ struct RunArgs {
     /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
-    /// Keep counters in Redis (redis://[user:password@]host:port/db), shared by
-    /// every instance; without it counters live in this process.
-    #[arg(long, env = "TOLLGATE_REDIS")]
-    redis: Option<String>,
+    /// Keep counters in Redis (redis[s]://[user:password@]host:port/db), shared
+    /// by every instance; without it counters live in this process. Several
+    /// comma-separated URLs for Cluster seed nodes or Sentinels.
+    #[arg(long, env = "TOLLGATE_REDIS", value_delimiter = ',')]
+    redis: Vec<String>,
+    /// How --redis is read: one server, Cluster seed nodes, or Sentinels.
+    #[arg(long, env = "TOLLGATE_REDIS_MODE", default_value = "standalone")]
+    redis_mode: RedisModeArg,
+    /// With --redis-mode sentinel: the monitored master's name.
+    #[arg(long, env = "TOLLGATE_REDIS_MASTER", default_value = "mymaster")]
+    redis_master: String,
     /// Deadline of one decision; past it the rule's failure mode applies.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
@@ -114,6 +121,13 @@ fn parse_listen(text: &str) -> Result<Listen, String> {
             .map(|a| Listen(Some(a)))
             .map_err(|e| format!("{e} (or \"off\")")),
     }
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum RedisModeArg {
+    Standalone,
+    Cluster,
+    Sentinel,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -195,13 +209,20 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         None
     };
 
-    let store = match &args.redis {
-        Some(url) => {
-            let store = RedisStore::connect(url, None).context("--redis")?;
-            tracing::info!(server = store.server(), "counters in redis");
+    let store = match args.redis.is_empty() {
+        false => {
+            let mode = match args.redis_mode {
+                RedisModeArg::Standalone => RedisMode::Standalone,
+                RedisModeArg::Cluster => RedisMode::Cluster,
+                RedisModeArg::Sentinel => RedisMode::Sentinel {
+                    master: args.redis_master.clone(),
+                },
+            };
+            let store = RedisStore::connect(&args.redis, &mode, None).context("--redis")?;
+            tracing::info!(servers = store.server(), mode = ?mode, "counters in redis");
             Store::Redis(store)
         }
-        None => {
+        true => {
             tracing::info!("counters in memory (single instance; pass --redis to share them)");
             Store::Memory(MemoryStore::new(Arc::new(SystemClock::default())))
         }

@@ -12,8 +12,9 @@
 -- KEYS     every decision's counters, decision after decision
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the number of decisions
--- then per decision: its key count, and per key: cost, shadow (0/1),
--- window count, and (limit, period_ms) pairs
+-- then per decision: its key count, dry run (0/1: check with the real costs
+-- but charge nothing), and per key: cost, shadow (0/1), window count, and
+-- (limit, period_ms) pairs
 --
 -- Reply, per decision: admitted (0/1), then per key: charged (0/1), then per
 -- window: used (before this request), reset_ms (until the oldest counted
@@ -45,7 +46,8 @@ local k = 1
 local a = 3
 for _ = 1, tonumber(ARGV[2]) do
   local nkeys = tonumber(ARGV[a])
-  a = a + 1
+  local dry = ARGV[a + 1] == '1'
+  a = a + 2
   local plans = {}
   local admitted = 1
   for i = 1, nkeys do
@@ -102,7 +104,7 @@ for _ = 1, tonumber(ARGV[2]) do
   for i = 1, nkeys do
     local p = plans[i]
     local charged = 0
-    if admitted == 1 and p.fits and p.cost > 0 then
+    if admitted == 1 and not dry and p.fits and p.cost > 0 then
       local id = '*'
       if pinned > 0 then id = now .. '-*' end
       redis.call('XADD', p.key, 'MINID', '~', now - p.longest + 1, id, 'n', p.cost, 'c', p.total + p.cost)

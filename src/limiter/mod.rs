@@ -11,7 +11,7 @@ mod memory;
 mod redis_stream;
 
 pub use memory::{Clock, ManualClock, MemoryStore, SystemClock};
-pub use redis_stream::RedisStore;
+pub use redis_stream::{RedisMode, RedisStore};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -467,7 +467,7 @@ mod tests {
 
     #[tokio::test]
     async fn store_failure_applies_the_failure_mode() {
-        let store = RedisStore::connect("redis://127.0.0.1:1/", None).unwrap();
+        let store = RedisStore::connect(&["redis://127.0.0.1:1/".to_string()], &RedisMode::Standalone, None).unwrap();
         let l = Limiter::new(Store::Redis(store), Duration::from_millis(50));
         let open = hits("  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
         assert_eq!(l.decide(&open).await.verdict, Verdict::FailedOpen);

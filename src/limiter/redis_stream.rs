@@ -5,19 +5,30 @@
 //! entries in a window (see the script for the prefix-sum layout). Time is
 //! Redis's own `TIME`, so instances with skewed clocks agree.
 //!
-//! Under concurrency, decisions waiting for Redis are sent together in one
-//! `EVALSHA` (up to [`MAX_BATCH`], with a few calls in flight): the script
-//! decides them one after the other, each atomically, and the per-call cost
-//! on both sides (command parsing, script set-up, a wake-up per reply) is
-//! paid once per batch instead of once per request. An idle caller waits for
-//! no one: a batch is whatever is queued when a call can go out.
+//! On one node (standalone, or the master Sentinel names), decisions waiting
+//! for Redis are sent together in one `EVALSHA` (up to [`MAX_BATCH`], a few
+//! calls in flight): the script decides them one after the other, each
+//! atomically, and the per-call cost on both sides is paid once per batch.
+//! An idle caller waits for no one: a batch is whatever is queued when a call
+//! can go out.
+//!
+//! On Redis Cluster a decision's keys are grouped by hash tag (see
+//! `descriptor.rs`). One group is one atomic call. Several groups are
+//! decided in two steps: a dry run of every group (checks with the real
+//! costs, charges nothing), then, only if all have room, the charging calls.
+//! Between the two steps another instance may fill a group; then the groups
+//! charged before it stay charged. That window is one round trip wide.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::sentinel::{SentinelClient, SentinelServerType};
 use redis::{Client, Script};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{OnceCell, Semaphore, mpsc, oneshot};
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
 use crate::config::Window;
@@ -26,23 +37,66 @@ use crate::config::Window;
 const DECIDE_LUA: &str = include_str!("decide.lua");
 /// Most decisions sent in one call.
 pub const MAX_BATCH: usize = 64;
-/// Calls in flight at once on the connection.
+/// Calls in flight at once on a node connection.
 const MAX_IN_FLIGHT: usize = 4;
+/// Least time between two Sentinel look-ups of the master.
+const RESOLVE_EVERY: Duration = Duration::from_millis(250);
 
-/// Counters kept in one Redis server.
+/// How tollgate finds Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server.
+    Standalone,
+    /// Redis Cluster, from one or more seed nodes.
+    Cluster,
+    /// The master that these Sentinels name.
+    Sentinel {
+        /// The monitored master's name (`sentinel monitor <name> ...`).
+        master: String,
+    },
+}
+
+/// Counters kept in Redis.
 pub struct RedisStore {
-    conn: ConnectionManager,
-    queue: mpsc::UnboundedSender<Pending>,
-    /// The server as it may be logged: no user name or password.
+    conn: Conn,
+    script: Arc<Script>,
+    pinned_clock: Option<Arc<dyn Clock>>,
+    /// Node connections batch through this queue; Cluster calls directly.
+    queue: Option<mpsc::UnboundedSender<Pending>>,
+    /// The servers as they may be logged: no user name or password.
     display: String,
+}
+
+#[derive(Clone)]
+enum Conn {
+    Node(Arc<NodeConn>),
+    Cluster(Arc<ClusterConn>),
+}
+
+/// A connection to one node; with Sentinel, re-pointed after a failover.
+struct NodeConn {
+    current: RwLock<Option<ConnectionManager>>,
+    sentinel: Option<SentinelResolver>,
+}
+
+struct SentinelResolver {
+    client: tokio::sync::Mutex<SentinelClient>,
+    last: Mutex<Option<Instant>>,
+}
+
+struct ClusterConn {
+    client: ClusterClient,
+    conn: OnceCell<ClusterConnection>,
 }
 
 /// One decision waiting for a call.
 struct Pending {
     checks: Vec<OwnedCheck>,
+    dry_run: bool,
     reply: oneshot::Sender<Result<StoreAnswer, StoreError>>,
 }
 
+#[derive(Clone)]
 struct OwnedCheck {
     key: String,
     windows: Vec<Window>,
@@ -50,35 +104,193 @@ struct OwnedCheck {
     shadow: bool,
 }
 
+fn manager_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(200))
+}
+
 impl RedisStore {
-    /// Prepares a connection to `url` (`redis://[user:password@]host:port/db`).
-    /// Connecting happens on first use, so tollgate starts while Redis is down.
-    /// Must be called inside a tokio runtime (it starts the batching task).
+    /// Prepares connections to `urls` (`redis[s]://[user:password@]host:port/db`):
+    /// one server, Cluster seed nodes, or Sentinels. Connecting happens on
+    /// first use, so tollgate starts while Redis is down. Must be called
+    /// inside a tokio runtime (it starts background tasks).
     ///
     /// `pinned_clock` replaces Redis `TIME` and is meant for tests that step
     /// time by hand; production passes `None`.
-    pub fn connect(url: &str, pinned_clock: Option<Arc<dyn Clock>>) -> Result<Self, StoreError> {
-        let client = Client::open(url)?;
-        let display = format!("{}", client.get_connection_info().addr());
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(1)))
-            .set_number_of_retries(2)
-            .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
-        let (queue, rx) = mpsc::unbounded_channel();
-        tokio::spawn(send_batches(rx, conn.clone(), Script::new(DECIDE_LUA), pinned_clock));
-        Ok(RedisStore { conn, queue, display })
+    pub fn connect(
+        urls: &[String],
+        mode: &RedisMode,
+        pinned_clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, StoreError> {
+        let display = urls
+            .iter()
+            .map(|u| Client::open(u.as_str()).map(|c| c.get_connection_info().addr().to_string()))
+            .collect::<Result<Vec<_>, _>>()?
+            .join(",");
+        let script = Arc::new(Script::new(DECIDE_LUA));
+        let conn = match mode {
+            RedisMode::Standalone => {
+                let [url] = urls else {
+                    return Err(StoreError::Reply("standalone mode takes one --redis URL".into()));
+                };
+                let manager = ConnectionManager::new_lazy_with_config(Client::open(url.as_str())?, manager_config())?;
+                Conn::Node(Arc::new(NodeConn {
+                    current: RwLock::new(Some(manager)),
+                    sentinel: None,
+                }))
+            }
+            RedisMode::Sentinel { master } => {
+                let client = SentinelClient::build(urls.to_vec(), master.clone(), None, SentinelServerType::Master)?;
+                let node = Arc::new(NodeConn {
+                    current: RwLock::new(None),
+                    sentinel: Some(SentinelResolver {
+                        client: tokio::sync::Mutex::new(client),
+                        last: Mutex::new(None),
+                    }),
+                });
+                node.clone().failed();
+                Conn::Node(node)
+            }
+            RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn {
+                client: ClusterClient::new(urls.iter().map(String::as_str))?,
+                conn: OnceCell::new(),
+            })),
+        };
+        let queue = match &conn {
+            Conn::Node(node) => {
+                let (queue, rx) = mpsc::unbounded_channel();
+                tokio::spawn(send_batches(rx, node.clone(), script.clone(), pinned_clock.clone()));
+                Some(queue)
+            }
+            Conn::Cluster(_) => None,
+        };
+        Ok(RedisStore {
+            conn,
+            script,
+            pinned_clock,
+            queue,
+            display,
+        })
     }
 
-    /// The server address, safe to log (never carries credentials).
+    /// The servers, safe to log (never carries credentials).
     pub fn server(&self) -> &str {
         &self.display
+    }
+
+    async fn decide_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
+        let mut conn = cluster.get().await?;
+        let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+        // Keys with one hash tag share a slot and can be decided in one call.
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, c) in checks.iter().enumerate() {
+            groups.entry(hash_tag(&c.key)).or_default().push(i);
+        }
+        if groups.len() == 1 {
+            return single(call(&self.script, &mut conn, pinned, &[(&checks, false)]).await?);
+        }
+        let parts: Vec<Vec<OwnedCheck>> = groups
+            .values()
+            .map(|idx| idx.iter().map(|&i| checks[i].clone()).collect())
+            .collect();
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in &parts {
+            answers.push(single(call(&self.script, &mut conn, pinned, &[(part, true)]).await?)?);
+        }
+        if answers.iter().all(|a| a.admitted) {
+            answers.clear();
+            for part in &parts {
+                answers.push(single(call(&self.script, &mut conn, pinned, &[(part, false)]).await?)?);
+            }
+        }
+        // Back into the order the checks came in.
+        let mut merged: Vec<Option<CheckCount>> = vec![None; checks.len()];
+        let admitted = answers.iter().all(|a| a.admitted);
+        for (idx, answer) in groups.values().zip(answers) {
+            for (&i, count) in idx.iter().zip(answer.checks) {
+                merged[i] = Some(count);
+            }
+        }
+        let checks = merged
+            .into_iter()
+            .map(|c| {
+                c.unwrap_or(CheckCount {
+                    charged: false,
+                    windows: Vec::new(),
+                })
+            })
+            .collect();
+        Ok(StoreAnswer { admitted, checks })
+    }
+}
+
+fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, StoreError> {
+    answers.pop().ok_or_else(|| StoreError::Reply("empty reply".into()))
+}
+
+/// The part of a key Redis Cluster hashes: between the first `{` and the
+/// next `}`, when not empty; otherwise the whole key.
+fn hash_tag(key: &str) -> &str {
+    if let Some(open) = key.find('{')
+        && let Some(len) = key[open + 1..].find('}')
+        && len > 0
+    {
+        return &key[open + 1..open + 1 + len];
+    }
+    key
+}
+
+impl ClusterConn {
+    async fn get(&self) -> Result<ClusterConnection, StoreError> {
+        Ok(self
+            .conn
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await?
+            .clone())
+    }
+}
+
+impl NodeConn {
+    fn get(&self) -> Result<ConnectionManager, StoreError> {
+        self.current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| StoreError::Batch("no master known yet (asking Sentinel)".into()))
+    }
+
+    /// After a failed call: with Sentinel, ask again where the master is.
+    fn failed(self: Arc<Self>) {
+        let Some(sentinel) = &self.sentinel else { return };
+        {
+            let mut last = sentinel.last.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < RESOLVE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        tokio::spawn(async move {
+            let Some(sentinel) = &self.sentinel else { return };
+            let client = sentinel.client.lock().await.async_get_client().await;
+            match client.and_then(|c| {
+                let addr = c.get_connection_info().addr().to_string();
+                ConnectionManager::new_lazy_with_config(c, manager_config()).map(|m| (addr, m))
+            }) {
+                Ok((addr, manager)) => {
+                    tracing::info!(master = %addr, "redis master from sentinel");
+                    *self.current.write().unwrap_or_else(|e| e.into_inner()) = Some(manager);
+                }
+                Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
+            }
+        });
     }
 }
 
 impl CounterStore for RedisStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
-        let checks = checks
+        let checks: Vec<OwnedCheck> = checks
             .iter()
             .map(|c| OwnedCheck {
                 key: c.key.to_string(),
@@ -87,19 +299,41 @@ impl CounterStore for RedisStore {
                 shadow: c.shadow,
             })
             .collect();
-        let (reply, answer) = oneshot::channel();
-        self.queue
-            .send(Pending { checks, reply })
-            .map_err(|_| StoreError::Batch("batching task stopped".into()))?;
-        answer
-            .await
-            .map_err(|_| StoreError::Batch("batching task stopped".into()))?
+        match (&self.conn, &self.queue) {
+            (Conn::Node(_), Some(queue)) => {
+                let (reply, answer) = oneshot::channel();
+                let pending = Pending {
+                    checks,
+                    dry_run: false,
+                    reply,
+                };
+                queue
+                    .send(pending)
+                    .map_err(|_| StoreError::Batch("batching task stopped".into()))?;
+                answer
+                    .await
+                    .map_err(|_| StoreError::Batch("batching task stopped".into()))?
+            }
+            (Conn::Cluster(cluster), _) => self.decide_cluster(cluster, checks).await,
+            (Conn::Node(_), None) => Err(StoreError::Batch("no batching task".into())),
+        }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        redis::cmd("PING").query_async::<()>(&mut conn).await?;
-        Ok(())
+        match &self.conn {
+            Conn::Node(node) => {
+                let mut conn = node.get()?;
+                let result = redis::cmd("PING").query_async::<()>(&mut conn).await;
+                if result.is_err() {
+                    node.clone().failed();
+                }
+                Ok(result?)
+            }
+            Conn::Cluster(cluster) => {
+                let mut conn = cluster.get().await?;
+                Ok(redis::cmd("PING").query_async::<()>(&mut conn).await?)
+            }
+        }
     }
 }
 
@@ -107,11 +341,10 @@ impl CounterStore for RedisStore {
 /// out, and sends it as one script call.
 async fn send_batches(
     mut rx: mpsc::UnboundedReceiver<Pending>,
-    conn: ConnectionManager,
-    script: Script,
+    node: Arc<NodeConn>,
+    script: Arc<Script>,
     pinned_clock: Option<Arc<dyn Clock>>,
 ) {
-    let script = Arc::new(script);
     let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     loop {
         let Ok(slot) = slots.clone().acquire_owned().await else {
@@ -126,9 +359,14 @@ async fn send_batches(
             }
         }
         let pinned = pinned_clock.as_ref().map_or(0, |c| c.now_ms());
-        let (mut conn, script) = (conn.clone(), script.clone());
+        let (node, script) = (node.clone(), script.clone());
         tokio::spawn(async move {
-            let result = call(&script, &mut conn, pinned, &batch).await;
+            let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], p.dry_run)).collect();
+            let result = match node.get() {
+                Ok(mut conn) => call(&script, &mut conn, pinned, &decisions).await,
+                Err(e) => Err(e),
+            };
+            drop(decisions);
             match result {
                 Ok(answers) => {
                     for (p, a) in batch.into_iter().zip(answers) {
@@ -136,6 +374,7 @@ async fn send_batches(
                     }
                 }
                 Err(e) => {
+                    node.failed();
                     let message = e.to_string();
                     let mut batch = batch.into_iter();
                     if let Some(p) = batch.next() {
@@ -151,17 +390,19 @@ async fn send_batches(
     }
 }
 
-async fn call(
+/// One script call deciding `decisions` (each: its checks, and whether it is
+/// a dry run that charges nothing).
+async fn call<C: ConnectionLike + Send>(
     script: &Script,
-    conn: &mut ConnectionManager,
+    conn: &mut C,
     pinned: u64,
-    batch: &[Pending],
+    decisions: &[(&[OwnedCheck], bool)],
 ) -> Result<Vec<StoreAnswer>, StoreError> {
     let mut call = script.prepare_invoke();
-    call.arg(pinned).arg(batch.len());
-    for p in batch {
-        call.arg(p.checks.len());
-        for check in &p.checks {
+    call.arg(pinned).arg(decisions.len());
+    for (checks, dry_run) in decisions {
+        call.arg(checks.len()).arg(u8::from(*dry_run));
+        for check in checks.iter() {
             call.key(&check.key);
             call.arg(check.cost)
                 .arg(u8::from(check.shadow))
@@ -172,13 +413,13 @@ async fn call(
         }
     }
     let reply: Vec<i64> = call.invoke_async(conn).await?;
-    parse_reply(&reply, batch)
+    parse_reply(&reply, decisions)
 }
 
-fn parse_reply(reply: &[i64], batch: &[Pending]) -> Result<Vec<StoreAnswer>, StoreError> {
-    let expected: usize = batch
+fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec<StoreAnswer>, StoreError> {
+    let expected: usize = decisions
         .iter()
-        .map(|p| 1 + p.checks.iter().map(|c| 1 + 3 * c.windows.len()).sum::<usize>())
+        .map(|(c, _)| 1 + c.iter().map(|c| 1 + 3 * c.windows.len()).sum::<usize>())
         .sum();
     if reply.len() != expected {
         return Err(StoreError::Reply(format!(
@@ -188,12 +429,11 @@ fn parse_reply(reply: &[i64], batch: &[Pending]) -> Result<Vec<StoreAnswer>, Sto
     }
     let mut values = reply.iter().copied();
     let mut next = || values.next().unwrap_or(0);
-    let answers = batch
+    let answers = decisions
         .iter()
-        .map(|p| {
+        .map(|(checks, _)| {
             let admitted = next() == 1;
-            let checks = p
-                .checks
+            let checks = checks
                 .iter()
                 .map(|check| {
                     let charged = next() == 1;
@@ -218,4 +458,17 @@ fn parse_reply(reply: &[i64], batch: &[Pending]) -> Result<Vec<StoreAnswer>, Sto
         })
         .collect();
     Ok(answers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hash_tag;
+
+    #[test]
+    fn hash_tags_as_redis_cluster_reads_them() {
+        assert_eq!(hash_tag("tg:{3=api|8=10.0.0.7|}5=login|"), "3=api|8=10.0.0.7|");
+        assert_eq!(hash_tag("tg:{}x"), "tg:{}x");
+        assert_eq!(hash_tag("tg:{a}b}"), "a");
+        assert_eq!(hash_tag("plain"), "plain");
+    }
 }

@@ -1,0 +1,290 @@
+//! Past one Redis: a real 3-master Redis Cluster made with
+//! `redis-cli --cluster create`, and a master/replica pair watched by a real
+//! Sentinel that fails over when the master is killed.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+
+use crate::common::*;
+
+static CALLER: AtomicUsize = AtomicUsize::new(0);
+
+/// Admissions a fresh caller gets on `path` before a 429.
+async fn admitted(tg: &Tollgate, path: &str, headers: &[(&str, &str)]) -> usize {
+    let c = client();
+    let ip = format!(
+        "10.{}.{}.1",
+        CALLER.fetch_add(1, Ordering::SeqCst) / 250,
+        CALLER.load(Ordering::SeqCst) % 250
+    );
+    let mut all: Vec<(&str, &str)> = vec![("x-forwarded-for", &ip)];
+    all.extend_from_slice(headers);
+    for n in 0..20 {
+        if get(&c, &tg.url(path), &all).await.status != StatusCode::OK {
+            return n;
+        }
+    }
+    20
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool) {
+    let started = Instant::now();
+    while !ok() {
+        assert!(started.elapsed() < limit, "{what} not within {limit:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+const CLUSTER_LIMITS: &str = "\
+domain: cl
+rules:
+  - name: wide
+    match: { path: /a/* }
+    by: [client_ip]
+    limits: [{ requests: 5, per: 60s }]
+  - name: narrow
+    match: { path: /a/x }
+    by: [client_ip]
+    limits: [{ requests: 2, per: 60s }]
+  - name: per-key
+    match: { path: /k }
+    by: [\"header:x-key\"]
+    limits: [{ requests: 4, per: 60s }]
+  - name: per-ip
+    match: { path: /k }
+    by: [client_ip]
+    limits: [{ requests: 2, per: 60s }]
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_of_three_masters() {
+    let nodes: Vec<RedisServer> = (0..3)
+        .map(|_| {
+            let bus = free_port().to_string();
+            RedisServer::start_with(&[
+                "--cluster-enabled",
+                "yes",
+                "--cluster-port",
+                &bus,
+                "--cluster-node-timeout",
+                "2000",
+            ])
+        })
+        .collect();
+    let addrs: Vec<String> = nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)).collect();
+    let out = Command::new("redis-cli")
+        .args(["--cluster", "create"])
+        .args(&addrs)
+        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
+    wait_until("cluster_state:ok", Duration::from_secs(10), || {
+        nodes.iter().all(|n| {
+            n.cli(&["CLUSTER", "INFO"])
+                .is_some_and(|i| i.contains("cluster_state:ok"))
+        })
+    });
+
+    let upstream = TestUpstream::start().await;
+    let seeds = format!("redis://{},redis://{}", addrs[0], addrs[1]);
+    let tg = Tollgate::start(
+        CLUSTER_LIMITS,
+        upstream.addr,
+        &[
+            "--redis-mode",
+            "cluster",
+            "--redis",
+            &seeds,
+            "--redis-timeout",
+            "1s",
+            "--trusted-proxies",
+            "127.0.0.1",
+        ],
+    );
+
+    // Exact limits, for callers whose counters land on every master.
+    for _ in 0..12 {
+        assert_eq!(admitted(&tg, "/a/y", &[]).await, 5, "{}", tg.log_text());
+    }
+    let per_node: Vec<usize> = nodes
+        .iter()
+        .map(|n| n.cli(&["DBSIZE"]).unwrap().trim().parse().unwrap())
+        .collect();
+    assert!(
+        per_node.iter().filter(|&&n| n > 0).count() >= 2,
+        "counters spread over the masters: {per_node:?}"
+    );
+
+    // Rules keyed first on the same value share a slot: refused by `narrow`,
+    // nothing is charged to `wide`.
+    let c = client();
+    let me = [("x-forwarded-for", "192.0.2.77")];
+    for _ in 0..2 {
+        assert_eq!(get(&c, &tg.url("/a/x"), &me).await.status, StatusCode::OK);
+    }
+    for _ in 0..4 {
+        assert_eq!(
+            get(&c, &tg.url("/a/x"), &me).await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    }
+    let wide_left: usize = {
+        let mut n = 0;
+        while get(&c, &tg.url("/a/y"), &me).await.status == StatusCode::OK {
+            n += 1;
+        }
+        n
+    };
+    assert_eq!(wide_left, 3, "2 of 5 used; the refused requests took nothing");
+
+    // Rules on different values live in different slots: the dry run keeps a
+    // refusal by one from charging the other.
+    let key = [("x-forwarded-for", "192.0.2.88"), ("x-key", "shared-key")];
+    for _ in 0..2 {
+        assert_eq!(get(&c, &tg.url("/k"), &key).await.status, StatusCode::OK);
+    }
+    for _ in 0..3 {
+        let a = get(&c, &tg.url("/k"), &key).await;
+        assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(a.json()["rule"], "per-ip");
+    }
+    let other_ip = [("x-forwarded-for", "192.0.2.89"), ("x-key", "shared-key")];
+    assert_eq!(get(&c, &tg.url("/k"), &other_ip).await.status, StatusCode::OK);
+    assert_eq!(get(&c, &tg.url("/k"), &other_ip).await.status, StatusCode::OK);
+    let a = get(&c, &tg.url("/k"), &other_ip).await;
+    assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "the key holds exactly 4");
+    assert_eq!(a.json()["rule"], "per-key");
+}
+
+/// A Sentinel process watching `master`.
+struct Sentinel {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Sentinel {
+    fn start(master_port: u16) -> Sentinel {
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        let conf = dir.path().join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\n\
+                 sentinel down-after-milliseconds mymaster 500\nsentinel failover-timeout mymaster 3000\n",
+                dir.path().display()
+            ),
+        )
+        .unwrap();
+        let child = Command::new("redis-server")
+            .arg(&conf)
+            .arg("--sentinel")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let s = Sentinel { child, port, _dir: dir };
+        wait_until("sentinel up", Duration::from_secs(5), || s.master().is_some());
+        s
+    }
+
+    fn master(&self) -> Option<u16> {
+        let out = Command::new("redis-cli")
+            .args([
+                "-p",
+                &self.port.to_string(),
+                "--raw",
+                "SENTINEL",
+                "get-master-addr-by-name",
+                "mymaster",
+            ])
+            .output()
+            .ok()?;
+        String::from_utf8_lossy(&out.stdout).lines().nth(1)?.trim().parse().ok()
+    }
+}
+
+impl Drop for Sentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_is_survived() {
+    let mut master = RedisServer::start();
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
+    wait_until("replica in sync", Duration::from_secs(10), || {
+        replica
+            .cli(&["INFO", "replication"])
+            .is_some_and(|i| i.contains("master_link_status:up"))
+    });
+    let sentinel = Sentinel::start(master.port);
+    wait_until("sentinel sees the replica", Duration::from_secs(10), || {
+        let out = Command::new("redis-cli")
+            .args(["-p", &sentinel.port.to_string(), "SENTINEL", "replicas", "mymaster"])
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).contains(&replica.port.to_string())
+    });
+
+    let limits = "domain: se\nrules:\n  - name: per-ip\n    by: [client_ip]\n    limits: [{ requests: 3, per: 60s }]\n";
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        limits,
+        upstream.addr,
+        &[
+            "--redis-mode",
+            "sentinel",
+            "--redis",
+            &format!("redis://127.0.0.1:{}", sentinel.port),
+            "--redis-master",
+            "mymaster",
+            "--trusted-proxies",
+            "127.0.0.1",
+        ],
+    );
+    let exact = || async { admitted(&tg, "/", &[]).await == 3 };
+    let started = Instant::now();
+    while !exact().await {
+        assert!(started.elapsed() < Duration::from_secs(5), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    master.kill();
+    let killed = Instant::now();
+    let c = client();
+    let mut answered = 0;
+    let mut promoted = None;
+    // Keep asking through the failover: every request is answered.
+    while killed.elapsed() < Duration::from_secs(20) {
+        let a = get(&c, &tg.url("/"), &[("x-forwarded-for", "198.51.100.200")]).await;
+        assert!(
+            matches!(a.status, StatusCode::OK | StatusCode::TOO_MANY_REQUESTS),
+            "{}",
+            a.status
+        );
+        answered += 1;
+        if promoted.is_none() && sentinel.master() == Some(replica.port) {
+            promoted = Some(killed.elapsed());
+        }
+        if promoted.is_some() && exact().await {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let promoted = promoted.expect("sentinel promoted the replica");
+    assert!(exact().await, "exact limiting on the new master:\n{}", tg.log_text());
+    eprintln!(
+        "sentinel failover: replica promoted {promoted:?} after the kill, exact again {:?} after the kill, \
+         {answered} requests answered meanwhile",
+        killed.elapsed()
+    );
+    assert!(tg.log_text().contains("redis master from sentinel"));
+}
