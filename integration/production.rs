@@ -390,3 +390,102 @@ async fn json_logs_are_one_object_per_line() {
     }
     assert!(saw_rejection, "{logs}");
 }
+
+/// A throwaway CA and a server certificate for 127.0.0.1, made with openssl.
+fn test_certificates(dir: &std::path::Path) {
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=tollgate test CA",
+    ]);
+    run(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+        "-subj",
+        "/CN=127.0.0.1",
+    ]);
+    std::fs::write(dir.join("ext.cnf"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    run(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.pem",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "server.pem",
+        "-days",
+        "1",
+        "-extfile",
+        "ext.cnf",
+    ]);
+}
+
+#[tokio::test]
+async fn rediss_verifies_the_server_certificate() {
+    let certs = tempfile::tempdir().unwrap();
+    test_certificates(certs.path());
+    let file = |name: &str| certs.path().join(name).display().to_string();
+    let tls_port = free_port().to_string();
+    let redis = RedisServer::start_with(&[
+        "--tls-port",
+        &tls_port,
+        "--tls-cert-file",
+        &file("server.pem"),
+        "--tls-key-file",
+        &file("server.key"),
+        "--tls-ca-cert-file",
+        &file("ca.pem"),
+        "--tls-auth-clients",
+        "no",
+    ]);
+    let url = format!("rediss://127.0.0.1:{tls_port}/");
+    let upstream = TestUpstream::start().await;
+    // Trusting the test CA: limits work over TLS.
+    let tg = Tollgate::start_with_env(
+        LIMITS,
+        upstream.addr,
+        &["--redis", &url],
+        &[("SSL_CERT_FILE", &file("ca.pem"))],
+    );
+    assert_eq!(probe(&tg).await, 3, "{}", tg.log_text());
+    assert!(
+        redis.cli(&["--scan", "--pattern", "tg:*"]).unwrap().contains("probe"),
+        "counters went over TLS"
+    );
+    // Not trusting it: the certificate is refused and the rule fails open.
+    let untrusting = Tollgate::start(LIMITS, upstream.addr, &["--redis", &url]);
+    assert_eq!(probe(&untrusting).await, 10);
+    assert!(untrusting.log_text().contains("counter store unavailable"));
+}

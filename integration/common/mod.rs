@@ -162,6 +162,11 @@ pub struct Tollgate {
 impl Tollgate {
     /// Starts tollgate with `limits` (YAML) in front of `upstream`.
     pub fn start(limits: &str, upstream: SocketAddr, extra: &[&str]) -> Tollgate {
+        Self::start_with_env(limits, upstream, extra, &[])
+    }
+
+    /// As `start`, with extra environment variables for the process.
+    pub fn start_with_env(limits: &str, upstream: SocketAddr, extra: &[&str], env: &[(&str, &str)]) -> Tollgate {
         let dir = tempfile::tempdir().unwrap();
         let config = dir.path().join("limits.yaml");
         std::fs::write(&config, limits).unwrap();
@@ -180,13 +185,18 @@ impl Tollgate {
             "127.0.0.1:0".into(),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
-        Self::spawn(&args, config, dir)
+        Self::spawn_with_env(&args, config, dir, env)
     }
 
     /// Starts the binary with exactly these arguments.
     pub fn spawn(args: &[String], config: PathBuf, dir: tempfile::TempDir) -> Tollgate {
+        Self::spawn_with_env(args, config, dir, &[])
+    }
+
+    fn spawn_with_env(args: &[String], config: PathBuf, dir: tempfile::TempDir, env: &[(&str, &str)]) -> Tollgate {
         let mut child = Command::new(binary())
             .args(args)
+            .envs(env.iter().copied())
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
