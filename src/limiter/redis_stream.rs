@@ -20,6 +20,7 @@
 //! charged before it stay charged. That window is one round trip wide.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -63,6 +64,10 @@ pub struct RedisStore {
     pinned_clock: Option<Arc<dyn Clock>>,
     /// Node connections batch through this queue; Cluster calls directly.
     queue: Option<mpsc::UnboundedSender<Pending>>,
+    /// Decisions in the queue, so an idle store can skip it.
+    queued: Arc<AtomicUsize>,
+    /// Calls in flight on the node connection (batched or direct).
+    slots: Arc<Semaphore>,
     /// The servers as they may be logged: no user name or password.
     display: String,
 }
@@ -158,10 +163,19 @@ impl RedisStore {
                 conn: OnceCell::new(),
             })),
         };
+        let queued = Arc::new(AtomicUsize::new(0));
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
         let queue = match &conn {
             Conn::Node(node) => {
                 let (queue, rx) = mpsc::unbounded_channel();
-                tokio::spawn(send_batches(rx, node.clone(), script.clone(), pinned_clock.clone()));
+                tokio::spawn(send_batches(
+                    rx,
+                    node.clone(),
+                    script.clone(),
+                    pinned_clock.clone(),
+                    queued.clone(),
+                    slots.clone(),
+                ));
                 Some(queue)
             }
             Conn::Cluster(_) => None,
@@ -171,6 +185,8 @@ impl RedisStore {
             script,
             pinned_clock,
             queue,
+            queued,
+            slots,
             display,
         })
     }
@@ -300,7 +316,26 @@ impl CounterStore for RedisStore {
             })
             .collect();
         match (&self.conn, &self.queue) {
-            (Conn::Node(_), Some(queue)) => {
+            (Conn::Node(node), Some(queue)) => {
+                // Nothing waiting and a call slot free: go straight out and
+                // save the hand-off to the batching task.
+                if self.queued.load(Ordering::Acquire) == 0
+                    && let Ok(slot) = self.slots.clone().try_acquire_owned()
+                {
+                    let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+                    let result = match node.get() {
+                        Ok(mut conn) => call(&self.script, &mut conn, pinned, &[(&checks, false)])
+                            .await
+                            .and_then(single),
+                        Err(e) => Err(e),
+                    };
+                    drop(slot);
+                    if result.is_err() {
+                        node.clone().failed();
+                    }
+                    return result;
+                }
+                self.queued.fetch_add(1, Ordering::AcqRel);
                 let (reply, answer) = oneshot::channel();
                 let pending = Pending {
                     checks,
@@ -337,20 +372,21 @@ impl CounterStore for RedisStore {
     }
 }
 
-/// Takes whatever is queued (up to [`MAX_BATCH`]) whenever a call may go
-/// out, and sends it as one script call.
+/// Takes whatever is queued (up to [`MAX_BATCH`]) whenever a call slot is
+/// free, and sends it to the node as one script call.
 async fn send_batches(
     mut rx: mpsc::UnboundedReceiver<Pending>,
     node: Arc<NodeConn>,
     script: Arc<Script>,
     pinned_clock: Option<Arc<dyn Clock>>,
+    queued: Arc<AtomicUsize>,
+    slots: Arc<Semaphore>,
 ) {
-    let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
     loop {
+        let Some(first) = rx.recv().await else { return };
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let Some(first) = rx.recv().await else { return };
         let mut batch = vec![first];
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
@@ -358,6 +394,7 @@ async fn send_batches(
                 Err(_) => break,
             }
         }
+        queued.fetch_sub(batch.len(), Ordering::AcqRel);
         let pinned = pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         let (node, script) = (node.clone(), script.clone());
         tokio::spawn(async move {
