@@ -27,8 +27,9 @@ use std::time::{Duration, Instant};
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{Client, Script};
+use redis::io::tcp::TcpSettings;
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{Client, ConnectionInfo, IntoConnectionInfo, Script};
 use tokio::sync::{OnceCell, Semaphore, mpsc, oneshot};
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
@@ -109,6 +110,15 @@ struct OwnedCheck {
     shadow: bool,
 }
 
+/// Small pipelined writes must never wait for a delayed ACK (Nagle).
+fn tcp_settings() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
+fn node_info(url: &str) -> redis::RedisResult<ConnectionInfo> {
+    Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+}
+
 fn manager_config() -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
@@ -140,14 +150,17 @@ impl RedisStore {
                 let [url] = urls else {
                     return Err(StoreError::Reply("standalone mode takes one --redis URL".into()));
                 };
-                let manager = ConnectionManager::new_lazy_with_config(Client::open(url.as_str())?, manager_config())?;
+                let manager =
+                    ConnectionManager::new_lazy_with_config(Client::open(node_info(url)?)?, manager_config())?;
                 Conn::Node(Arc::new(NodeConn {
                     current: RwLock::new(Some(manager)),
                     sentinel: None,
                 }))
             }
             RedisMode::Sentinel { master } => {
-                let client = SentinelClient::build(urls.to_vec(), master.clone(), None, SentinelServerType::Master)?;
+                let nodes = SentinelNodeConnectionInfo::default().set_tcp_settings(tcp_settings());
+                let client =
+                    SentinelClient::build(urls.to_vec(), master.clone(), Some(nodes), SentinelServerType::Master)?;
                 let node = Arc::new(NodeConn {
                     current: RwLock::new(None),
                     sentinel: Some(SentinelResolver {
@@ -159,7 +172,9 @@ impl RedisStore {
                 Conn::Node(node)
             }
             RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn {
-                client: ClusterClient::new(urls.iter().map(String::as_str))?,
+                client: ClusterClient::builder(urls.iter().map(|u| node_info(u)).collect::<Result<Vec<_>, _>>()?)
+                    .tcp_settings(tcp_settings())
+                    .build()?,
                 conn: OnceCell::new(),
             })),
         };
