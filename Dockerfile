@@ -4,6 +4,7 @@ WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY integration ./integration
+COPY bench ./bench
 RUN cargo build --release --locked
 
 # Run stage: the binary and the example limits, nothing else.
