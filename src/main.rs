@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::watch;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
@@ -86,6 +86,10 @@ struct RunArgs {
     /// Deadline of one decision; past it the rule's failure mode applies.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
+    /// Proxy threads, each with its own listening socket (SO_REUSEPORT) and
+    /// upstream connection pool, so a request stays on one thread; 0 = one per core.
+    #[arg(long, env = "TOLLGATE_PROXY_THREADS", default_value_t = 0)]
+    proxy_threads: usize,
     /// Longest wait for the upstream's response headers (then 504).
     #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     upstream_timeout: Duration,
@@ -232,7 +236,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let forget = limiter.clone();
     catalog.on_change(move || forget.forget_denials());
 
-    let proxy_listener = bind(args.listen).await?;
+    let threads = match args.proxy_threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        n => n,
+    };
+    let proxy_listeners = bind_shared(args.listen, threads).await?;
     let admin_listener = bind(args.admin_listen).await?;
     let grpc_listener = match args.grpc_listen.0 {
         Some(addr) => Some(bind(addr).await?),
@@ -248,7 +256,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .map_or("off".to_string(), |a| a.to_string())
     };
     tracing::info!(
-        proxy = %proxy_listener.local_addr()?,
+                proxy = %proxy_listeners[0].local_addr()?,
         admin = %admin_listener.local_addr()?,
         grpc = %shown(&grpc_listener),
         check = %shown(&check_listener),
@@ -262,28 +270,28 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let proxy = Arc::new(Proxy::new(
-        limiter.clone(),
-        catalog.clone(),
-        ProxyOptions {
-            upstream,
-            upstream_timeout: args.upstream_timeout,
-            trusted: trusted.clone(),
-            ratelimit_headers: args.ratelimit_headers,
-        },
-    ));
+    let options = ProxyOptions {
+        upstream,
+        upstream_timeout: args.upstream_timeout,
+        trusted: trusted.clone(),
+        ratelimit_headers: args.ratelimit_headers,
+    };
+    let mut proxy_threads = Vec::with_capacity(proxy_listeners.len());
+    for (i, listener) in proxy_listeners.into_iter().enumerate() {
+        let (limiter, catalog, options, stop) = (limiter.clone(), catalog.clone(), options.clone(), stop_rx.clone());
+        let thread = std::thread::Builder::new()
+            .name(format!("proxy-{i}"))
+            .spawn(move || serve_proxy_thread(listener, Proxy::new(limiter, catalog, options), conn_limits, stop));
+        proxy_threads.push(thread.context("cannot start a proxy thread")?);
+    }
     let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone()));
 
-    let proxy_task = tokio::spawn(serve(proxy_listener, conn_limits, stop_rx.clone(), move |req, peer| {
-        let proxy = proxy.clone();
-        async move { proxy.handle(req, peer).await }
-    }));
     let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let admin = admin.clone();
         async move { admin.handle(req, peer).await }
     }));
 
-    let mut tasks = vec![proxy_task, admin_task];
+    let mut tasks = vec![admin_task];
     if let Some(listener) = check_listener {
         let check = Arc::new(DecisionHttp::new(limiter.clone(), catalog.clone(), trusted));
         tasks.push(tokio::spawn(serve(
@@ -307,8 +315,62 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     for task in tasks {
         let _ = task.await;
     }
+    let _ = tokio::task::spawn_blocking(move || {
+        for thread in proxy_threads {
+            let _ = thread.join();
+        }
+    })
+    .await;
     tracing::info!("stopped");
     Ok(())
+}
+
+/// `n` listening sockets on one address (SO_REUSEPORT): the kernel spreads
+/// connections over them. With port 0 all share the port the first got.
+async fn bind_shared(addr: SocketAddr, n: usize) -> anyhow::Result<Vec<std::net::TcpListener>> {
+    let mut addr = addr;
+    let mut listeners = Vec::with_capacity(n);
+    for _ in 0..n {
+        let socket = if addr.is_ipv4() {
+            TcpSocket::new_v4()?
+        } else {
+            TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.bind(addr).with_context(|| format!("cannot listen on {addr}"))?;
+        let listener = socket.listen(1024)?;
+        addr = listener.local_addr()?;
+        listeners.push(listener.into_std()?);
+    }
+    Ok(listeners)
+}
+
+/// One proxy thread: its own single-threaded runtime, listener and upstream
+/// pool, so a request never hops between threads (as NGINX workers).
+fn serve_proxy_thread(listener: std::net::TcpListener, proxy: Proxy, limits: ConnLimits, stop: watch::Receiver<bool>) {
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot start a proxy thread's runtime");
+            return;
+        }
+    };
+    runtime.block_on(async move {
+        let listener = match TcpListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot use the proxy listener");
+                return;
+            }
+        };
+        let proxy = Arc::new(proxy);
+        serve(listener, limits, stop, move |req, peer| {
+            let proxy = proxy.clone();
+            async move { proxy.handle(req, peer).await }
+        })
+        .await;
+    });
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
