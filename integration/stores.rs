@@ -237,6 +237,60 @@ fn redis_script_answers_exactly_like_the_memory_store() {
     });
 }
 
+type Batch = (u64, Vec<Vec<(usize, u64, bool)>>);
+
+fn batches() -> impl Strategy<Value = Vec<Batch>> {
+    let pick = (0usize..3, 0u64..4, prop::bool::weighted(0.2));
+    let request = prop::collection::vec(pick, 1..3);
+    prop::collection::vec((0u64..700, prop::collection::vec(request, 1..8)), 1..30)
+}
+
+#[test]
+fn decisions_sharing_one_script_call_answer_as_if_alone() {
+    // Under load several decisions go in one script call, and the script
+    // reads each counter once per call and then follows its own appends:
+    // every answer must still equal the memory store's, deciding the same
+    // requests one at a time at the same instant.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let redis = RedisServer::start();
+    let case = std::sync::atomic::AtomicU64::new(0);
+    let config = ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(batches in batches())| {
+        let n = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let clock = Arc::new(ManualClock::new(T0));
+        let memory = MemoryStore::new(clock.clone());
+        let redis_store = runtime.block_on(async { RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())) }).unwrap();
+        let keys: Vec<String> = (0..3).map(|k| format!("batch:{n}:{k}")).collect();
+        let windows: Vec<Vec<Window>> = (0..3).map(windows_of).collect();
+        for (dt, requests) in batches {
+            clock.advance(dt);
+            let requests: Vec<Vec<Check<'_>>> = requests
+                .into_iter()
+                .map(|mut picks| {
+                    picks.sort_by_key(|p| p.0);
+                    picks.dedup_by_key(|p| p.0);
+                    picks
+                        .into_iter()
+                        .map(|(k, cost, shadow)| Check { key: &keys[k], windows: &windows[k], cost, shadow })
+                        .collect()
+                })
+                .collect();
+            let expected: Vec<StoreAnswer> =
+                requests.iter().map(|checks| runtime.block_on(memory.decide(checks)).unwrap()).collect();
+            let together: Vec<&[Check<'_>]> = requests.iter().map(|c| &c[..]).collect();
+            let got = runtime.block_on(redis_store.decide_in_order(&together)).unwrap();
+            prop_assert_eq!(got, expected);
+        }
+    });
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_decisions_share_calls_and_stay_exact() {
     let redis = RedisServer::start();

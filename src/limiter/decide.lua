@@ -9,6 +9,14 @@
 --   c(last entry) - c(first entry in the window) + n(that entry)
 -- so a window costs two COUNT 1 seeks however many entries it holds.
 --
+-- Redis's own work per command is small next to what a redis.call() costs
+-- a script (argument objects, the reply turned into Lua tables), so a
+-- counter is read at most once per call: the clock is the same for every
+-- decision in the call, and what this script appends is known without
+-- reading it back. A hot counter shared by a batch of decisions then costs
+-- one XADD per admitted request; trimming and the expiry are set once per
+-- counter per call.
+--
 -- KEYS     every decision's counters, decision after decision
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the number of decisions
@@ -20,62 +28,109 @@
 -- window: used (before this request), reset_ms (until the oldest counted
 -- unit leaves), retry_ms (until this cost fits; -1 when it fits now).
 
+local call = redis.call
+local tonumber = tonumber
+local find, sub = string.find, string.sub
+
 local pinned = tonumber(ARGV[1])
 local now
 if pinned > 0 then
   now = pinned
 else
-  local t = redis.call('TIME')
+  local t = call('TIME')
   now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
-local function field(entry, name)
+-- n and c of a stream entry { id, { field, value, ... } }.
+local function amounts(entry)
   local f = entry[2]
+  local n, c = 0, 0
   for i = 1, #f, 2 do
-    if f[i] == name then return tonumber(f[i + 1]) end
+    local name = f[i]
+    if name == 'n' then
+      n = tonumber(f[i + 1])
+    elseif name == 'c' then
+      c = tonumber(f[i + 1])
+    end
   end
-  return 0
+  return n, c
 end
 
 local function id_ms(id)
-  return tonumber(string.match(id, '^(%d+)'))
+  return tonumber(sub(id, 1, find(id, '-', 1, true) - 1))
+end
+
+-- What this call knows of each counter: the running total, per period the
+-- first entry inside the window ({ c, n, ms }, or false when none), and the
+-- longest expiry set so far (0: not yet touched by this call).
+local counters = {}
+
+local function counter(key)
+  local s = counters[key]
+  if s then return s end
+  local total = 0
+  local last = call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  if last then
+    local _, c = amounts(last)
+    total = c
+  end
+  s = { total = total, first = {}, expiry = 0 }
+  counters[key] = s
+  return s
+end
+
+local function first_in_window(key, s, period)
+  local f = s.first[period]
+  if f ~= nil then return f end
+  f = false
+  if s.total > 0 then
+    local start = now - period + 1
+    if start < 0 then start = 0 end
+    local e = call('XRANGE', key, start, '+', 'COUNT', 1)[1]
+    if e then
+      local n, c = amounts(e)
+      f = { c, n, id_ms(e[1]) }
+    end
+  end
+  s.first[period] = f
+  return f
 end
 
 local reply = {}
-local k = 1
+local r = 0
+local k = 0
 local a = 3
+local keys, windows = {}, {}
 for _ = 1, tonumber(ARGV[2]) do
   local nkeys = tonumber(ARGV[a])
   local dry = ARGV[a + 1] == '1'
   a = a + 2
-  local plans = {}
   local admitted = 1
+  local base = r + 1
+  r = r + 1
   for i = 1, nkeys do
-    local key = KEYS[k + i - 1]
+    local key = KEYS[k + i]
     local cost = tonumber(ARGV[a])
     local shadow = ARGV[a + 1] == '1'
     local nwin = tonumber(ARGV[a + 2])
     a = a + 3
-    local total = 0
-    local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)
-    if last[1] then total = field(last[1], 'c') end
+    local s = counter(key)
+    local total = s.total
     local fits = true
     local longest = 0
-    local wins = {}
+    local periods = {}
+    r = r + 1 -- charged, filled in below
     for w = 1, nwin do
       local limit = tonumber(ARGV[a])
       local period = tonumber(ARGV[a + 1])
       a = a + 2
+      periods[w] = period
       if period > longest then longest = period end
-      local start = now - period + 1
-      if start < 0 then start = 0 end
       local used, reset, retry = 0, period, -1
-      if total > 0 then
-        local first = redis.call('XRANGE', key, start, '+', 'COUNT', 1)
-        if first[1] then
-          used = total - field(first[1], 'c') + field(first[1], 'n')
-          reset = id_ms(first[1][1]) + period - now
-        end
+      local f = first_in_window(key, s, period)
+      if f then
+        used = total - f[1] + f[2]
+        reset = f[3] + period - now
       end
       if used + cost > limit then
         fits = false
@@ -84,9 +139,12 @@ for _ = 1, tonumber(ARGV[2]) do
         else
           -- Entries leave oldest first: walk until `excess` units have left.
           local excess = used + cost - limit
+          local start = now - period + 1
+          if start < 0 then start = 0 end
           local run = 0
-          for _, e in ipairs(redis.call('XRANGE', key, start, '+', 'COUNT', excess)) do
-            run = run + field(e, 'n')
+          for _, e in ipairs(call('XRANGE', key, start, '+', 'COUNT', excess)) do
+            local n = amounts(e)
+            run = run + n
             if run >= excess then
               retry = id_ms(e[1]) + period - now
               break
@@ -94,30 +152,41 @@ for _ = 1, tonumber(ARGV[2]) do
           end
         end
       end
-      wins[w] = { used, reset, retry }
+      reply[r + 1] = used
+      reply[r + 2] = reset
+      reply[r + 3] = retry
+      r = r + 3
     end
     if not fits and not shadow then admitted = 0 end
-    plans[i] = { key = key, fits = fits, cost = cost, total = total, longest = longest, wins = wins }
+    keys[i] = { key, s, fits, cost, longest, periods, r - 3 * nwin }
   end
 
-  reply[#reply + 1] = admitted
+  reply[base] = admitted
   for i = 1, nkeys do
-    local p = plans[i]
+    local key, s, fits, cost, longest, periods, at = unpack(keys[i])
     local charged = 0
-    if admitted == 1 and not dry and p.fits and p.cost > 0 then
+    if admitted == 1 and not dry and fits and cost > 0 then
       local id = '*'
       if pinned > 0 then id = now .. '-*' end
-      redis.call('XADD', p.key, 'MINID', '~', now - p.longest + 1, id, 'n', p.cost, 'c', p.total + p.cost)
+      local total = s.total + cost
+      local added
+      if s.expiry == 0 then
+        added = call('XADD', key, 'MINID', '~', now - longest + 1, id, 'n', cost, 'c', total)
+      else
+        added = call('XADD', key, id, 'n', cost, 'c', total)
+      end
+      s.total = total
+      for w = 1, #periods do
+        if s.first[periods[w]] == false then s.first[periods[w]] = { total, cost, id_ms(added) } end
+      end
       -- A pinned clock runs apart from real time; its keys are the test's to delete.
-      if pinned == 0 then redis.call('PEXPIRE', p.key, p.longest) end
+      if longest > s.expiry then
+        if pinned == 0 then call('PEXPIRE', key, longest) end
+        s.expiry = longest
+      end
       charged = 1
     end
-    reply[#reply + 1] = charged
-    for _, w in ipairs(p.wins) do
-      reply[#reply + 1] = w[1]
-      reply[#reply + 1] = w[2]
-      reply[#reply + 1] = w[3]
-    end
+    reply[at] = charged
   end
   k = k + nkeys
 end

@@ -206,6 +206,28 @@ impl RedisStore {
         })
     }
 
+    /// Decides several requests in one script call, in order, each as if it
+    /// had come alone (what the batching task does under load). On Cluster
+    /// they go one after the other.
+    pub async fn decide_in_order(&self, requests: &[&[Check<'_>]]) -> Result<Vec<StoreAnswer>, StoreError> {
+        let owned: Vec<Vec<OwnedCheck>> = requests.iter().map(|checks| owned_checks(checks)).collect();
+        match &self.conn {
+            Conn::Node(node) => {
+                let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+                let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
+                let mut conn = node.get()?;
+                call(&self.script, &mut conn, pinned, &decisions).await
+            }
+            Conn::Cluster(cluster) => {
+                let mut answers = Vec::with_capacity(owned.len());
+                for checks in owned {
+                    answers.push(self.decide_cluster(cluster, checks).await?);
+                }
+                Ok(answers)
+            }
+        }
+    }
+
     /// The servers, safe to log (never carries credentials).
     pub fn server(&self) -> &str {
         &self.display
@@ -255,6 +277,18 @@ impl RedisStore {
             .collect();
         Ok(StoreAnswer { admitted, checks })
     }
+}
+
+fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
+    checks
+        .iter()
+        .map(|c| OwnedCheck {
+            key: c.key.to_string(),
+            windows: c.windows.to_vec(),
+            cost: c.cost,
+            shadow: c.shadow,
+        })
+        .collect()
 }
 
 fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, StoreError> {
@@ -321,15 +355,7 @@ impl NodeConn {
 
 impl CounterStore for RedisStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
-        let checks: Vec<OwnedCheck> = checks
-            .iter()
-            .map(|c| OwnedCheck {
-                key: c.key.to_string(),
-                windows: c.windows.to_vec(),
-                cost: c.cost,
-                shadow: c.shadow,
-            })
-            .collect();
+        let checks = owned_checks(checks);
         match (&self.conn, &self.queue) {
             (Conn::Node(node), Some(queue)) => {
                 // Nothing waiting and a call slot free: go straight out and
