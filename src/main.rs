@@ -10,7 +10,9 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 use tokio::net::{TcpListener, TcpSocket};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tollgate::admin::Admin;
@@ -86,8 +88,9 @@ struct RunArgs {
     /// Deadline of one decision; past it the rule's failure mode applies.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
     redis_timeout: Duration,
-    /// Proxy threads, each with its own listening socket (SO_REUSEPORT) and
-    /// upstream connection pool, so a request stays on one thread; 0 = one per core.
+    /// Worker threads, each with its own proxy listening socket (SO_REUSEPORT),
+    /// upstream pool and Redis connection, also serving the gRPC connections
+    /// dealt to it, so a request stays on one thread; 0 = one per core.
     #[arg(long, env = "TOLLGATE_PROXY_THREADS", default_value_t = 0)]
     proxy_threads: usize,
     /// Longest wait for the upstream's response headers (then 504).
@@ -277,11 +280,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         ratelimit_headers: args.ratelimit_headers,
     };
     let mut proxy_threads = Vec::with_capacity(proxy_listeners.len());
+    let mut grpc_workers = Vec::new();
     for (i, listener) in proxy_listeners.into_iter().enumerate() {
         let (limiter, catalog, options, stop) = (limiter.clone(), catalog.clone(), options.clone(), stop_rx.clone());
-        let thread = std::thread::Builder::new()
-            .name(format!("proxy-{i}"))
-            .spawn(move || serve_proxy_thread(listener, Proxy::new(limiter, catalog, options), conn_limits, stop));
+        let grpc = grpc_listener.is_some().then(|| {
+            let (conns, incoming) = mpsc::unbounded_channel();
+            grpc_workers.push(conns);
+            (incoming, RlsService::new(limiter.clone(), catalog.clone()))
+        });
+        let thread = std::thread::Builder::new().name(format!("proxy-{i}")).spawn(move || {
+            serve_proxy_thread(listener, Proxy::new(limiter, catalog, options), grpc, conn_limits, stop)
+        });
         proxy_threads.push(thread.context("cannot start a proxy thread")?);
     }
     let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone()));
@@ -305,8 +314,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         )));
     }
     if let Some(listener) = grpc_listener {
-        let rls = RlsService::new(limiter.clone(), catalog.clone());
-        tasks.push(tokio::spawn(serve_grpc(listener, rls, stop_rx.clone())));
+        tasks.push(tokio::spawn(deal_grpc(listener, grpc_workers, stop_rx.clone())));
     }
 
     wait_for_stop(&catalog).await;
@@ -347,8 +355,15 @@ async fn bind_shared(addr: SocketAddr, n: usize) -> anyhow::Result<Vec<std::net:
 }
 
 /// One proxy thread: its own single-threaded runtime, listener and upstream
-/// pool, so a request never hops between threads (as NGINX workers).
-fn serve_proxy_thread(listener: std::net::TcpListener, proxy: Proxy, limits: ConnLimits, stop: watch::Receiver<bool>) {
+/// pool, so a request never hops between threads (as NGINX workers). It
+/// also serves the gRPC connections dealt to it.
+fn serve_proxy_thread(
+    listener: std::net::TcpListener,
+    proxy: Proxy,
+    grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
+    limits: ConnLimits,
+    stop: watch::Receiver<bool>,
+) {
     let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -365,12 +380,53 @@ fn serve_proxy_thread(listener: std::net::TcpListener, proxy: Proxy, limits: Con
             }
         };
         let proxy = Arc::new(proxy);
-        serve(listener, limits, stop, move |req, peer| {
+        let http = serve(listener, limits, stop.clone(), move |req, peer| {
             let proxy = proxy.clone();
             async move { proxy.handle(req, peer).await }
-        })
-        .await;
+        });
+        match grpc {
+            Some((incoming, rls)) => {
+                tokio::join!(http, serve_grpc(incoming, rls, stop));
+            }
+            None => http.await,
+        }
     });
+}
+
+/// Accepts gRPC connections and deals them to the proxy threads in turn.
+/// Envoy keeps a few long-lived HTTP/2 connections to its rate limit
+/// service: too few for `SO_REUSEPORT`'s hash to spread them evenly.
+async fn deal_grpc(
+    listener: TcpListener,
+    workers: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut next = 0usize;
+    loop {
+        let accepted = tokio::select! {
+            _ = stop.wait_for(|s| *s) => return,
+            accepted = listener.accept() => accepted,
+        };
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, mostly: wait instead of spinning.
+                tracing::warn!(error = %e, "cannot accept a gRPC connection");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Nagle's algorithm would hold small replies back until a delayed
+        // ACK (~40 ms tails under load), so it is off as on every listener.
+        let _ = stream.set_nodelay(true);
+        match stream.into_std() {
+            Ok(stream) => {
+                let _ = workers[next % workers.len()].send(stream);
+                next = next.wrapping_add(1);
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot hand a gRPC connection over"),
+        }
+    }
 }
 
 async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -379,24 +435,25 @@ async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
         .with_context(|| format!("cannot listen on {addr}"))
 }
 
-/// Serves Envoy RLS and gRPC health until `stop` turns true.
-async fn serve_grpc(listener: TcpListener, rls: RlsService, mut stop: watch::Receiver<bool>) {
+/// Serves Envoy RLS and gRPC health on the connections dealt to this thread
+/// until `stop` turns true.
+async fn serve_grpc(
+    incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    rls: RlsService,
+    mut stop: watch::Receiver<bool>,
+) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    let incoming = UnboundedReceiverStream::new(incoming).map(tokio::net::TcpStream::from_std);
     let result = tonic::transport::Server::builder()
         .add_service(health)
         .add_service(RateLimitServiceServer::new(rls))
-        // Nagle's algorithm would hold small replies back until a delayed ACK
-        // (~40 ms tails under load), so it is off as on every other listener.
-        .serve_with_incoming_shutdown(
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-            async move {
-                let _ = stop.wait_for(|s| *s).await;
-            },
-        )
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
         .await;
     if let Err(e) = result {
-        tracing::error!(error = %e, "gRPC listener failed");
+        tracing::error!(error = %e, "gRPC server failed");
     }
 }
 

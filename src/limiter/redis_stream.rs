@@ -10,7 +10,10 @@
 //! calls in flight): the script decides them one after the other, each
 //! atomically, and the per-call cost on both sides is paid once per batch.
 //! An idle caller waits for no one: a batch is whatever is queued when a call
-//! can go out.
+//! can go out. Each thread that decides has its own lane to the node (its
+//! connection, queue and batching task), as NGINX workers keep their own
+//! upstream connections: a proxy thread never hands a decision to another
+//! thread and waits to be woken back.
 //!
 //! On Redis Cluster a decision's keys are grouped by hash tag (see
 //! `descriptor.rs`). One group is one atomic call. Several groups are
@@ -20,7 +23,7 @@
 //! charged before it stay charged. That window is one round trip wide.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -30,6 +33,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{Client, ConnectionInfo, IntoConnectionInfo, Script};
+use thread_local::ThreadLocal;
 use tokio::sync::{OnceCell, Semaphore, mpsc, oneshot};
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
@@ -39,7 +43,7 @@ use crate::config::Window;
 const DECIDE_LUA: &str = include_str!("decide.lua");
 /// Most decisions sent in one call.
 pub const MAX_BATCH: usize = 64;
-/// Calls in flight at once on a node connection.
+/// Calls in flight at once on one lane's connection.
 const MAX_IN_FLIGHT: usize = 4;
 /// Least time between two Sentinel look-ups of the master.
 const RESOLVE_EVERY: Duration = Duration::from_millis(250);
@@ -63,12 +67,9 @@ pub struct RedisStore {
     conn: Conn,
     script: Arc<Script>,
     pinned_clock: Option<Arc<dyn Clock>>,
-    /// Node connections batch through this queue; Cluster calls directly.
-    queue: Option<mpsc::UnboundedSender<Pending>>,
-    /// Decisions in the queue, so an idle store can skip it.
-    queued: Arc<AtomicUsize>,
-    /// Calls in flight on the node connection (batched or direct).
-    slots: Arc<Semaphore>,
+    /// Per thread, its way to the node (unused on Cluster). Boxed: the
+    /// table of threads is large and lives as long as the store.
+    lanes: Box<ThreadLocal<Lane>>,
     /// The servers as they may be logged: no user name or password.
     display: String,
 }
@@ -79,10 +80,29 @@ enum Conn {
     Cluster(Arc<ClusterConn>),
 }
 
-/// A connection to one node; with Sentinel, re-pointed after a failover.
+/// The one node decisions go to; with Sentinel, re-pointed after a failover.
 struct NodeConn {
-    current: RwLock<Option<ConnectionManager>>,
+    client: RwLock<Option<Client>>,
+    /// Bumped whenever `client` changes, so every lane reconnects.
+    generation: AtomicU64,
     sentinel: Option<SentinelResolver>,
+}
+
+/// One thread's way to the node: its own connection, queue and batching
+/// task, all on that thread's runtime.
+struct Lane {
+    link: Arc<LaneLink>,
+    queue: mpsc::UnboundedSender<Pending>,
+    /// Decisions in the queue, so an idle lane can skip it.
+    queued: Arc<AtomicUsize>,
+    /// Calls in flight on this lane's connection (batched or direct).
+    slots: Arc<Semaphore>,
+}
+
+/// A lane's connection, made again when the node's client changes.
+struct LaneLink {
+    node: Arc<NodeConn>,
+    conn: Mutex<Option<(u64, ConnectionManager)>>,
 }
 
 struct SentinelResolver {
@@ -150,10 +170,9 @@ impl RedisStore {
                 let [url] = urls else {
                     return Err(StoreError::Reply("standalone mode takes one --redis URL".into()));
                 };
-                let manager =
-                    ConnectionManager::new_lazy_with_config(Client::open(node_info(url)?)?, manager_config())?;
                 Conn::Node(Arc::new(NodeConn {
-                    current: RwLock::new(Some(manager)),
+                    client: RwLock::new(Some(Client::open(node_info(url)?)?)),
+                    generation: AtomicU64::new(0),
                     sentinel: None,
                 }))
             }
@@ -162,7 +181,8 @@ impl RedisStore {
                 let client =
                     SentinelClient::build(urls.to_vec(), master.clone(), Some(nodes), SentinelServerType::Master)?;
                 let node = Arc::new(NodeConn {
-                    current: RwLock::new(None),
+                    client: RwLock::new(None),
+                    generation: AtomicU64::new(0),
                     sentinel: Some(SentinelResolver {
                         client: tokio::sync::Mutex::new(client),
                         last: Mutex::new(None),
@@ -178,30 +198,11 @@ impl RedisStore {
                 conn: OnceCell::new(),
             })),
         };
-        let queued = Arc::new(AtomicUsize::new(0));
-        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
-        let queue = match &conn {
-            Conn::Node(node) => {
-                let (queue, rx) = mpsc::unbounded_channel();
-                tokio::spawn(send_batches(
-                    rx,
-                    node.clone(),
-                    script.clone(),
-                    pinned_clock.clone(),
-                    queued.clone(),
-                    slots.clone(),
-                ));
-                Some(queue)
-            }
-            Conn::Cluster(_) => None,
-        };
         Ok(RedisStore {
             conn,
             script,
             pinned_clock,
-            queue,
-            queued,
-            slots,
+            lanes: Box::new(ThreadLocal::new()),
             display,
         })
     }
@@ -215,7 +216,7 @@ impl RedisStore {
             Conn::Node(node) => {
                 let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
                 let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
-                let mut conn = node.get()?;
+                let mut conn = self.lane(node).link.get()?;
                 call(&self.script, &mut conn, pinned, &decisions).await
             }
             Conn::Cluster(cluster) => {
@@ -226,6 +227,12 @@ impl RedisStore {
                 Ok(answers)
             }
         }
+    }
+
+    /// This thread's lane to `node`, started on first use.
+    fn lane(&self, node: &Arc<NodeConn>) -> &Lane {
+        self.lanes
+            .get_or(|| Lane::start(node.clone(), self.script.clone(), self.pinned_clock.clone()))
     }
 
     /// The servers, safe to log (never carries credentials).
@@ -317,15 +324,56 @@ impl ClusterConn {
     }
 }
 
-impl NodeConn {
+impl LaneLink {
     fn get(&self) -> Result<ConnectionManager, StoreError> {
-        self.current
+        let generation = self.node.generation.load(Ordering::Acquire);
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((g, manager)) = &*conn
+            && *g == generation
+        {
+            return Ok(manager.clone());
+        }
+        let client = self
+            .node
+            .client
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-            .ok_or_else(|| StoreError::Batch("no master known yet (asking Sentinel)".into()))
+            .ok_or_else(|| StoreError::Batch("no master known yet (asking Sentinel)".into()))?;
+        // Lazy: connects on first use, on this lane's runtime.
+        let manager = ConnectionManager::new_lazy_with_config(client, manager_config())?;
+        *conn = Some((generation, manager.clone()));
+        Ok(manager)
     }
+}
 
+impl Lane {
+    fn start(node: Arc<NodeConn>, script: Arc<Script>, pinned_clock: Option<Arc<dyn Clock>>) -> Lane {
+        let link = Arc::new(LaneLink {
+            node,
+            conn: Mutex::new(None),
+        });
+        let queued = Arc::new(AtomicUsize::new(0));
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+        let (queue, rx) = mpsc::unbounded_channel();
+        tokio::spawn(send_batches(
+            rx,
+            link.clone(),
+            script,
+            pinned_clock,
+            queued.clone(),
+            slots.clone(),
+        ));
+        Lane {
+            link,
+            queue,
+            queued,
+            slots,
+        }
+    }
+}
+
+impl NodeConn {
     /// After a failed call: with Sentinel, ask again where the master is.
     fn failed(self: Arc<Self>) {
         let Some(sentinel) = &self.sentinel else { return };
@@ -339,13 +387,11 @@ impl NodeConn {
         tokio::spawn(async move {
             let Some(sentinel) = &self.sentinel else { return };
             let client = sentinel.client.lock().await.async_get_client().await;
-            match client.and_then(|c| {
-                let addr = c.get_connection_info().addr().to_string();
-                ConnectionManager::new_lazy_with_config(c, manager_config()).map(|m| (addr, m))
-            }) {
-                Ok((addr, manager)) => {
-                    tracing::info!(master = %addr, "redis master from sentinel");
-                    *self.current.write().unwrap_or_else(|e| e.into_inner()) = Some(manager);
+            match client {
+                Ok(c) => {
+                    tracing::info!(master = %c.get_connection_info().addr(), "redis master from sentinel");
+                    *self.client.write().unwrap_or_else(|e| e.into_inner()) = Some(c);
+                    self.generation.fetch_add(1, Ordering::AcqRel);
                 }
                 Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
             }
@@ -356,15 +402,16 @@ impl NodeConn {
 impl CounterStore for RedisStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
         let checks = owned_checks(checks);
-        match (&self.conn, &self.queue) {
-            (Conn::Node(node), Some(queue)) => {
+        match &self.conn {
+            Conn::Node(node) => {
+                let lane = self.lane(node);
                 // Nothing waiting and a call slot free: go straight out and
                 // save the hand-off to the batching task.
-                if self.queued.load(Ordering::Acquire) == 0
-                    && let Ok(slot) = self.slots.clone().try_acquire_owned()
+                if lane.queued.load(Ordering::Acquire) == 0
+                    && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
                     let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
-                    let result = match node.get() {
+                    let result = match lane.link.get() {
                         Ok(mut conn) => call(&self.script, &mut conn, pinned, &[(&checks, false)])
                             .await
                             .and_then(single),
@@ -376,29 +423,28 @@ impl CounterStore for RedisStore {
                     }
                     return result;
                 }
-                self.queued.fetch_add(1, Ordering::AcqRel);
+                lane.queued.fetch_add(1, Ordering::AcqRel);
                 let (reply, answer) = oneshot::channel();
                 let pending = Pending {
                     checks,
                     dry_run: false,
                     reply,
                 };
-                queue
+                lane.queue
                     .send(pending)
                     .map_err(|_| StoreError::Batch("batching task stopped".into()))?;
                 answer
                     .await
                     .map_err(|_| StoreError::Batch("batching task stopped".into()))?
             }
-            (Conn::Cluster(cluster), _) => self.decide_cluster(cluster, checks).await,
-            (Conn::Node(_), None) => Err(StoreError::Batch("no batching task".into())),
+            Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
         }
     }
 
     async fn ping(&self) -> Result<(), StoreError> {
         match &self.conn {
             Conn::Node(node) => {
-                let mut conn = node.get()?;
+                let mut conn = self.lane(node).link.get()?;
                 let result = redis::cmd("PING").query_async::<()>(&mut conn).await;
                 if result.is_err() {
                     node.clone().failed();
@@ -417,7 +463,7 @@ impl CounterStore for RedisStore {
 /// free, and sends it to the node as one script call.
 async fn send_batches(
     mut rx: mpsc::UnboundedReceiver<Pending>,
-    node: Arc<NodeConn>,
+    link: Arc<LaneLink>,
     script: Arc<Script>,
     pinned_clock: Option<Arc<dyn Clock>>,
     queued: Arc<AtomicUsize>,
@@ -437,10 +483,10 @@ async fn send_batches(
         }
         queued.fetch_sub(batch.len(), Ordering::AcqRel);
         let pinned = pinned_clock.as_ref().map_or(0, |c| c.now_ms());
-        let (node, script) = (node.clone(), script.clone());
+        let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], p.dry_run)).collect();
-            let result = match node.get() {
+            let result = match link.get() {
                 Ok(mut conn) => call(&script, &mut conn, pinned, &decisions).await,
                 Err(e) => Err(e),
             };
@@ -452,7 +498,7 @@ async fn send_batches(
                     }
                 }
                 Err(e) => {
-                    node.failed();
+                    link.node.clone().failed();
                     let message = e.to_string();
                     let mut batch = batch.into_iter();
                     if let Some(p) = batch.next() {
