@@ -43,8 +43,11 @@ use crate::config::Window;
 const DECIDE_LUA: &str = include_str!("decide.lua");
 /// Most decisions sent in one call.
 pub const MAX_BATCH: usize = 64;
-/// Calls in flight at once on one lane's connection.
-const MAX_IN_FLIGHT: usize = 4;
+/// Calls in flight at once on one lane's connection. Fewer in flight means
+/// more decisions wait for the next call and share it: with a lane per
+/// thread, 2 (4 before lanes) halved the calls per decision under load and
+/// did not cost throughput (BENCHMARKS.md, change 8).
+const MAX_IN_FLIGHT: usize = 2;
 /// Least time between two Sentinel look-ups of the master.
 const RESOLVE_EVERY: Duration = Duration::from_millis(250);
 
