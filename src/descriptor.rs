@@ -140,7 +140,11 @@ pub fn descriptor_key<'a>(domain: &str, rule: &Rule, entries: impl IntoIterator<
 /// separator, so no value can be mistaken for another or for a boundary.
 fn push_component(key: &mut String, value: &str) {
     if value.len() <= MAX_VALUE_LEN {
-        let _ = write!(key, "{}={}|", value.len(), value);
+        // On every request: push_str, not the formatting machinery.
+        key.push_str(itoa::Buffer::new().format(value.len()));
+        key.push('=');
+        key.push_str(value);
+        key.push('|');
     } else {
         let digest = Sha256::digest(value.as_bytes());
         let _ = write!(key, "{}#", value.len());

@@ -6,7 +6,7 @@
 //! after the rule, one item per window; `RateLimit` lists the same items in
 //! the same order.
 
-use std::fmt::Write;
+use std::borrow::Cow;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
@@ -50,19 +50,31 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
     if windows.is_empty() {
         return;
     }
-    let mut policy = String::new();
-    let mut state = String::new();
+    // Built on every admitted request: push_str and itoa, not format!.
+    let mut policy = String::with_capacity(64);
+    let mut state = String::with_capacity(64);
+    let mut n = itoa::Buffer::new();
     for (i, (rule, w)) in windows.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
         let name = sf_string(&rule.rule.name);
-        let _ = write!(
-            policy,
-            "{sep}\"{name}\";q={};w={}",
-            w.window.requests,
-            w.window.period_secs()
-        );
-        let t = ceil_secs(w.retry_ms.unwrap_or(w.reset_ms));
-        let _ = write!(state, "{sep}\"{name}\";r={};t={t}", w.remaining);
+        for (out, a, x, b, y) in [
+            (&mut policy, "\";q=", w.window.requests, ";w=", w.window.period_secs()),
+            (
+                &mut state,
+                "\";r=",
+                w.remaining,
+                ";t=",
+                ceil_secs(w.retry_ms.unwrap_or(w.reset_ms)),
+            ),
+        ] {
+            out.push_str(sep);
+            out.push('"');
+            out.push_str(&name);
+            out.push_str(a);
+            out.push_str(n.format(x));
+            out.push_str(b);
+            out.push_str(n.format(y));
+        }
     }
     if let (Ok(p), Ok(s)) = (HeaderValue::from_str(&policy), HeaderValue::from_str(&state)) {
         headers.insert(RATELIMIT_POLICY, p);
@@ -72,7 +84,13 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
 
 /// `name` as the inside of a structured-field string: `\` and `"` escaped,
 /// anything outside printable ASCII dropped (names from Envoy files are free-form).
-fn sf_string(name: &str) -> String {
+fn sf_string(name: &str) -> Cow<'_, str> {
+    if name
+        .bytes()
+        .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+    {
+        return Cow::Borrowed(name);
+    }
     let mut out = String::with_capacity(name.len());
     for c in name.chars().filter(|c| (' '..='~').contains(c)) {
         if c == '"' || c == '\\' {
@@ -80,7 +98,7 @@ fn sf_string(name: &str) -> String {
         }
         out.push(c);
     }
-    out
+    Cow::Owned(out)
 }
 
 /// A short JSON body naming the rule and window that refused.

@@ -6,7 +6,9 @@
 //! Hop-by-hop headers are dropped in both directions (RFC 9110 §7.6.1);
 //! WebSocket and other upgrades are joined end to end after the handshake.
 
-use std::net::SocketAddr;
+use std::borrow::Cow;
+use std::cell::RefCell;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -215,9 +217,13 @@ impl Proxy {
         let (mut parts, body) = req.into_parts();
         // The upstream sees the normalised path the limits were matched on.
         let normal = crate::path::normalize(parts.uri.path());
-        let path = match parts.uri.query() {
-            Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
-            None => PathAndQuery::try_from(normal.as_ref()),
+        let path = match (&normal, parts.uri.path_and_query()) {
+            // Already normal: the same bytes, shared rather than parsed again.
+            (Cow::Borrowed(_), Some(pq)) => Ok(pq.clone()),
+            (_, _) => match parts.uri.query() {
+                Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
+                None => PathAndQuery::try_from(normal.as_ref()),
+            },
         }
         .map_err(|_| StatusCode::BAD_REQUEST)?;
         parts.uri = Uri::builder()
@@ -279,17 +285,15 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
 /// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
 /// the `Upgrade` header survives with `Connection: upgrade`.
 fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
-    let named: Vec<HeaderName> = connection_tokens(headers)
-        .filter_map(|t| HeaderName::from_bytes(t).ok())
-        .collect();
-    for name in named {
-        if !(upgrade && name == header::UPGRADE) {
-            headers.remove(name);
-        }
-    }
-    for name in &HOP_BY_HOP {
-        if !(upgrade && name == header::UPGRADE) {
-            headers.remove(name);
+    // One pass over the few names present is cheaper than a hashed removal
+    // per hop-by-hop name, and most messages carry one at most.
+    let mut doomed: Vec<HeaderName> = headers.keys().filter(|n| HOP_BY_HOP.contains(n)).cloned().collect();
+    if !doomed.is_empty() {
+        doomed.extend(connection_tokens(headers).filter_map(|t| HeaderName::from_bytes(t).ok()));
+        for name in doomed {
+            if !(upgrade && name == header::UPGRADE) {
+                headers.remove(name);
+            }
         }
     }
     if upgrade {
@@ -298,8 +302,29 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 }
 
 /// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
+/// A peer address as a header value. Keep-alive clients send many requests
+/// from one address, so each thread keeps the last one it formatted.
+fn peer_value(ip: IpAddr) -> HeaderValue {
+    thread_local! {
+        static LAST: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| match last {
+        Some((cached, value)) if *cached == ip => value.clone(),
+        _ => {
+            let value = HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value");
+            *last = Some((ip, value.clone()));
+            value
+        }
+    })
+}
+
 fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let peer = peer.ip().to_canonical().to_string();
+    let ip = peer.ip().to_canonical();
+    if !headers.contains_key(&X_FORWARDED_FOR) {
+        headers.insert(X_FORWARDED_FOR, peer_value(ip));
+        return;
+    }
+    let peer = ip.to_string();
     let mut value = Vec::new();
     for v in headers.get_all(&X_FORWARDED_FOR) {
         value.extend_from_slice(v.as_bytes());
