@@ -246,7 +246,8 @@ async fn nested_descriptors_and_matching_order() {
     assert_eq!(limit.name, "message_type_marketing.to_number");
     assert_eq!(status.limit_remaining, 0);
     let reset = status.duration_until_reset.as_ref().unwrap();
-    assert!(reset.seconds > 86_300 && reset.seconds < 86_400, "exact: {reset:?}");
+    // A whole day when the first request was in this very millisecond.
+    assert!(reset.seconds > 86_300 && reset.seconds <= 86_400, "exact: {reset:?}");
     let headers: Vec<(String, String)> = r
         .response_headers_to_add
         .iter()

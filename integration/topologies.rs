@@ -286,5 +286,5 @@ async fn sentinel_failover_is_survived() {
          {answered} requests answered meanwhile",
         killed.elapsed()
     );
-    assert!(tg.log_text().contains("redis master from sentinel"));
+    assert!(tg.logged("redis master from sentinel"));
 }

@@ -267,6 +267,21 @@ impl Tollgate {
     pub fn log_text(&self) -> String {
         self.logs.lock().unwrap().join("\n")
     }
+
+    /// Whether a log line containing `needle` arrives within 5 s (stderr is
+    /// read by another thread, so a line may land just after the response).
+    pub fn logged(&self, needle: &str) -> bool {
+        let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        loop {
+            if self.log_text().contains(needle) {
+                return true;
+            }
+            if std::time::Instant::now() > until {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
 }
 
 impl Drop for Tollgate {

@@ -60,21 +60,23 @@ local function id_ms(id)
   return tonumber(sub(id, 1, find(id, '-', 1, true) - 1))
 end
 
--- What this call knows of each counter: the running total, per period the
--- first entry inside the window ({ c, n, ms }, or false when none), and the
--- longest expiry set so far (0: not yet touched by this call).
+-- What this call knows of each counter: the running total, the time of its
+-- last entry, per period the first entry inside the window ({ c, n, ms }, or
+-- false when none), and the longest expiry set so far (0: not yet touched by
+-- this call).
 local counters = {}
 
 local function counter(key)
   local s = counters[key]
   if s then return s end
-  local total = 0
+  local total, last_ms = 0, 0
   local last = call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
   if last then
     local _, c = amounts(last)
     total = c
+    last_ms = id_ms(last[1])
   end
-  s = { total = total, first = {}, expiry = 0 }
+  s = { total = total, last_ms = last_ms, first = {}, expiry = 0 }
   counters[key] = s
   return s
 end
@@ -130,7 +132,8 @@ for _ = 1, tonumber(ARGV[2]) do
       local f = first_in_window(key, s, period)
       if f then
         used = total - f[1] + f[2]
-        reset = f[3] + period - now
+        -- Never past a whole period, even if the clock stepped back.
+        reset = math.min(f[3] + period - now, period)
       end
       if used + cost > limit then
         fits = false
@@ -146,7 +149,7 @@ for _ = 1, tonumber(ARGV[2]) do
             local n = amounts(e)
             run = run + n
             if run >= excess then
-              retry = id_ms(e[1]) + period - now
+              retry = math.min(id_ms(e[1]) + period - now, period)
               break
             end
           end
@@ -166,18 +169,22 @@ for _ = 1, tonumber(ARGV[2]) do
     local key, s, fits, cost, longest, periods, at = unpack(keys[i])
     local charged = 0
     if admitted == 1 and not dry and fits and cost > 0 then
-      local id = '*'
-      if pinned > 0 then id = now .. '-*' end
+      -- The entry carries this call's clock (never before the last entry,
+      -- which a clock step back could otherwise ask for), so no later call
+      -- can see an entry from its own future.
+      local ms = now
+      if s.last_ms > ms then ms = s.last_ms end
+      local id = ms .. '-*'
       local total = s.total + cost
-      local added
       if s.expiry == 0 then
-        added = call('XADD', key, 'MINID', '~', now - longest + 1, id, 'n', cost, 'c', total)
+        call('XADD', key, 'MINID', '~', now - longest + 1, id, 'n', cost, 'c', total)
       else
-        added = call('XADD', key, id, 'n', cost, 'c', total)
+        call('XADD', key, id, 'n', cost, 'c', total)
       end
       s.total = total
+      s.last_ms = ms
       for w = 1, #periods do
-        if s.first[periods[w]] == false then s.first[periods[w]] = { total, cost, id_ms(added) } end
+        if s.first[periods[w]] == false then s.first[periods[w]] = { total, cost, ms } end
       end
       -- A pinned clock runs apart from real time; its keys are the test's to delete.
       if longest > s.expiry then
