@@ -398,7 +398,7 @@ fn serve_proxy_thread(
 /// service: too few for `SO_REUSEPORT`'s hash to spread them evenly.
 async fn deal_grpc(
     listener: TcpListener,
-    workers: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    mut workers: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
     mut stop: watch::Receiver<bool>,
 ) {
     let mut next = 0usize;
@@ -419,12 +419,30 @@ async fn deal_grpc(
         // Nagle's algorithm would hold small replies back until a delayed
         // ACK (~40 ms tails under load), so it is off as on every listener.
         let _ = stream.set_nodelay(true);
-        match stream.into_std() {
-            Ok(stream) => {
-                let _ = workers[next % workers.len()].send(stream);
-                next = next.wrapping_add(1);
+        let mut stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hand a gRPC connection over");
+                continue;
             }
-            Err(e) => tracing::warn!(error = %e, "cannot hand a gRPC connection over"),
+        };
+        // A thread that could not start has no receiver: skip it for good.
+        while !workers.is_empty() {
+            let i = next % workers.len();
+            match workers[i].send(stream) {
+                Ok(()) => {
+                    next = next.wrapping_add(1);
+                    break;
+                }
+                Err(mpsc::error::SendError(back)) => {
+                    stream = back;
+                    workers.remove(i);
+                }
+            }
+        }
+        if workers.is_empty() {
+            tracing::error!("no thread left to serve gRPC");
+            return;
         }
     }
 }

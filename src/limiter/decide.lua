@@ -60,6 +60,10 @@ local function id_ms(id)
   return tonumber(sub(id, 1, find(id, '-', 1, true) - 1))
 end
 
+local function id_seq(id)
+  return tonumber(sub(id, find(id, '-', 1, true) + 1))
+end
+
 -- What this call knows of each counter: the running total, the time of its
 -- last entry, per period the first entry inside the window ({ c, n, ms }, or
 -- false when none), and the longest expiry set so far (0: not yet touched by
@@ -69,14 +73,15 @@ local counters = {}
 local function counter(key)
   local s = counters[key]
   if s then return s end
-  local total, last_ms = 0, 0
+  local total, last_ms, last_seq = 0, -1, 0
   local last = call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
   if last then
     local _, c = amounts(last)
     total = c
     last_ms = id_ms(last[1])
+    last_seq = id_seq(last[1])
   end
-  s = { total = total, last_ms = last_ms, first = {}, expiry = 0 }
+  s = { total = total, last_ms = last_ms, last_seq = last_seq, first = {}, expiry = 0 }
   counters[key] = s
   return s
 end
@@ -102,7 +107,7 @@ local reply = {}
 local r = 0
 local k = 0
 local a = 3
-local keys, windows = {}, {}
+local keys = {}
 for _ = 1, tonumber(ARGV[2]) do
   local nkeys = tonumber(ARGV[a])
   local dry = ARGV[a + 1] == '1'
@@ -120,13 +125,11 @@ for _ = 1, tonumber(ARGV[2]) do
     local total = s.total
     local fits = true
     local longest = 0
-    local periods = {}
     r = r + 1 -- charged, filled in below
     for w = 1, nwin do
       local limit = tonumber(ARGV[a])
       local period = tonumber(ARGV[a + 1])
       a = a + 2
-      periods[w] = period
       if period > longest then longest = period end
       local used, reset, retry = 0, period, -1
       local f = first_in_window(key, s, period)
@@ -161,20 +164,23 @@ for _ = 1, tonumber(ARGV[2]) do
       r = r + 3
     end
     if not fits and not shadow then admitted = 0 end
-    keys[i] = { key, s, fits, cost, longest, periods, r - 3 * nwin }
+    keys[i] = { key, s, fits, cost, longest, r - 3 * nwin }
   end
 
   reply[base] = admitted
   for i = 1, nkeys do
-    local key, s, fits, cost, longest, periods, at = unpack(keys[i])
+    local key, s, fits, cost, longest, at = unpack(keys[i])
     local charged = 0
     if admitted == 1 and not dry and fits and cost > 0 then
       -- The entry carries this call's clock (never before the last entry,
       -- which a clock step back could otherwise ask for), so no later call
-      -- can see an entry from its own future.
-      local ms = now
-      if s.last_ms > ms then ms = s.last_ms end
-      local id = ms .. '-*'
+      -- can see an entry from its own future. The whole ID is spelled out:
+      -- `ms-*` would need Redis 7.
+      local ms, seq = now, 0
+      if s.last_ms >= ms then
+        ms, seq = s.last_ms, s.last_seq + 1
+      end
+      local id = ms .. '-' .. seq
       local total = s.total + cost
       if s.expiry == 0 then
         call('XADD', key, 'MINID', '~', now - longest + 1, id, 'n', cost, 'c', total)
@@ -182,9 +188,11 @@ for _ = 1, tonumber(ARGV[2]) do
         call('XADD', key, id, 'n', cost, 'c', total)
       end
       s.total = total
-      s.last_ms = ms
-      for w = 1, #periods do
-        if s.first[periods[w]] == false then s.first[periods[w]] = { total, cost, ms } end
+      s.last_ms, s.last_seq = ms, seq
+      -- Every window of this counter that had no entry has this one now,
+      -- including windows other decisions in this call asked about.
+      for period, f in pairs(s.first) do
+        if f == false then s.first[period] = { total, cost, ms } end
       end
       -- A pinned clock runs apart from real time; its keys are the test's to delete.
       if longest > s.expiry then

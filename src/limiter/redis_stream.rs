@@ -392,8 +392,18 @@ impl NodeConn {
             let client = sentinel.client.lock().await.async_get_client().await;
             match client {
                 Ok(c) => {
-                    tracing::info!(master = %c.get_connection_info().addr(), "redis master from sentinel");
-                    *self.client.write().unwrap_or_else(|e| e.into_inner()) = Some(c);
+                    let addr = c.get_connection_info().addr().to_string();
+                    let mut current = self.client.write().unwrap_or_else(|e| e.into_inner());
+                    // Same master (Redis was only slow, or a script failed):
+                    // keep every lane's connection instead of reconnecting them all.
+                    if current
+                        .as_ref()
+                        .is_some_and(|old| old.get_connection_info().addr().to_string() == addr)
+                    {
+                        return;
+                    }
+                    tracing::info!(master = %addr, "redis master from sentinel");
+                    *current = Some(c);
                     self.generation.fetch_add(1, Ordering::AcqRel);
                 }
                 Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
@@ -433,9 +443,10 @@ impl CounterStore for RedisStore {
                     dry_run: false,
                     reply,
                 };
-                lane.queue
-                    .send(pending)
-                    .map_err(|_| StoreError::Batch("batching task stopped".into()))?;
+                if lane.queue.send(pending).is_err() {
+                    lane.queued.fetch_sub(1, Ordering::AcqRel);
+                    return Err(StoreError::Batch("batching task stopped".into()));
+                }
                 answer
                     .await
                     .map_err(|_| StoreError::Batch("batching task stopped".into()))?
@@ -477,14 +488,28 @@ async fn send_batches(
         let Ok(slot) = slots.clone().acquire_owned().await else {
             return;
         };
-        let mut batch = vec![first];
+        // A caller past its deadline has already applied its failure mode:
+        // charging its request now would count one that was never admitted.
+        let mut taken = 1;
+        let mut batch = Vec::with_capacity(8);
+        if !first.reply.is_closed() {
+            batch.push(first);
+        }
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
-                Ok(p) => batch.push(p),
+                Ok(p) => {
+                    taken += 1;
+                    if !p.reply.is_closed() {
+                        batch.push(p);
+                    }
+                }
                 Err(_) => break,
             }
         }
-        queued.fetch_sub(batch.len(), Ordering::AcqRel);
+        queued.fetch_sub(taken, Ordering::AcqRel);
+        if batch.is_empty() {
+            continue;
+        }
         let pinned = pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {

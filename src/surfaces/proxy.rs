@@ -301,7 +301,6 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
-/// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
 /// A peer address as a header value. Keep-alive clients send many requests
 /// from one address, so each thread keeps the last one it formatted.
 fn peer_value(ip: IpAddr) -> HeaderValue {
@@ -318,6 +317,7 @@ fn peer_value(ip: IpAddr) -> HeaderValue {
     })
 }
 
+/// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
 fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     let ip = peer.ip().to_canonical();
     if !headers.contains_key(&X_FORWARDED_FOR) {
