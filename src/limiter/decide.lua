@@ -13,9 +13,11 @@
 -- a script (argument objects, the reply turned into Lua tables), so a
 -- counter is read at most once per call: the clock is the same for every
 -- decision in the call, and what this script appends is known without
--- reading it back. A hot counter shared by a batch of decisions then costs
--- one XADD per admitted request; trimming and the expiry are set once per
--- counter per call.
+-- reading it back. Every entry a call appends carries the call's clock, so
+-- all of them fall into or out of any window together: a call writes one
+-- entry per counter, n being the sum of the costs it admitted there, after
+-- the last decision. A hot counter shared by a batch of decisions costs one
+-- XADD, one trim and one expiry per call, whatever the batch size.
 --
 -- KEYS     every decision's counters, decision after decision
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
@@ -66,9 +68,10 @@ end
 
 -- What this call knows of each counter: the running total, the time of its
 -- last entry, per period the first entry inside the window ({ c, n, ms }, or
--- false when none), and the longest expiry set so far (0: not yet touched by
--- this call).
+-- false when none), the entry this call will append (pend_n units, 0 while
+-- none, under the ID pend_ms-pend_seq) and the longest window it charged.
 local counters = {}
+local touched = {}
 
 local function counter(key)
   local s = counters[key]
@@ -81,7 +84,8 @@ local function counter(key)
     last_ms = id_ms(last[1])
     last_seq = id_seq(last[1])
   end
-  s = { total = total, last_ms = last_ms, last_seq = last_seq, first = {}, expiry = 0 }
+  s = { total = total, last_ms = last_ms, last_seq = last_seq, first = {},
+        pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0 }
   counters[key] = s
   return s
 end
@@ -97,6 +101,10 @@ local function first_in_window(key, s, period)
     if e then
       local n, c = amounts(e)
       f = { c, n, id_ms(e[1]) }
+    elseif s.pend_n > 0 then
+      -- Only what this call admitted, not written yet: c - n is the total
+      -- before it, however much more the call goes on to admit.
+      f = { s.total, s.pend_n, s.pend_ms }
     end
   end
   s.first[period] = f
@@ -156,6 +164,10 @@ for _ = 1, tonumber(ARGV[2]) do
               break
             end
           end
+          -- What this call admitted here is not written yet; it is newest.
+          if retry < 0 and s.pend_n > 0 then
+            retry = math.min(s.pend_ms + period - now, period)
+          end
         end
       end
       reply[r + 1] = used
@@ -172,37 +184,40 @@ for _ = 1, tonumber(ARGV[2]) do
     local key, s, fits, cost, longest, at = unpack(keys[i])
     local charged = 0
     if admitted == 1 and not dry and fits and cost > 0 then
-      -- The entry carries this call's clock (never before the last entry,
-      -- which a clock step back could otherwise ask for), so no later call
-      -- can see an entry from its own future. The whole ID is spelled out:
-      -- `ms-*` would need Redis 7.
-      local ms, seq = now, 0
-      if s.last_ms >= ms then
-        ms, seq = s.last_ms, s.last_seq + 1
+      if s.pend_n == 0 then
+        -- The entry carries this call's clock (never before the last entry,
+        -- which a clock step back could otherwise ask for), so no later call
+        -- can see an entry from its own future. The whole ID is spelled
+        -- out: `ms-*` would need Redis 7.
+        local ms, seq = now, 0
+        if s.last_ms >= ms then
+          ms, seq = s.last_ms, s.last_seq + 1
+        end
+        s.pend_ms, s.pend_seq = ms, seq
+        touched[#touched + 1] = key
       end
-      local id = ms .. '-' .. seq
-      local total = s.total + cost
-      if s.expiry == 0 then
-        call('XADD', key, 'MINID', '~', now - longest + 1, id, 'n', cost, 'c', total)
-      else
-        call('XADD', key, id, 'n', cost, 'c', total)
-      end
-      s.total = total
-      s.last_ms, s.last_seq = ms, seq
+      s.pend_n = s.pend_n + cost
+      s.total = s.total + cost
       -- Every window of this counter that had no entry has this one now,
-      -- including windows other decisions in this call asked about.
+      -- including windows other decisions in this call asked about. Its
+      -- c - n stays the total before this call's first charge, which is
+      -- what counts from it.
       for period, f in pairs(s.first) do
-        if f == false then s.first[period] = { total, cost, ms } end
+        if f == false then s.first[period] = { s.total, cost, s.pend_ms } end
       end
-      -- A pinned clock runs apart from real time; its keys are the test's to delete.
-      if longest > s.expiry then
-        if pinned == 0 then call('PEXPIRE', key, longest) end
-        s.expiry = longest
-      end
+      if longest > s.longest then s.longest = longest end
       charged = 1
     end
     reply[at] = charged
   end
   k = k + nkeys
+end
+
+for _, key in ipairs(touched) do
+  local s = counters[key]
+  call('XADD', key, 'MINID', '~', now - s.longest + 1, s.pend_ms .. '-' .. s.pend_seq,
+       'n', s.pend_n, 'c', s.total)
+  -- A pinned clock runs apart from real time; its keys are the test's to delete.
+  if pinned == 0 then call('PEXPIRE', key, s.longest) end
 end
 return reply
