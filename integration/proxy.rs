@@ -348,6 +348,90 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
 }
 
+/// A bare HTTP/1.1 upstream that answers `ok` to bodiless requests, says
+/// `Connection: close` on every `close_every`-th answer of a connection and
+/// closes connections idle for `idle`, without a word, as servers do.
+async fn closing_upstream(
+    close_every: usize,
+    idle: Duration,
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut answered = 0;
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let n = match tokio::time::timeout(idle, stream.read(&mut chunk)).await {
+                        Ok(Ok(n)) if n > 0 => n,
+                        _ => return,
+                    };
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        answered += 1;
+                        let last = answered % close_every == 0;
+                        let head = if last { "connection: close\r\n" } else { "" };
+                        let answer = format!("HTTP/1.1 200 OK\r\ncontent-length: 2\r\n{head}\r\nok");
+                        if stream.write_all(answer.as_bytes()).await.is_err() || last {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
+    let (addr, accepted) = closing_upstream(3, Duration::from_millis(300)).await;
+    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+    let c = client();
+    for i in 0..30 {
+        let a = get(&c, &tg.url("/any"), &[]).await;
+        assert_eq!((i, a.status, a.body.as_ref()), (i, StatusCode::OK, &b"ok"[..]));
+    }
+    let seen = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(seen, 10, "each upstream connection carried the 3 requests it allowed");
+
+    // Idle connections the upstream closed silently are not used again.
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
+    }
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 13);
+
+    // Concurrent requests open what they need, and sequential ones after
+    // them reuse those connections instead of opening more.
+    let burst: Vec<_> = (0..8)
+        .map(|_| {
+            let c = c.clone();
+            let url = tg.url("/any");
+            tokio::spawn(async move { get(&c, &url, &[]).await.status })
+        })
+        .collect();
+    for b in burst {
+        assert_eq!(b.await.unwrap(), StatusCode::OK);
+    }
+    let after_burst = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(after_burst <= 13 + 8, "{after_burst}");
+    assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        after_burst,
+        "reused, not opened"
+    );
+    assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
+}
+
 #[tokio::test]
 async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     let limits = "\

@@ -5,3 +5,4 @@
 pub mod decision_http;
 pub mod envoy_rls;
 pub mod proxy;
+pub mod upstream_pool;

@@ -18,9 +18,7 @@ use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
 use crate::descriptor::RequestInfo;
@@ -28,9 +26,10 @@ use crate::headers;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
+use crate::surfaces::upstream_pool::{UpstreamBody, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
-pub type ProxyBody = Either<Incoming, Full<Bytes>>;
+pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
 const HOP_BY_HOP: [HeaderName; 9] = [
@@ -52,8 +51,9 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// Where requests go once admitted.
 #[derive(Debug, Clone)]
 pub struct Upstream {
-    scheme: Scheme,
     authority: Authority,
+    /// `Host` for requests that came without one (HTTP/1.0).
+    host: HeaderValue,
 }
 
 /// An `--upstream` that tollgate cannot forward to.
@@ -80,9 +80,10 @@ impl Upstream {
         if uri.path() != "/" && !uri.path().is_empty() {
             return Err(UpstreamError::Malformed(url.into()));
         }
+        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| UpstreamError::Malformed(url.into()))?;
         Ok(Upstream {
-            scheme: scheme.clone(),
             authority: authority.clone(),
+            host,
         })
     }
 }
@@ -104,25 +105,20 @@ pub struct ProxyOptions {
 pub struct Proxy {
     limiter: Arc<Limiter>,
     catalog: Arc<Catalog>,
-    client: Client<HttpConnector, Incoming>,
+    pool: UpstreamPool,
     options: ProxyOptions,
 }
 
 impl Proxy {
     /// A proxy deciding with `limiter` against the live limits in `catalog`.
     pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, options: ProxyOptions) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(options.upstream_timeout));
-        let client = Client::builder(TokioExecutor::new())
-            .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
-            .pool_max_idle_per_host(256)
-            .build(connector);
+        // Below NGINX's default upstream keepalive_timeout (60 s) and most
+        // servers' own, so we rarely reuse a connection the upstream is closing.
+        let pool = UpstreamPool::new(options.upstream.authority.clone(), Duration::from_secs(50), 256);
         Proxy {
             limiter,
             catalog,
-            client,
+            pool,
             options,
         }
     }
@@ -160,7 +156,7 @@ impl Proxy {
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
         let sent = Instant::now();
-        let answer = tokio::time::timeout(self.options.upstream_timeout, self.client.request(upstream_req)).await;
+        let answer = tokio::time::timeout(self.options.upstream_timeout, self.pool.send(upstream_req)).await;
         let class = match &answer {
             Ok(Ok(r)) => status_class(r.status()),
             Ok(Err(_)) => "error",
@@ -170,7 +166,7 @@ impl Proxy {
         let mut response = match answer {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, source = ?std::error::Error::source(&e), "upstream failed");
+                tracing::warn!(error = %e, "upstream failed");
                 return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
             }
             Err(_) => {
@@ -205,7 +201,7 @@ impl Proxy {
         Response::from_parts(parts, Either::Left(body))
     }
 
-    /// Rewrites the client's request for the upstream: absolute URI, HTTP/1.1,
+    /// Rewrites the client's request for the upstream: origin-form URI, HTTP/1.1,
     /// no hop-by-hop headers, forwarding headers appended.
     fn upstream_request(
         &self,
@@ -226,12 +222,7 @@ impl Proxy {
             },
         }
         .map_err(|_| StatusCode::BAD_REQUEST)?;
-        parts.uri = Uri::builder()
-            .scheme(self.options.upstream.scheme.clone())
-            .authority(self.options.upstream.authority.clone())
-            .path_and_query(path)
-            .build()
-            .map_err(|_| StatusCode::BAD_REQUEST)?;
+        parts.uri = Uri::from(path);
         parts.version = Version::HTTP_11;
         let headers = &mut parts.headers;
         strip_hop_by_hop(headers, upgrade);
@@ -244,6 +235,9 @@ impl Proxy {
                 headers.insert(header::HOST, host.clone());
             }
             headers.insert(X_FORWARDED_HOST, host);
+        }
+        if !headers.contains_key(header::HOST) {
+            headers.insert(header::HOST, self.options.upstream.host.clone());
         }
         Ok(Request::from_parts(parts, body))
     }

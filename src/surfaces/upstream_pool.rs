@@ -1,0 +1,210 @@
+//! Keep-alive HTTP/1.1 connections from one proxy thread to the upstream.
+//!
+//! Each proxy thread runs its own single-threaded runtime and talks to one
+//! upstream, so its connections need no sharing between threads and no map
+//! keyed by host: a stack of idle connections is enough (as an NGINX worker's
+//! `keepalive` cache). A connection goes back on the stack once the upstream's
+//! response body has been read to the end, and is taken again only while
+//! hyper says it is ready; the most recently used is taken first, so the
+//! connections a burst opened age out once it is over.
+
+use std::collections::VecDeque;
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::uri::Authority;
+use http::{Request, Response, StatusCode};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+/// Why a request could not be sent upstream or its response not read.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// No connection to the upstream could be opened.
+    #[error("cannot connect to the upstream {authority}: {source}")]
+    Connect {
+        /// Where we tried to connect.
+        authority: Authority,
+        /// What the operating system said.
+        source: io::Error,
+    },
+    /// The HTTP exchange failed (connection reset, malformed response...).
+    #[error("upstream exchange failed: {0}")]
+    Http(#[from] hyper::Error),
+}
+
+/// A per-thread pool of connections to one upstream.
+#[derive(Clone)]
+pub struct UpstreamPool {
+    inner: Arc<PoolInner>,
+}
+
+struct PoolInner {
+    authority: Authority,
+    idle: Mutex<VecDeque<Idle>>,
+    idle_timeout: Duration,
+    max_idle: usize,
+}
+
+struct Idle {
+    sender: SendRequest<Incoming>,
+    since: Instant,
+}
+
+impl UpstreamPool {
+    /// A pool for `authority` (`host:port`) keeping up to `max_idle`
+    /// connections for at most `idle_timeout` each.
+    pub fn new(authority: Authority, idle_timeout: Duration, max_idle: usize) -> Self {
+        UpstreamPool {
+            inner: Arc::new(PoolInner {
+                authority,
+                idle: Mutex::new(VecDeque::new()),
+                idle_timeout,
+                max_idle,
+            }),
+        }
+    }
+
+    /// Sends `req` (origin-form URI, `Host` set) and returns the response
+    /// head; the body streams from the upstream as it is read.
+    pub async fn send(&self, mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, SendError> {
+        loop {
+            let (mut sender, reused) = match self.take() {
+                Some(sender) => (sender, true),
+                None => (self.connect().await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(response) => return Ok(self.lease(sender, response)),
+                Err(mut e) => match e.take_message() {
+                    // The upstream closed a kept-alive connection before the
+                    // request went out: nothing was sent, so another
+                    // connection may carry it. A fresh one failing is final.
+                    Some(unsent) if reused => req = unsent,
+                    _ => return Err(SendError::Http(e.into_error())),
+                },
+            }
+        }
+    }
+
+    /// The most recently returned connection that can take a request now.
+    fn take(&self) -> Option<SendRequest<Incoming>> {
+        let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let mut i = idle.len();
+        while i > 0 {
+            i -= 1;
+            let entry = &idle[i];
+            if entry.sender.is_closed() || entry.since.elapsed() >= self.inner.idle_timeout {
+                // Dropping it closes it.
+                idle.remove(i);
+            } else if entry.sender.is_ready() {
+                return idle.remove(i).map(|e| e.sender);
+            }
+            // Otherwise its connection has not yet seen the end of the
+            // response it was returned after; it will be ready soon.
+        }
+        None
+    }
+
+    fn put(&self, sender: SendRequest<Incoming>) {
+        if sender.is_closed() {
+            return;
+        }
+        let now = Instant::now();
+        let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
+        // The oldest is at the front: retiring one per return keeps the
+        // stack free of expired connections without a timer.
+        if idle
+            .front()
+            .is_some_and(|oldest| now.duration_since(oldest.since) >= self.inner.idle_timeout)
+        {
+            idle.pop_front();
+        }
+        if idle.len() < self.inner.max_idle {
+            idle.push_back(Idle { sender, since: now });
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Incoming>, SendError> {
+        let authority = &self.inner.authority;
+        let connect_error = |source| SendError::Connect {
+            authority: authority.clone(),
+            source,
+        };
+        let port = authority.port_u16().unwrap_or(80);
+        let stream = TcpStream::connect((authority.host(), port))
+            .await
+            .map_err(connect_error)?;
+        stream.set_nodelay(true).map_err(connect_error)?;
+        let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(sender)
+    }
+
+    /// Ties `sender` to the response body so that it comes back once the body
+    /// has been read; an upgraded connection belongs to the tunnel instead.
+    fn lease(&self, sender: SendRequest<Incoming>, response: Response<Incoming>) -> Response<UpstreamBody> {
+        let lease = (response.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| Lease {
+            pool: self.clone(),
+            sender,
+        });
+        response.map(|body| UpstreamBody {
+            body,
+            lease,
+            ended: false,
+        })
+    }
+}
+
+struct Lease {
+    pool: UpstreamPool,
+    sender: SendRequest<Incoming>,
+}
+
+/// The upstream's response body; returns its connection to the pool when
+/// dropped after the last byte (a body abandoned half way closes it).
+pub struct UpstreamBody {
+    body: Incoming,
+    lease: Option<Lease>,
+    ended: bool,
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let frame = Pin::new(&mut self.body).poll_frame(cx);
+        if let Poll::Ready(None) = frame {
+            self.ended = true;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended || self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        if let Some(lease) = self.lease.take()
+            && self.is_end_stream()
+        {
+            lease.pool.put(lease.sender);
+        }
+    }
+}
