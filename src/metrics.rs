@@ -7,7 +7,7 @@
 //! so the number of series stays bounded by the configuration.
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, RwLock};
+use std::sync::{LazyLock, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -56,6 +56,8 @@ impl RuleOutcome {
 }
 
 impl Surface {
+    const COUNT: usize = 4;
+
     fn as_str(self) -> &'static str {
         match self {
             Surface::Proxy => "proxy",
@@ -67,6 +69,8 @@ impl Surface {
 }
 
 impl Verdict {
+    const COUNT: usize = 5;
+
     fn as_str(self) -> &'static str {
         match self {
             Verdict::Allowed => "allowed",
@@ -169,7 +173,16 @@ pub struct Metrics {
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
     rule_counters: RwLock<HashMap<String, [Option<Counter>; RuleOutcome::COUNT]>>,
+    /// Handles of `requests`, per surface and verdict, made on first use
+    /// (so a series appears once it counts something) and then reused
+    /// instead of hashing the labels on every request.
+    request_counters: [[OnceLock<Counter>; Verdict::COUNT]; Surface::COUNT],
+    /// Handles of `upstream`, per entry of `UPSTREAM_CLASSES`.
+    upstream_counters: [OnceLock<Counter>; UPSTREAM_CLASSES.len()],
 }
+
+/// Every class `upstream` is called with.
+const UPSTREAM_CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error", "timeout"];
 
 fn latency_buckets() -> Histogram {
     // 50 µs to ~1.6 s.
@@ -201,6 +214,8 @@ impl Metrics {
             unknown_domain: Counter::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
+            request_counters: Default::default(),
+            upstream_counters: Default::default(),
             registry: Registry::default(),
         };
         registry.register("tollgate_decisions", "Rule outcomes, per rule", m.decisions.clone());
@@ -294,10 +309,14 @@ impl Metrics {
 
     /// Records a request's verdict on a surface.
     pub fn request(&self, surface: Surface, verdict: Verdict) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                surface: surface.as_str(),
-                verdict: verdict.as_str(),
+        self.request_counters[surface as usize][verdict as usize]
+            .get_or_init(|| {
+                self.requests
+                    .get_or_create(&RequestLabels {
+                        surface: surface.as_str(),
+                        verdict: verdict.as_str(),
+                    })
+                    .clone()
             })
             .inc();
     }
@@ -319,7 +338,12 @@ impl Metrics {
 
     /// Records an upstream answer (status class, or `error` / `timeout`).
     pub fn upstream(&self, class: &'static str, d: Duration) {
-        self.upstream.get_or_create(&ClassLabels { class }).inc();
+        match UPSTREAM_CLASSES.iter().position(|c| *c == class) {
+            Some(i) => self.upstream_counters[i]
+                .get_or_init(|| self.upstream.get_or_create(&ClassLabels { class }).clone())
+                .inc(),
+            None => self.upstream.get_or_create(&ClassLabels { class }).inc(),
+        };
         self.upstream_seconds.observe(d.as_secs_f64());
     }
 
