@@ -5,6 +5,7 @@
 //! `X-Forwarded-For` from the right and take the first address that is not a
 //! trusted proxy. Anything else could be spoofed by the caller.
 
+use std::cell::RefCell;
 use std::net::IpAddr;
 
 use http::HeaderMap;
@@ -80,6 +81,23 @@ fn parse_ip(bytes: &[u8]) -> Option<IpAddr> {
         .parse::<IpAddr>()
         .ok()
         .map(|ip| ip.to_canonical())
+}
+
+/// An address as text. Keep-alive clients send many requests from one
+/// address, so each thread keeps the last one it formatted (formatting an
+/// address costs more than the rest of building its key).
+pub fn ip_text(ip: IpAddr) -> String {
+    thread_local! {
+        static LAST: RefCell<Option<(IpAddr, String)>> = const { RefCell::new(None) };
+    }
+    LAST.with_borrow_mut(|last| match last {
+        Some((cached, text)) if *cached == ip => text.clone(),
+        _ => {
+            let text = ip.to_string();
+            *last = Some((ip, text.clone()));
+            text
+        }
+    })
 }
 
 #[cfg(test)]

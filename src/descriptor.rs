@@ -6,7 +6,6 @@
 //! length-prefixed so caller-controlled values can never collide with each
 //! other or with another domain, and long values are hashed to bound keys.
 
-use std::cell::RefCell;
 use std::fmt::Write;
 use std::net::IpAddr;
 
@@ -156,26 +155,9 @@ fn push_component(key: &mut String, value: &str) {
     }
 }
 
-/// An address as text. Keep-alive clients send many requests from one
-/// address, so each thread keeps the last one it formatted (formatting an
-/// address costs more than the rest of building its key).
-fn ip_text(ip: IpAddr) -> String {
-    thread_local! {
-        static LAST: RefCell<Option<(IpAddr, String)>> = const { RefCell::new(None) };
-    }
-    LAST.with_borrow_mut(|last| match last {
-        Some((cached, text)) if *cached == ip => text.clone(),
-        _ => {
-            let text = ip.to_string();
-            *last = Some((ip, text.clone()));
-            text
-        }
-    })
-}
-
 fn part_value(part: &Part, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
     match part {
-        Part::ClientIp => Some(ip_text(req.client_ip)),
+        Part::ClientIp => Some(crate::client_ip::ip_text(req.client_ip)),
         Part::Method => Some(req.method.as_str().to_string()),
         Part::Path => Some(req.path.to_string()),
         Part::Host => host.map(|h| h.to_ascii_lowercase()),

@@ -7,8 +7,7 @@
 //! WebSocket and other upgrades are joined end to end after the handshake.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -295,27 +294,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
 }
 
-/// A peer address as a header value. Keep-alive clients send many requests
-/// from one address, so each thread keeps the last one it formatted.
-fn peer_value(ip: IpAddr) -> HeaderValue {
-    thread_local! {
-        static LAST: RefCell<Option<(IpAddr, HeaderValue)>> = const { RefCell::new(None) };
-    }
-    LAST.with_borrow_mut(|last| match last {
-        Some((cached, value)) if *cached == ip => value.clone(),
-        _ => {
-            let value = HeaderValue::from_str(&ip.to_string()).expect("an IP address is a valid header value");
-            *last = Some((ip, value.clone()));
-            value
-        }
-    })
-}
-
 /// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
 fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     let ip = peer.ip().to_canonical();
     if !headers.contains_key(&X_FORWARDED_FOR) {
-        headers.insert(X_FORWARDED_FOR, peer_value(ip));
+        headers.insert(
+            X_FORWARDED_FOR,
+            HeaderValue::try_from(crate::client_ip::ip_text(ip)).expect("an IP address is a valid header value"),
+        );
         return;
     }
     let peer = ip.to_string();
