@@ -352,11 +352,12 @@ async fn upstream_down_is_502_and_slow_is_504() {
 /// `Connection: close` on every `close_every`-th answer of a connection and
 /// closes connections idle for `idle`, without a word, as servers do.
 async fn closing_upstream(
+    bind: &str,
     close_every: usize,
     idle: Duration,
 ) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let listener = tokio::net::TcpListener::bind(bind).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counter = accepted.clone();
@@ -392,7 +393,9 @@ async fn closing_upstream(
 
 #[tokio::test]
 async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
-    let (addr, accepted) = closing_upstream(3, Duration::from_millis(300)).await;
+    // Idle closes well apart from the pauses below, so a slow machine
+    // cannot blur which connection the upstream closed.
+    let (addr, accepted) = closing_upstream("127.0.0.1:0", 3, Duration::from_millis(1500)).await;
     let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
     let c = client();
     for i in 0..30 {
@@ -403,11 +406,9 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
     assert_eq!(seen, 10, "each upstream connection carried the 3 requests it allowed");
 
     // Idle connections the upstream closed silently are not used again.
-    for _ in 0..3 {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
-    }
-    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 13);
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 11);
 
     // Concurrent requests open what they need, and sequential ones after
     // them reuse those connections instead of opening more.
@@ -422,7 +423,7 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
         assert_eq!(b.await.unwrap(), StatusCode::OK);
     }
     let after_burst = accepted.load(std::sync::atomic::Ordering::SeqCst);
-    assert!(after_burst <= 13 + 8, "{after_burst}");
+    assert!(after_burst <= 11 + 8, "{after_burst}");
     assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
     assert_eq!(
         accepted.load(std::sync::atomic::Ordering::SeqCst),
@@ -430,6 +431,11 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
         "reused, not opened"
     );
     assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
+
+    // An upstream at an IPv6 address, written as URLs write it.
+    let (v6, _) = closing_upstream("[::1]:0", 100, Duration::from_secs(5)).await;
+    let tg6 = Tollgate::start(LOGIN, v6, &[]);
+    assert_eq!(get(&c, &tg6.url("/any"), &[]).await.status, StatusCode::OK);
 }
 
 #[tokio::test]

@@ -10,7 +10,9 @@
 
 use std::collections::VecDeque;
 use std::io;
+use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -50,7 +52,13 @@ struct PoolInner {
     idle: Mutex<VecDeque<Idle>>,
     idle_timeout: Duration,
     max_idle: usize,
+    /// Whether the task that closes idle connections without traffic runs.
+    sweeping: AtomicBool,
 }
+
+/// How long one of several addresses of the upstream gets before the next
+/// is tried (as hyper-util's connector falls back between address families).
+const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
 
 struct Idle {
     sender: SendRequest<Incoming>,
@@ -67,6 +75,7 @@ impl UpstreamPool {
                 idle: Mutex::new(VecDeque::new()),
                 idle_timeout,
                 max_idle,
+                sweeping: AtomicBool::new(false),
             }),
         }
     }
@@ -125,9 +134,30 @@ impl UpstreamPool {
         {
             idle.pop_front();
         }
-        if idle.len() < self.inner.max_idle {
-            idle.push_back(Idle { sender, since: now });
+        idle.push_back(Idle { sender, since: now });
+        if idle.len() > self.inner.max_idle {
+            idle.pop_front();
         }
+    }
+
+    /// Closes idle connections past their time even when no request comes
+    /// to notice; runs on the thread's runtime until the pool is dropped.
+    fn start_sweeping(&self) {
+        if self.inner.sweeping.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        let pool = Arc::downgrade(&self.inner);
+        let every = self.inner.idle_timeout / 2;
+        tokio::spawn(async move {
+            let mut ticks = tokio::time::interval(every);
+            ticks.tick().await;
+            loop {
+                ticks.tick().await;
+                let Some(pool) = pool.upgrade() else { return };
+                let mut idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner());
+                idle.retain(|e| !e.sender.is_closed() && e.since.elapsed() < pool.idle_timeout);
+            }
+        });
     }
 
     async fn connect(&self) -> Result<SendRequest<Incoming>, SendError> {
@@ -136,10 +166,36 @@ impl UpstreamPool {
             authority: authority.clone(),
             source,
         };
+        self.start_sweeping();
         let port = authority.port_u16().unwrap_or(80);
-        let stream = TcpStream::connect((authority.host(), port))
+        // `[::1]` is how an authority writes an IPv6 address; a resolver
+        // wants it bare.
+        let host = authority.host().trim_start_matches('[').trim_end_matches(']');
+        let addresses: Vec<SocketAddr> = tokio::net::lookup_host((host, port))
             .await
-            .map_err(connect_error)?;
+            .map_err(connect_error)?
+            .collect();
+        let mut last_error = io::Error::new(io::ErrorKind::NotFound, "the name has no address");
+        let mut stream = None;
+        for (i, address) in addresses.iter().enumerate() {
+            let attempt = TcpStream::connect(address);
+            // The last address may take as long as the caller allows.
+            let result = if i + 1 < addresses.len() {
+                tokio::time::timeout(NEXT_ADDRESS_AFTER, attempt)
+                    .await
+                    .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")))
+            } else {
+                attempt.await
+            };
+            match result {
+                Ok(s) => {
+                    stream = Some(s);
+                    break;
+                }
+                Err(e) => last_error = e,
+            }
+        }
+        let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
         let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
         tokio::spawn(async move {
