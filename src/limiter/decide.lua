@@ -34,6 +34,25 @@ local call = redis.call
 local tonumber = tonumber
 local find, sub = string.find, string.sub
 
+-- Decisions in one call repeat the same few argument strings (limits,
+-- periods, costs), and converting a string costs Lua two strtod calls:
+-- each distinct string is converted once per call.
+local nums = {}
+local function num(s)
+  local v = nums[s]
+  if v == nil then
+    v = tonumber(s)
+    nums[s] = v
+  end
+  return v
+end
+
+-- A number handed to redis.call is formatted with %.17g; %d is far cheaper.
+local format = string.format
+local function int(n)
+  return format('%d', n)
+end
+
 local pinned = tonumber(ARGV[1])
 local now
 if pinned > 0 then
@@ -77,7 +96,7 @@ local function counter(key)
   local s = counters[key]
   if s then return s end
   local total, last_ms, last_seq = 0, -1, 0
-  local last = call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  local last = call('XREVRANGE', key, '+', '-', 'COUNT', '1')[1]
   if last then
     local _, c = amounts(last)
     total = c
@@ -97,7 +116,7 @@ local function first_in_window(key, s, period)
   if s.total > 0 then
     local start = now - period + 1
     if start < 0 then start = 0 end
-    local e = call('XRANGE', key, start, '+', 'COUNT', 1)[1]
+    local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
     if e then
       local n, c = amounts(e)
       f = { c, n, id_ms(e[1]) }
@@ -116,8 +135,8 @@ local r = 0
 local k = 0
 local a = 3
 local keys = {}
-for _ = 1, tonumber(ARGV[2]) do
-  local nkeys = tonumber(ARGV[a])
+for _ = 1, num(ARGV[2]) do
+  local nkeys = num(ARGV[a])
   local dry = ARGV[a + 1] == '1'
   a = a + 2
   local admitted = 1
@@ -125,9 +144,9 @@ for _ = 1, tonumber(ARGV[2]) do
   r = r + 1
   for i = 1, nkeys do
     local key = KEYS[k + i]
-    local cost = tonumber(ARGV[a])
+    local cost = num(ARGV[a])
     local shadow = ARGV[a + 1] == '1'
-    local nwin = tonumber(ARGV[a + 2])
+    local nwin = num(ARGV[a + 2])
     a = a + 3
     local s = counter(key)
     local total = s.total
@@ -135,8 +154,8 @@ for _ = 1, tonumber(ARGV[2]) do
     local longest = 0
     r = r + 1 -- charged, filled in below
     for w = 1, nwin do
-      local limit = tonumber(ARGV[a])
-      local period = tonumber(ARGV[a + 1])
+      local limit = num(ARGV[a])
+      local period = num(ARGV[a + 1])
       a = a + 2
       if period > longest then longest = period end
       local used, reset, retry = 0, period, -1
@@ -156,7 +175,7 @@ for _ = 1, tonumber(ARGV[2]) do
           local start = now - period + 1
           if start < 0 then start = 0 end
           local run = 0
-          for _, e in ipairs(call('XRANGE', key, start, '+', 'COUNT', excess)) do
+          for _, e in ipairs(call('XRANGE', key, int(start), '+', 'COUNT', int(excess))) do
             local n = amounts(e)
             run = run + n
             if run >= excess then
@@ -215,9 +234,9 @@ end
 
 for _, key in ipairs(touched) do
   local s = counters[key]
-  call('XADD', key, 'MINID', '~', now - s.longest + 1, s.pend_ms .. '-' .. s.pend_seq,
-       'n', s.pend_n, 'c', s.total)
+  call('XADD', key, 'MINID', '~', int(now - s.longest + 1), format('%d-%d', s.pend_ms, s.pend_seq),
+       'n', int(s.pend_n), 'c', int(s.total))
   -- A pinned clock runs apart from real time; its keys are the test's to delete.
-  if pinned == 0 then call('PEXPIRE', key, s.longest) end
+  if pinned == 0 then call('PEXPIRE', key, int(s.longest)) end
 end
 return reply
