@@ -198,28 +198,57 @@ fn windows_of(key: usize) -> Vec<Window> {
     }
 }
 
+/// A real Redis and a runtime shared by every case of a property test, and
+/// per case a memory store and a Redis store on one manual clock, with fresh
+/// Redis keys.
+struct StorePair {
+    runtime: tokio::runtime::Runtime,
+    redis: RedisServer,
+    case: std::sync::atomic::AtomicU64,
+}
+
+impl StorePair {
+    fn new() -> StorePair {
+        StorePair {
+            runtime: tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .enable_all()
+                .build()
+                .unwrap(),
+            redis: RedisServer::start(),
+            case: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+
+    fn case(&self, prefix: &str) -> (Arc<ManualClock>, MemoryStore, RedisStore, Vec<String>) {
+        let n = self.case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let clock = Arc::new(ManualClock::new(T0));
+        let memory = MemoryStore::new(clock.clone());
+        let redis = self
+            .runtime
+            .block_on(async { RedisStore::connect(&[self.redis.url()], &RedisMode::Standalone, Some(clock.clone())) })
+            .unwrap();
+        let keys = (0..3).map(|k| format!("{prefix}:{n}:{k}")).collect();
+        (clock, memory, redis, keys)
+    }
+}
+
+fn property_cases() -> ProptestConfig {
+    ProptestConfig {
+        cases: 48,
+        ..ProptestConfig::default()
+    }
+}
+
 #[test]
 fn redis_script_answers_exactly_like_the_memory_store() {
     // The memory store is checked against a plain reference model in its own
     // unit tests; here the Lua script must give identical answers, field by
     // field, for random sequences of time steps, costs and counter sets.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = RedisServer::start();
-    let case = std::sync::atomic::AtomicU64::new(0);
-    let config = ProptestConfig {
-        cases: 48,
-        ..ProptestConfig::default()
-    };
-    proptest!(config, |(steps in steps())| {
-        let n = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let clock = Arc::new(ManualClock::new(T0));
-        let memory = MemoryStore::new(clock.clone());
-        let redis_store = runtime.block_on(async { RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())) }).unwrap();
-        let keys: Vec<String> = (0..3).map(|k| format!("prop:{n}:{k}")).collect();
+    let pair = StorePair::new();
+    let runtime = &pair.runtime;
+    proptest!(property_cases(), |(steps in steps())| {
+        let (clock, memory, redis_store, keys) = pair.case("prop");
         for (dt, mut picks) in steps {
             clock.advance(dt);
             picks.sort_by_key(|p| p.0);
@@ -253,23 +282,10 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
     // reads each counter once per call and then follows its own appends:
     // every answer must still equal the memory store's, deciding the same
     // requests one at a time at the same instant.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let redis = RedisServer::start();
-    let case = std::sync::atomic::AtomicU64::new(0);
-    let config = ProptestConfig {
-        cases: 48,
-        ..ProptestConfig::default()
-    };
-    proptest!(config, |(batches in batches())| {
-        let n = case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let clock = Arc::new(ManualClock::new(T0));
-        let memory = MemoryStore::new(clock.clone());
-        let redis_store = runtime.block_on(async { RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())) }).unwrap();
-        let keys: Vec<String> = (0..3).map(|k| format!("batch:{n}:{k}")).collect();
+    let pair = StorePair::new();
+    let runtime = &pair.runtime;
+    proptest!(property_cases(), |(batches in batches())| {
+        let (clock, memory, redis_store, keys) = pair.case("batch");
         // The second set keeps the longest window (how long entries are kept
         // may differ between the stores otherwise) and changes the others.
         let windows: Vec<[Vec<Window>; 2]> = vec![

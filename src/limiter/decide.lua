@@ -77,12 +77,10 @@ local function amounts(entry)
   return n, c
 end
 
-local function id_ms(id)
-  return tonumber(sub(id, 1, find(id, '-', 1, true) - 1))
-end
-
-local function id_seq(id)
-  return tonumber(sub(id, find(id, '-', 1, true) + 1))
+-- The ms and sequence parts of a stream entry ID `ms-seq`.
+local function id_parts(id)
+  local dash = find(id, '-', 1, true)
+  return tonumber(sub(id, 1, dash - 1)), tonumber(sub(id, dash + 1))
 end
 
 -- What this call knows of each counter: the running total, the time of its
@@ -100,8 +98,7 @@ local function counter(key)
   if last then
     local _, c = amounts(last)
     total = c
-    last_ms = id_ms(last[1])
-    last_seq = id_seq(last[1])
+    last_ms, last_seq = id_parts(last[1])
   end
   s = { total = total, last_ms = last_ms, last_seq = last_seq, first = {},
         pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0 }
@@ -119,7 +116,7 @@ local function first_in_window(key, s, period)
     local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
     if e then
       local n, c = amounts(e)
-      f = { c, n, id_ms(e[1]) }
+      f = { c, n, (id_parts(e[1])) }
     elseif s.pend_n > 0 then
       -- Only what this call admitted, not written yet: c - n is the total
       -- before it, however much more the call goes on to admit.
@@ -179,7 +176,7 @@ for _ = 1, num(ARGV[2]) do
             local n = amounts(e)
             run = run + n
             if run >= excess then
-              retry = math.min(id_ms(e[1]) + period - now, period)
+              retry = math.min(id_parts(e[1]) + period - now, period)
               break
             end
           end

@@ -124,17 +124,13 @@ impl UpstreamPool {
         if sender.is_closed() {
             return;
         }
-        let now = Instant::now();
+        // Expired ones are the sweep's and `take`'s to drop; a full stack
+        // gives up its oldest.
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        // The oldest is at the front: retiring one per return keeps the
-        // stack free of expired connections without a timer.
-        if idle
-            .front()
-            .is_some_and(|oldest| now.duration_since(oldest.since) >= self.inner.idle_timeout)
-        {
-            idle.pop_front();
-        }
-        idle.push_back(Idle { sender, since: now });
+        idle.push_back(Idle {
+            sender,
+            since: Instant::now(),
+        });
         if idle.len() > self.inner.max_idle {
             idle.pop_front();
         }
