@@ -181,7 +181,7 @@ async fn start_rls(extra: &[&str]) -> Rls {
     Rls { tg, client, _dir: dir }
 }
 
-fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+pub(crate) fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
     RateLimitDescriptor {
         entries: entries
             .iter()

@@ -1,6 +1,7 @@
 //! End-to-end tests: the real binary over real sockets, against real
 //! `redis-server` processes started here (see `common`).
 
+mod attacks;
 mod cli;
 mod common;
 mod envoy;

@@ -36,25 +36,75 @@ pub struct RequestInfo<'a> {
     pub client_ip: IpAddr,
 }
 
-/// A request that cannot be decided as sent.
+/// A request that cannot be decided as sent (answered 400).
+///
+/// Where a request says one thing twice, tollgate cannot know which of the
+/// two the upstream will believe (frameworks differ: Express and Rails read
+/// the first or the last of a repeated query parameter, PHP the last), and
+/// counting either would let a caller pick a fresh counter. So it refuses.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DescriptorError {
     /// The header a rule takes its cost from is not a positive integer.
-    #[error("header {header} must be a positive integer (rule {rule})")]
+    #[error("header {header} must be one positive integer up to 10^12 (rule {rule})")]
     BadCost {
         /// The rule that reads the header.
         rule: String,
         /// The header name.
         header: String,
     },
+    /// A value a rule keys on was sent more than once.
+    #[error("{what} was sent more than once; rule {rule} counts by it, so send it once")]
+    Repeated {
+        /// The rule that reads the value.
+        rule: String,
+        /// `header NAME` or `query parameter NAME`.
+        what: String,
+    },
+    /// More than one `Host` header (RFC 9112 §3.2).
+    #[error("more than one Host header")]
+    HostRepeated,
+    /// An HTTP/1.1 request without `Host` (RFC 9112 §3.2).
+    #[error("HTTP/1.1 request without a Host header")]
+    HostMissing,
+    /// An encoded slash or backslash in the path (see [`crate::path::is_ambiguous`]).
+    #[error("the path holds an encoded slash, backslash or NUL, which servers read differently")]
+    AmbiguousPath,
+}
+
+/// The host a request is for: the target's authority (HTTP/2 `:authority`,
+/// or an absolute-form HTTP/1.1 target, which RFC 9112 §3.2.2 says wins over
+/// `Host`), else the one `Host` header. Two `Host` headers, or none on
+/// HTTP/1.1, are refused as RFC 9112 requires.
+pub fn request_host<'a>(
+    version: http::Version,
+    uri: &'a http::Uri,
+    headers: &'a HeaderMap,
+) -> Result<Option<&'a str>, DescriptorError> {
+    let mut hosts = headers.get_all(http::header::HOST).iter();
+    let host = hosts.next();
+    if hosts.next().is_some() {
+        return Err(DescriptorError::HostRepeated);
+    }
+    if let Some(authority) = uri.authority() {
+        return Ok(Some(authority.as_str()));
+    }
+    match host {
+        Some(h) => Ok(h.to_str().ok()),
+        None if version == http::Version::HTTP_11 => Err(DescriptorError::HostMissing),
+        None => Ok(None),
+    }
 }
 
 /// The counters of every rule that matches the request.
 /// Paths are matched normalised (see [`crate::path`]), whatever the surface
 /// passed in.
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, DescriptorError> {
-    let host = req.host.map(strip_port);
-    let path = crate::path::normalize(req.path);
+    let host = req.host.map(canonical_host);
+    let host = host.as_deref();
+    if crate::path::is_ambiguous(req.path) {
+        return Err(DescriptorError::AmbiguousPath);
+    }
+    let path = crate::path::matching_form(req.path);
     let req = &RequestInfo { path: &path, ..*req };
     let mut hits = Vec::new();
     for rule in limits.http_rules() {
@@ -62,7 +112,7 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, Descript
             continue;
         }
         // As NGINX skips an empty key, a rule without all its values counts nothing.
-        let Some(key) = counter_key(&limits.domain, rule, req, host) else {
+        let Some(key) = counter_key(&limits.domain, rule, req, host)? else {
             continue;
         };
         let cost = cost_of(rule, req.headers)?;
@@ -78,27 +128,38 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, Descript
 fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, DescriptorError> {
     match &rule.cost {
         Cost::Fixed(n) => Ok(*n),
-        Cost::Header(name) => match headers.get(name) {
-            None => Ok(1),
-            Some(v) => v
-                .to_str()
+        Cost::Header(name) => {
+            let mut values = headers.get_all(name).iter();
+            let Some(v) = values.next() else { return Ok(1) };
+            let bad = || DescriptorError::BadCost {
+                rule: rule.name.clone(),
+                header: name.to_string(),
+            };
+            if values.next().is_some() {
+                return Err(bad());
+            }
+            v.to_str()
                 .ok()
                 .and_then(|s| s.trim().parse::<u64>().ok())
-                .filter(|n| *n > 0)
-                .ok_or_else(|| DescriptorError::BadCost {
-                    rule: rule.name.clone(),
-                    header: name.to_string(),
-                }),
-        },
+                .filter(|n| (1..=crate::config::MAX_UNITS).contains(n))
+                .ok_or_else(bad)
+        }
     }
 }
 
-fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
+fn counter_key(
+    domain: &str,
+    rule: &Rule,
+    req: &RequestInfo<'_>,
+    host: Option<&str>,
+) -> Result<Option<String>, DescriptorError> {
     let mut values = Vec::with_capacity(rule.by.len());
     for part in &rule.by {
-        let value = part_value(part, req, host)?;
+        let Some(value) = part_value(part, rule, req, host)? else {
+            return Ok(None);
+        };
         if value.is_empty() {
-            return None;
+            return Ok(None);
         }
         values.push(value);
     }
@@ -106,7 +167,7 @@ fn counter_key(domain: &str, rule: &Rule, req: &RequestInfo<'_>, host: Option<&s
     for value in &values {
         push_component(&mut key, value);
     }
-    Some(key)
+    Ok(Some(key))
 }
 
 /// `tg:{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
@@ -155,29 +216,64 @@ fn push_component(key: &mut String, value: &str) {
     }
 }
 
-fn part_value(part: &Part, req: &RequestInfo<'_>, host: Option<&str>) -> Option<String> {
-    match part {
-        Part::ClientIp => Some(crate::client_ip::ip_text(req.client_ip)),
+fn part_value(
+    part: &Part,
+    rule: &Rule,
+    req: &RequestInfo<'_>,
+    host: Option<&str>,
+) -> Result<Option<String>, DescriptorError> {
+    let repeated = |what: String| DescriptorError::Repeated {
+        rule: rule.name.clone(),
+        what,
+    };
+    Ok(match part {
+        Part::ClientIp { v4, v6 } => Some(client_network(req.client_ip, *v4, *v6)),
         Part::Method => Some(req.method.as_str().to_string()),
-        Part::Path => Some(req.path.to_string()),
-        Part::Host => host.map(|h| h.to_ascii_lowercase()),
+        // `/a/` and `/a` reach the same handler in most frameworks.
+        Part::Path => Some(match req.path.strip_suffix('/') {
+            Some(p) if !p.is_empty() => p.to_string(),
+            _ => req.path.to_string(),
+        }),
+        Part::Host => host.map(str::to_string),
         Part::Header(name) => {
             let mut values = req.headers.get_all(name).iter();
-            let first = values.next()?;
-            let mut joined = String::from_utf8_lossy(first.as_bytes()).into_owned();
-            for v in values {
-                joined.push(',');
-                joined.push_str(&String::from_utf8_lossy(v.as_bytes()));
+            let Some(first) = values.next() else { return Ok(None) };
+            if values.next().is_some() {
+                return Err(repeated(format!("header {name}")));
             }
-            Some(joined)
+            Some(String::from_utf8_lossy(first.as_bytes()).into_owned())
         }
-        Part::Query(name) => query_value(req.query?, name),
+        Part::Query(name) => match req.query {
+            None => None,
+            Some(query) => {
+                let mut values = query_values(query, name);
+                let first = values.next();
+                if values.next().is_some() {
+                    return Err(repeated(format!("query parameter {name}")));
+                }
+                first
+            }
+        },
+    })
+}
+
+/// The client address, or its network when the rule keeps fewer bits
+/// (`2001:db8:1:2::/64`). IPv4-mapped IPv6 addresses count as IPv4.
+fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
+    let ip = ip.to_canonical();
+    let bits = match ip {
+        IpAddr::V4(_) => v4,
+        IpAddr::V6(_) => v6,
+    };
+    match ipnet::IpNet::new(ip, bits) {
+        Ok(net) if net.prefix_len() < net.max_prefix_len() => net.trunc().to_string(),
+        _ => crate::client_ip::ip_text(ip),
     }
 }
 
-/// The first value of query parameter `name`, percent-decoded.
-fn query_value(query: &str, name: &str) -> Option<String> {
-    query.split('&').find_map(|pair| {
+/// Every value of query parameter `name`, percent-decoded (`+` is a space).
+fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = String> + 'a {
+    query.split('&').filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         (decode(k) == name).then(|| decode(v))
     })
@@ -188,6 +284,14 @@ fn decode(s: &str) -> String {
     percent_decode(plus_as_space.as_bytes())
         .decode_utf8_lossy()
         .into_owned()
+}
+
+/// The host as rules compare it: no port, lower case, no trailing dot
+/// (`API.Example.com.:443` is `api.example.com`, as DNS and most servers
+/// read it).
+fn canonical_host(host: &str) -> String {
+    let host = strip_port(host.trim());
+    host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase()
 }
 
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.

@@ -30,8 +30,12 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
         headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
         return;
     }
-    let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
-    headers.insert(RETRY_AFTER, HeaderValue::from(retry));
+    // A request that costs more than a window's whole limit never fits:
+    // no Retry-After would be true.
+    if !decision.never_fits() {
+        let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
+        headers.insert(RETRY_AFTER, HeaderValue::from(retry));
+    }
     let windows: Vec<(&RuleOutcome, &WindowOutcome)> = decision
         .refusing()
         .flat_map(|r| r.windows.iter().map(move |w| (r, w)))
@@ -108,9 +112,20 @@ pub fn refusal_body(decision: &Decision) -> Bytes {
             "error": "rate_limiter_unavailable",
             "message": "the rate limiter cannot reach its counters; retry shortly",
         }),
+        _ if decision.never_fits() => {
+            let refusing = decision.refusing().find(|r| r.windows.iter().any(|w| w.never));
+            let window = refusing.and_then(|r| r.windows.iter().find(|w| w.never));
+            serde_json::json!({
+                "error": "cost_exceeds_limit",
+                "message": "this request costs more than the rule's whole limit; it can never be admitted as sent",
+                "rule": refusing.map(|r| r.rule.name.as_str()),
+                "limit": window.map(|w| w.window.requests),
+                "window_seconds": window.map(|w| w.window.period_ms as f64 / 1000.0),
+            })
+        }
         _ => {
             let refusing = decision.refusing().next();
-            let window = refusing.and_then(|r| r.windows.iter().find(|w| w.retry_ms.is_some()));
+            let window = refusing.and_then(|r| r.windows.iter().find(|w| w.over()));
             serde_json::json!({
                 "error": "rate_limited",
                 "rule": refusing.map(|r| r.rule.name.as_str()),
@@ -151,6 +166,7 @@ mod tests {
                         remaining: 0,
                         reset_ms: 1200,
                         retry_ms: Some(2100),
+                        never: false,
                     },
                     WindowOutcome {
                         window: Window {
@@ -160,6 +176,7 @@ mod tests {
                         remaining: 14,
                         reset_ms: 41_000,
                         retry_ms: None,
+                        never: false,
                     },
                 ],
             }],

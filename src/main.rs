@@ -66,7 +66,9 @@ struct RunArgs {
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
     listen: SocketAddr,
     /// Envoy RLS gRPC listener (ShouldRateLimit and grpc.health.v1), or "off".
-    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", default_value = "0.0.0.0:8081", value_parser = parse_listen)]
+    /// Loopback unless told otherwise: whoever reaches it can charge any
+    /// caller's counters with descriptors of their choosing.
+    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", default_value = "127.0.0.1:8081", value_parser = parse_listen)]
     grpc_listen: Listen,
     /// HTTP decision listener: /ext_authz/<path> for Envoy, /auth_request for NGINX (off unless given).
     #[arg(long, env = "TOLLGATE_CHECK_LISTEN", value_parser = parse_listen)]

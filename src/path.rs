@@ -9,6 +9,44 @@
 
 use std::borrow::Cow;
 
+/// Whether the path hides a segment boundary: an encoded slash or backslash
+/// (`%2F`, `%5C`), a raw backslash, or an encoded NUL. Servers disagree on
+/// what these mean (some decode `%2F` to `/`, Windows servers read `\` as
+/// `/`), so no single reading can be matched safely; such requests are
+/// refused, as Envoy's `path_with_escaped_slashes_action: REJECT_REQUEST`.
+pub fn is_ambiguous(path: &str) -> bool {
+    if path.contains('\\') {
+        return true;
+    }
+    let bytes = path.as_bytes();
+    bytes.windows(3).any(|w| {
+        w.first() == Some(&b'%')
+            && matches!(
+                (
+                    w.get(1).map(u8::to_ascii_uppercase),
+                    w.get(2).map(u8::to_ascii_uppercase)
+                ),
+                (Some(b'2'), Some(b'F')) | (Some(b'5'), Some(b'C')) | (Some(b'0'), Some(b'0'))
+            )
+    })
+}
+
+/// The path rules are matched on: `;parameters` removed from every segment
+/// before normalising (Tomcat and other servlet containers route
+/// `/login;jsessionid=x` and `/api/..;/login` as `/login`), so a parameter
+/// can neither dodge a rule nor hide a `..`.
+pub fn matching_form(path: &str) -> Cow<'_, str> {
+    if !path.contains(';') {
+        return normalize(path);
+    }
+    let stripped: String = path
+        .split('/')
+        .map(|segment| segment.split(';').next().unwrap_or(""))
+        .collect::<Vec<_>>()
+        .join("/");
+    Cow::Owned(normalize(&stripped).into_owned())
+}
+
 /// The normalised form of an absolute request path (no query).
 pub fn normalize(path: &str) -> Cow<'_, str> {
     if is_normal(path) {
@@ -117,6 +155,26 @@ mod tests {
         assert_eq!(normalize("/caf\u{e9}//x"), "/caf\u{e9}/x");
         assert_eq!(normalize("/%"), "/%");
         assert_eq!(normalize("/Login"), "/Login", "case is kept; rules decide");
+    }
+
+    #[test]
+    fn parameters_neither_dodge_nor_hide() {
+        use super::matching_form;
+        assert_eq!(matching_form("/login;jsessionid=x"), "/login");
+        assert_eq!(matching_form("/api/..;/login"), "/login");
+        assert_eq!(matching_form("/a;x/b;y/"), "/a/b/");
+        assert_eq!(matching_form("/plain"), "/plain");
+    }
+
+    #[test]
+    fn hidden_separators_are_ambiguous() {
+        use super::is_ambiguous;
+        for p in ["/login%2F", "/a%2fb", "/a%5Cb", "/a\\b", "/a%00"] {
+            assert!(is_ambiguous(p), "{p}");
+        }
+        for p in ["/login", "/a%20b", "/%2", "/%"] {
+            assert!(!is_ambiguous(p), "{p}");
+        }
     }
 
     #[test]

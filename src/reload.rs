@@ -67,9 +67,19 @@ pub enum Reloaded {
     Unchanged,
 }
 
+/// The domain each file of a catalog holds, so that a reload is validated
+/// exactly as start-up is: two files never declare one domain (they would
+/// share counter keys, and one rule's expiry would wipe the other's history).
+#[derive(Default)]
+struct Domains {
+    by_file: Mutex<Vec<(PathBuf, String)>>,
+}
+
 /// One limits file and the limits it currently stands for.
 pub struct LiveLimits {
     path: PathBuf,
+    /// Shared with the other files of the catalog, once it is assembled.
+    domains: std::sync::OnceLock<Arc<Domains>>,
     active: Arc<ArcSwap<Limits>>,
     status: ArcSwap<ReloadStatus>,
     /// Hash of the last content looked at (good or bad), to skip re-parsing.
@@ -99,6 +109,7 @@ impl LiveLimits {
         crate::metrics::get().config_version(&path.display().to_string(), &version);
         Ok(LiveLimits {
             path: path.to_path_buf(),
+            domains: std::sync::OnceLock::new(),
             active: Arc::new(ArcSwap::from_pointee(limits)),
             status: ArcSwap::from_pointee(status),
             last_seen: Mutex::new(Some(version)),
@@ -150,9 +161,39 @@ impl LiveLimits {
             }
             *last = Some(version.clone());
         }
-        match config::parse_str(&text, &name) {
+        // The domain check and the swap happen under one lock, so two files
+        // reloaded at once cannot both take the same domain.
+        let domains = self.domains.get();
+        let mut taken = domains.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
+        let parsed = config::parse_str(&text, &name).and_then(|limits| {
+            let clash = taken
+                .as_ref()
+                .and_then(|t| t.iter().find(|(p, d)| *p != self.path && *d == limits.domain).cloned());
+            match clash {
+                Some((other, domain)) => Err(ConfigError {
+                    file: name.clone(),
+                    line: None,
+                    reason: format!(
+                        "domain \"{domain}\" is already declared by {}; use one file per domain",
+                        other.display()
+                    ),
+                }),
+                None => Ok(limits),
+            }
+        });
+        if parsed.as_ref().is_err_and(|e| e.reason.contains("already declared by")) {
+            // Valid on its own: try it again once the other file moves away.
+            *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        match parsed {
             Ok(limits) => {
+                if let Some(taken) = taken.as_mut()
+                    && let Some(entry) = taken.iter_mut().find(|(p, _)| *p == self.path)
+                {
+                    entry.1 = limits.domain.clone();
+                }
                 self.active.store(Arc::new(limits));
+                drop(taken);
                 crate::metrics::get().reload(&name, true);
                 crate::metrics::get().config_version(&name, &version);
                 self.update_status(|s| {
@@ -330,6 +371,30 @@ mod tests {
         assert!(live.status().file_present);
         assert_eq!(limit(&live), 1);
     }
+
+    #[test]
+    fn a_reload_cannot_take_another_files_domain() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.yaml");
+        let b = dir.path().join("b.yaml");
+        std::fs::write(&a, A).unwrap();
+        std::fs::write(&b, A.replace("domain: d", "domain: e")).unwrap();
+        let catalog = Catalog::load(&[a.clone(), b.clone()]).unwrap();
+        std::fs::write(&b, B).unwrap();
+        let err = catalog.files()[1].reload().unwrap_err();
+        assert!(err.to_string().contains("already declared by"), "{err}");
+        assert_eq!(
+            catalog.domain("e").unwrap().rules[0].windows[0].requests,
+            1,
+            "nothing changed"
+        );
+        assert_eq!(catalog.domain("d").unwrap().rules[0].windows[0].requests, 1);
+        // Renaming a's domain frees "d" for b.
+        std::fs::write(&a, A.replace("domain: d", "domain: f")).unwrap();
+        catalog.files()[0].reload().unwrap();
+        assert_eq!(catalog.files()[1].reload().unwrap(), Reloaded::Changed);
+        assert_eq!(catalog.domain("d").unwrap().rules[0].windows[0].requests, 2);
+    }
 }
 
 /// Every limits file tollgate serves (one per domain), each live.
@@ -363,6 +428,17 @@ impl Catalog {
                 ));
             }
             files.push(live);
+        }
+        let domains = Arc::new(Domains {
+            by_file: Mutex::new(
+                files
+                    .iter()
+                    .map(|f| (f.path.clone(), f.active().load().domain.clone()))
+                    .collect(),
+            ),
+        });
+        for f in &files {
+            let _ = f.domains.set(domains.clone());
         }
         Ok(Catalog { files })
     }

@@ -59,6 +59,11 @@ pub fn load_file(path: &Path) -> Result<Limits, ConfigError> {
 /// Validates limits from text; `file` names it in errors and picks the format
 /// (`.json` is JSON, anything else YAML).
 pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
+    check_shape(text).map_err(|(line, reason)| ConfigError {
+        file: file.to_string(),
+        line,
+        reason,
+    })?;
     if looks_like_envoy(text, file) {
         let raw: super::envoy::EnvoyFile = deserialize(text, file)?;
         return raw.into_limits().map_err(|reason| ConfigError {
@@ -87,6 +92,54 @@ pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
         rules,
         tree,
     })
+}
+
+/// Largest limits file read, in bytes.
+const MAX_FILE_BYTES: usize = 8 << 20;
+/// Deepest nesting of `[` / `{` a limits file may use; YAML and JSON parse
+/// time grows with the square of it, and no real file needs more than a few.
+const MAX_NESTING: usize = 64;
+/// Widest indentation a line may have (block nesting is indentation).
+const MAX_INDENT: usize = 256;
+
+/// Refuses files whose size or nesting would make parsing slow, before any
+/// parser sees them; returns the offending line and why.
+fn check_shape(text: &str) -> Result<(), (Option<usize>, String)> {
+    if text.len() > MAX_FILE_BYTES {
+        return Err((None, format!("file is larger than {} MiB", MAX_FILE_BYTES >> 20)));
+    }
+    let mut depth = 0usize;
+    for (i, line) in text.lines().enumerate() {
+        let number = i.saturating_add(1);
+        if line.len().saturating_sub(line.trim_start().len()) > MAX_INDENT {
+            return Err((Some(number), format!("indented deeper than {MAX_INDENT} columns")));
+        }
+        let mut quote: Option<char> = None;
+        let mut escaped = false;
+        let mut previous = ' ';
+        for c in line.chars() {
+            match quote {
+                Some('"') if escaped => escaped = false,
+                Some('"') if c == '\\' => escaped = true,
+                Some(q) if c == q => quote = None,
+                Some(_) => {}
+                None => match c {
+                    '#' if previous.is_whitespace() => break,
+                    '"' | '\'' => quote = Some(c),
+                    '[' | '{' => {
+                        depth = depth.saturating_add(1);
+                        if depth > MAX_NESTING {
+                            return Err((Some(number), format!("nested deeper than {MAX_NESTING} levels")));
+                        }
+                    }
+                    ']' | '}' => depth = depth.saturating_sub(1),
+                    _ => {}
+                },
+            }
+            previous = c;
+        }
+    }
+    Ok(())
 }
 
 /// Parses `text` as JSON (`.json`) or YAML into `T`, keeping the line of the
@@ -286,6 +339,14 @@ impl RawRule {
         };
         let mut windows: Vec<Window> = self.limits.into_iter().map(|w| w.0).collect();
         windows.sort_by_key(|w| w.period_ms);
+        if let Some(CostSpec(Cost::Fixed(cost))) = &self.cost
+            && let Some(w) = windows.iter().find(|w| w.requests < *cost)
+        {
+            return Err(format!(
+                "rule \"{name}\": cost {cost} is more than the limit of {} per {}ms, so no request could ever be admitted",
+                w.requests, w.period_ms
+            ));
+        }
         if let Some(pair) = windows.windows(2).find(|p| p[0].period_ms == p[1].period_ms) {
             return Err(format!(
                 "rule \"{name}\" has two limits with the same period ({}ms)",
@@ -421,6 +482,9 @@ impl<'de> Deserialize<'de> for WindowSpec {
             if raw.requests == 0 {
                 return Err("requests must be at least 1".to_string());
             }
+            if raw.requests > super::MAX_UNITS {
+                return Err(format!("requests may be at most {} (10^12)", super::MAX_UNITS));
+            }
             let period_ms = parse_period(&raw.per)?;
             Ok(WindowSpec(Window {
                 requests: raw.requests,
@@ -452,7 +516,8 @@ impl<'de> Deserialize<'de> for PartSpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         let part = match s.as_str() {
-            "client_ip" => Part::ClientIp,
+            "client_ip" => Part::ClientIp { v4: 32, v6: 128 },
+            other if other.starts_with("client_ip/") => parse_client_ip(other).map_err(de::Error::custom)?,
             "method" => Part::Method,
             "path" => Part::Path,
             "host" => Part::Host,
@@ -464,12 +529,32 @@ impl<'de> Deserialize<'de> for PartSpec {
                 Some(("query", name)) if !name.is_empty() => Part::Query(name.to_string()),
                 _ => {
                     return Err(de::Error::custom(format!(
-                        "unknown by entry \"{other}\"; expected client_ip, method, path, host, header:NAME or query:NAME"
+                        "unknown by entry \"{other}\"; expected client_ip, client_ip/V6LEN, client_ip/V4LEN/V6LEN, method, path, host, header:NAME or query:NAME"
                     )));
                 }
             },
         };
         Ok(PartSpec(part))
+    }
+}
+
+/// `client_ip/64` (IPv6 prefix; IPv4 whole) or `client_ip/24/64` (both).
+fn parse_client_ip(text: &str) -> Result<Part, String> {
+    let bad = || {
+        format!("\"{text}\": write client_ip/V6LEN (e.g. client_ip/64) or client_ip/V4LEN/V6LEN (e.g. client_ip/24/64)")
+    };
+    let lengths: Vec<&str> = text.trim_start_matches("client_ip/").split('/').collect();
+    let len = |s: &str, max: u8| s.parse::<u8>().ok().filter(|n| (1..=max).contains(n));
+    match lengths.as_slice() {
+        [v6] => Ok(Part::ClientIp {
+            v4: 32,
+            v6: len(v6, 128).ok_or_else(bad)?,
+        }),
+        [v4, v6] => Ok(Part::ClientIp {
+            v4: len(v4, 32).ok_or_else(bad)?,
+            v6: len(v6, 128).ok_or_else(bad)?,
+        }),
+        _ => Err(bad()),
     }
 }
 
@@ -487,6 +572,9 @@ impl<'de> Deserialize<'de> for CostSpec {
             fn visit_u64<E: de::Error>(self, n: u64) -> Result<CostSpec, E> {
                 if n == 0 {
                     return Err(E::custom("cost must be at least 1"));
+                }
+                if n > super::MAX_UNITS {
+                    return Err(E::custom(format!("cost may be at most {} (10^12)", super::MAX_UNITS)));
                 }
                 Ok(CostSpec(Cost::Fixed(n)))
             }
@@ -647,6 +735,36 @@ rules:
         assert!(parse_str(half, "l.yaml").is_err());
         let err = error_of("domain: api\nrules:\n  - name: [unclosed\n");
         assert!(err.line.is_some(), "{err}");
+    }
+
+    #[test]
+    fn deep_nesting_and_huge_files_are_refused_quickly() {
+        let started = std::time::Instant::now();
+        for text in ["[".repeat(100_000), format!("domain: {}", "{".repeat(20_000))] {
+            let e = parse_str(&text, "deep.yaml").unwrap_err();
+            assert!(e.to_string().contains("nested deeper than 64 levels"), "{e}");
+        }
+        let e = parse_str(&"#".repeat(9 << 20), "big.yaml").unwrap_err();
+        assert!(e.to_string().contains("larger than 8 MiB"), "{e}");
+        // Brackets inside strings and comments are text, not nesting.
+        let quoted = format!("domain: \"{}\"  # {}\nrules: []\n", "[".repeat(100), "{".repeat(100));
+        assert!(parse_str(&quoted, "q.yaml").is_ok());
+        assert!(started.elapsed() < std::time::Duration::from_secs(5));
+    }
+
+    #[test]
+    fn numbers_past_the_cap_and_costs_past_the_limit_are_refused() {
+        let e = error_of("domain: d\nrules:\n  - name: r\n    limits: [{ requests: 9007199254740993, per: 1s }]\n");
+        assert!(e.to_string().contains("at most 1000000000000"), "{e}");
+        let e = error_of(
+            "domain: d\nrules:\n  - name: r\n    cost: 18446744073709551615\n    limits: [{ requests: 5, per: 1s }]\n",
+        );
+        assert!(e.to_string().contains("at most 1000000000000"), "{e}");
+        let e = error_of(
+            "domain: d\nrules:\n  - name: r\n    cost: 10\n    limits: [{ requests: 5, per: 1s }, { requests: 50, per: 1m }]\n",
+        );
+        assert!(e.to_string().contains("no request could ever be admitted"), "{e}");
+        assert!(e.line.is_some(), "{e}");
     }
 
     #[test]

@@ -15,6 +15,12 @@ pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 use std::sync::Arc;
 
 use http::{HeaderName, Method, StatusCode};
+
+/// The largest limit or cost tollgate accepts: a trillion units. Counts stay
+/// exact far past it in both stores (the Redis script's running totals are
+/// Lua numbers, exact to 2^53); a cost above every window's limit is simply
+/// a request that never fits.
+pub const MAX_UNITS: u64 = 1_000_000_000_000;
 use serde::Serialize;
 
 /// Every rule of one limits file, under one domain.
@@ -138,8 +144,15 @@ pub enum HeaderValueMatch {
 /// A request part a rule keys its counters on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Part {
-    /// The client address, after trusted-proxy resolution.
-    ClientIp,
+    /// The client address, after trusted-proxy resolution, as a network of
+    /// this many leading bits (IPv4, IPv6): `client_ip/64` gives one counter
+    /// per IPv6 /64, so one attacker's /64 is one caller, not 2^64.
+    ClientIp {
+        /// Prefix length kept of an IPv4 address (32: the whole address).
+        v4: u8,
+        /// Prefix length kept of an IPv6 address (128: the whole address).
+        v6: u8,
+    },
     /// The request method.
     Method,
     /// The request path (no query).
@@ -156,7 +169,9 @@ impl Part {
     /// The descriptor key this part produces, as written in the file.
     pub fn key(&self) -> String {
         match self {
-            Part::ClientIp => "client_ip".into(),
+            Part::ClientIp { v4: 32, v6: 128 } => "client_ip".into(),
+            Part::ClientIp { v4: 32, v6 } => format!("client_ip/{v6}"),
+            Part::ClientIp { v4, v6 } => format!("client_ip/{v4}/{v6}"),
             Part::Method => "method".into(),
             Part::Path => "path".into(),
             Part::Host => "host".into(),
@@ -208,12 +223,17 @@ impl Matcher {
         }
         if let Some(pattern) = &self.path {
             let ok = match (pattern, self.ignore_case) {
-                (PathPattern::Exact(p), false) => path == p,
-                (PathPattern::Exact(p), true) => path.eq_ignore_ascii_case(p),
-                (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
-                (PathPattern::Prefix(p), true) => {
-                    path.len() >= p.len() && path.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes())
+                // An exact path also matches its spelling with a trailing
+                // slash, which Express, Rails and Django route alike.
+                (PathPattern::Exact(p), false) => path == p || path.strip_suffix('/') == Some(p),
+                (PathPattern::Exact(p), true) => {
+                    path.eq_ignore_ascii_case(p) || path.strip_suffix('/').is_some_and(|q| q.eq_ignore_ascii_case(p))
                 }
+                (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
+                (PathPattern::Prefix(p), true) => path
+                    .as_bytes()
+                    .get(..p.len())
+                    .is_some_and(|head| head.eq_ignore_ascii_case(p.as_bytes())),
             };
             if !ok {
                 return false;

@@ -27,10 +27,17 @@
 -- (limit, period_ms) pairs
 --
 -- Reply, per decision: admitted (0/1), then per key: charged (0/1), then per
--- window: used (before this request), reset_ms (until the oldest counted
--- unit leaves), retry_ms (until this cost fits; -1 when it fits now).
+-- window: used (before this request, with what earlier keys of the same
+-- decision take from the same counter), reset_ms (until the oldest counted
+-- unit leaves), retry_ms (until this cost fits; -1 when it fits now, -2 when
+-- it never will: it asks more than the window's whole limit).
+--
+-- Running totals are kept modulo M and only ever subtracted from one another:
+-- a window's count stays exact (limits and costs are capped far below M by
+-- the caller), and a long-lived counter never outgrows a Lua number's 2^53.
 
 local call = redis.call
+local M = 1125899906842624 -- 2^50
 local tonumber = tonumber
 local find, sub = string.find, string.sub
 
@@ -83,8 +90,8 @@ local function id_parts(id)
   return tonumber(sub(id, 1, dash - 1)), tonumber(sub(id, dash + 1))
 end
 
--- What this call knows of each counter: the running total, the time of its
--- last entry, per period the first entry inside the window ({ c, n, ms }, or
+-- What this call knows of each counter: the running total, the running
+-- total and time of its last written entry, per period the first entry inside the window ({ c, n, ms }, or
 -- false when none), the entry this call will append (pend_n units, 0 while
 -- none, under the ID pend_ms-pend_seq) and the longest window it charged.
 local counters = {}
@@ -100,7 +107,7 @@ local function counter(key)
     total = c
     last_ms, last_seq = id_parts(last[1])
   end
-  s = { total = total, last_ms = last_ms, last_seq = last_seq, first = {},
+  s = { total = total, written = total, last_ms = last_ms, last_seq = last_seq, first = {},
         pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0 }
   counters[key] = s
   return s
@@ -110,14 +117,17 @@ local function first_in_window(key, s, period)
   local f = s.first[period]
   if f ~= nil then return f end
   f = false
-  if s.total > 0 then
+  local e = nil
+  if s.last_ms >= 0 then
     local start = now - period + 1
     if start < 0 then start = 0 end
-    local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
-    if e then
-      local n, c = amounts(e)
-      f = { c, n, (id_parts(e[1])) }
-    elseif s.pend_n > 0 then
+    e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
+  end
+  if e then
+    local n, c = amounts(e)
+    f = { c, n, (id_parts(e[1])) }
+  else
+    if s.pend_n > 0 then
       -- Only what this call admitted, not written yet: c - n is the total
       -- before it, however much more the call goes on to admit.
       f = { s.total, s.pend_n, s.pend_ms }
@@ -125,6 +135,38 @@ local function first_in_window(key, s, period)
   end
   s.first[period] = f
   return f
+end
+
+-- When `excess` units of the window whose first entry is f have left it.
+-- Running totals grow entry by entry, so the entry that frees enough is found
+-- by a binary search over time (one COUNT 1 seek per step), never by reading
+-- the entries one by one: its cost does not grow with the request's cost.
+local function retry_after(key, s, f, period, excess)
+  local base = f[1] - f[2]
+  local at
+  if f[2] >= excess then
+    at = f[3]
+  elseif s.last_ms < 0 or (s.written - base) % M < excess then
+    -- Only what this call admitted is left to leave; it is the newest.
+    at = s.pend_ms
+  else
+    -- Invariant: the entries up to lo free less than excess; the one at hi
+    -- frees enough.
+    local lo, hi = f[3] - 1, s.last_ms
+    while hi - lo > 1 do
+      local mid = math.floor((lo + hi) / 2)
+      local e = call('XREVRANGE', key, int(mid), '-', 'COUNT', '1')[1]
+      local c = base
+      if e then c = select(2, amounts(e)) end
+      if e and (c - base) % M >= excess then
+        hi = id_parts(e[1])
+      else
+        lo = mid
+      end
+    end
+    at = hi
+  end
+  return math.min(at + period - now, period)
 end
 
 local reply = {}
@@ -139,6 +181,9 @@ for _ = 1, num(ARGV[2]) do
   local admitted = 1
   local base = r + 1
   r = r + 1
+  -- Units earlier keys of this decision take from a counter: a counter
+  -- named twice is checked against both costs, not twice against one.
+  local claims = {}
   for i = 1, nkeys do
     local key = KEYS[k + i]
     local cost = num(ARGV[a])
@@ -147,6 +192,7 @@ for _ = 1, num(ARGV[2]) do
     a = a + 3
     local s = counter(key)
     local total = s.total
+    local claim = claims[key] or 0
     local fits = true
     local longest = 0
     r = r + 1 -- charged, filled in below
@@ -155,35 +201,19 @@ for _ = 1, num(ARGV[2]) do
       local period = num(ARGV[a + 1])
       a = a + 2
       if period > longest then longest = period end
-      local used, reset, retry = 0, period, -1
+      local used, reset, retry = claim, period, -1
       local f = first_in_window(key, s, period)
       if f then
-        used = total - f[1] + f[2]
+        used = (total - f[1]) % M + f[2] + claim
         -- Never past a whole period, even if the clock stepped back.
         reset = math.min(f[3] + period - now, period)
       end
       if used + cost > limit then
         fits = false
-        if cost > limit then
-          retry = period
+        if claim + cost > limit then
+          retry = -2
         else
-          -- Entries leave oldest first: walk until `excess` units have left.
-          local excess = used + cost - limit
-          local start = now - period + 1
-          if start < 0 then start = 0 end
-          local run = 0
-          for _, e in ipairs(call('XRANGE', key, int(start), '+', 'COUNT', int(excess))) do
-            local n = amounts(e)
-            run = run + n
-            if run >= excess then
-              retry = math.min(id_parts(e[1]) + period - now, period)
-              break
-            end
-          end
-          -- What this call admitted here is not written yet; it is newest.
-          if retry < 0 and s.pend_n > 0 then
-            retry = math.min(s.pend_ms + period - now, period)
-          end
+          retry = retry_after(key, s, f, period, used + cost - limit)
         end
       end
       reply[r + 1] = used
@@ -192,6 +222,7 @@ for _ = 1, num(ARGV[2]) do
       r = r + 3
     end
     if not fits and not shadow then admitted = 0 end
+    if fits then claims[key] = claim + cost end
     keys[i] = { key, s, fits, cost, longest, r - 3 * nwin }
   end
 
@@ -213,7 +244,7 @@ for _ = 1, num(ARGV[2]) do
         touched[#touched + 1] = key
       end
       s.pend_n = s.pend_n + cost
-      s.total = s.total + cost
+      s.total = (s.total + cost) % M
       -- Every window of this counter that had no entry has this one now,
       -- including windows other decisions in this call asked about. Its
       -- c - n stays the total before this call's first charge, which is

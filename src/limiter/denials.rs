@@ -25,7 +25,9 @@ const LOG_EVERY: Duration = Duration::from_secs(10);
 struct Denial {
     until: Instant,
     at: Instant,
-    cost: u64,
+    /// Units the refused request asked of this counter (its cost plus what
+    /// earlier checks of the same request took from it).
+    demand: u64,
     outcome: RuleOutcome,
 }
 
@@ -37,38 +39,82 @@ pub(super) struct DenialCache {
     len: AtomicUsize,
 }
 
+/// Per hit, the units the request asks of the hit's counter up to and
+/// including that hit (a counter may be named more than once).
+fn demands(hits: &[Hit]) -> Vec<u64> {
+    hits.iter()
+        .enumerate()
+        .map(|(i, hit)| {
+            hits.iter()
+                .take(i.saturating_add(1))
+                .filter(|h| h.key == hit.key)
+                .fold(0u64, |sum, h| sum.saturating_add(h.cost))
+        })
+        .collect()
+}
+
 impl DenialCache {
-    /// A refusal for this request, if a cached denial still covers one of its counters.
+    /// A refusal for this request, if a cached denial still covers one of
+    /// its counters. The decision has one outcome per hit, in order: the
+    /// cached counters with their cached windows, the others unread.
     pub(super) fn check(&self, hits: &[Hit]) -> Option<Decision> {
         if self.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
         let now = Instant::now();
+        let demands = demands(hits);
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        hits.iter().filter(|h| !h.rule.shadow).find_map(|hit| {
-            let d = entries.get(&hit.key)?;
-            if d.until <= now || hit.cost < d.cost || d.outcome.rule.windows != hit.rule.windows {
-                return None;
-            }
-            let elapsed = now.duration_since(d.at).as_millis() as u64;
-            let mut outcome = d.outcome.clone();
-            for w in &mut outcome.windows {
-                w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
-                w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed).max(1));
-            }
-            Some(Decision {
-                verdict: Verdict::Limited,
-                rules: vec![outcome],
+        let cached: Vec<Option<RuleOutcome>> = hits
+            .iter()
+            .zip(&demands)
+            .map(|(hit, demand)| {
+                if hit.rule.shadow {
+                    return None;
+                }
+                let d = entries.get(&hit.key)?;
+                if d.until <= now || *demand < d.demand || d.outcome.rule.windows != hit.rule.windows {
+                    return None;
+                }
+                let elapsed = u64::try_from(now.duration_since(d.at).as_millis()).unwrap_or(u64::MAX);
+                let mut outcome = d.outcome.clone();
+                outcome.rule = hit.rule.clone();
+                for w in &mut outcome.windows {
+                    w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
+                    w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed).max(1));
+                }
+                Some(outcome)
             })
+            .collect();
+        drop(entries);
+        if cached.iter().all(Option::is_none) {
+            return None;
+        }
+        let rules = hits
+            .iter()
+            .zip(cached)
+            .map(|(hit, cached)| {
+                cached.unwrap_or_else(|| RuleOutcome {
+                    rule: hit.rule.clone(),
+                    over: false,
+                    charged: false,
+                    windows: Vec::new(),
+                })
+            })
+            .collect();
+        Some(Decision {
+            verdict: Verdict::Limited,
+            rules,
         })
     }
 
-    /// Remembers the counters that refused this request.
-    pub(super) fn remember(&self, hits: &[Hit], decision: &Decision) {
+    /// Remembers the counters that refused this request, from `asked` (the
+    /// store decided after it, so the retry times hold from then at the latest).
+    pub(super) fn remember(&self, hits: &[Hit], decision: &Decision, asked: Instant) {
         if decision.verdict != Verdict::Limited {
             return;
         }
         let now = Instant::now();
+        let demands = demands(hits);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         if entries.len() >= MAX_ENTRIES {
             entries.retain(|_, d| d.until > now);
@@ -76,8 +122,10 @@ impl DenialCache {
                 entries.clear();
             }
         }
-        for (hit, outcome) in hits.iter().zip(&decision.rules) {
-            if !outcome.over || hit.rule.shadow {
+        for ((hit, outcome), demand) in hits.iter().zip(&decision.rules).zip(demands) {
+            // A request that can never fit is not cached: it never reaches a
+            // retry time, and answering it costs the store nothing new.
+            if !outcome.over || hit.rule.shadow || outcome.windows.iter().any(|w| w.never) {
                 continue;
             }
             let Some(retry) = outcome.windows.iter().filter_map(|w| w.retry_ms).max() else {
@@ -86,9 +134,9 @@ impl DenialCache {
             entries.insert(
                 hit.key.clone(),
                 Denial {
-                    until: now + Duration::from_millis(retry),
-                    at: now,
-                    cost: hit.cost,
+                    until: asked.checked_add(Duration::from_millis(retry)).unwrap_or(asked),
+                    at: asked,
+                    demand,
                     outcome: outcome.clone(),
                 },
             );
@@ -122,7 +170,7 @@ impl RejectionLog {
             let Some(hit) = hits.iter().find(|h| h.rule.id == outcome.rule.id) else {
                 continue;
             };
-            let window = outcome.windows.iter().find(|w| w.retry_ms.is_some());
+            let window = outcome.windows.iter().find(|w| w.over());
             let folded = match seen.get_mut(&hit.key) {
                 Some((at, folded)) if now.duration_since(*at) < LOG_EVERY => {
                     *folded += 1;

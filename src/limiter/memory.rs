@@ -82,6 +82,10 @@ struct State {
 }
 
 /// One counter: entries oldest first, each with the running total after it.
+///
+/// Running totals wrap modulo 2^64 and are only ever subtracted from one
+/// another, so a window's count stays exact however long the counter lives
+/// (limits and costs are capped far below 2^64, see `config::MAX_UNITS`).
 struct Counter {
     /// Running total before the oldest kept entry.
     base: u64,
@@ -95,36 +99,50 @@ impl Counter {
     }
 
     fn total_before(&self, index: usize) -> u64 {
-        if index == 0 {
-            self.base
-        } else {
-            self.entries[index - 1].1
+        match index.checked_sub(1).and_then(|i| self.entries.get(i)) {
+            Some(e) => e.1,
+            None => self.base,
         }
     }
 
-    /// Counts one window and works out when `cost` would fit.
-    fn window(&self, now: u64, limit: u64, period: u64, cost: u64) -> WindowCount {
-        let start = (now + 1).saturating_sub(period);
+    /// Counts one window and works out when `claim` (units this decision
+    /// already takes from the counter) plus `cost` would fit.
+    fn window(&self, now: u64, limit: u64, period: u64, claim: u64, cost: u64) -> WindowCount {
+        let start = now.saturating_add(1).saturating_sub(period);
         let first = self.entries.partition_point(|e| e.0 < start);
-        let (used, reset_ms) = match self.entries.get(first) {
-            Some(&(at, _)) => (self.total() - self.total_before(first), at + period - now),
+        let before_first = self.total_before(first);
+        let (counted, reset_ms) = match self.entries.get(first) {
+            Some(&(at, _)) => (
+                self.total().wrapping_sub(before_first),
+                at.saturating_add(period).saturating_sub(now),
+            ),
             None => (0, period),
         };
-        let retry_ms = if used + cost <= limit {
-            None
-        } else if cost > limit {
-            Some(period)
+        let used = counted.saturating_add(claim);
+        let demand = claim.saturating_add(cost);
+        let (retry_ms, never) = if used.saturating_add(cost) <= limit {
+            (None, false)
+        } else if demand > limit {
+            (None, true)
         } else {
-            // Entries leave oldest first: find the one whose departure frees enough.
-            let excess = used + cost - limit;
-            (first..self.entries.len())
-                .find(|&i| self.entries[i].1 - self.total_before(first) >= excess)
-                .map(|i| self.entries[i].0 + period - now)
+            // Entries leave oldest first: the first entry whose departure
+            // frees `excess` units. Running totals only grow inside the
+            // window, so this is a binary search, not a walk.
+            let excess = used.saturating_add(cost).saturating_sub(limit);
+            let i = self
+                .entries
+                .partition_point(|e| e.0 < start || e.1.wrapping_sub(before_first) < excess);
+            let retry = self
+                .entries
+                .get(i)
+                .map_or(period, |e| e.0.saturating_add(period).saturating_sub(now));
+            (Some(retry), false)
         };
         WindowCount {
             used,
             reset_ms,
             retry_ms,
+            never,
         }
     }
 }
@@ -155,29 +173,40 @@ impl MemoryStore {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         if now >= state.next_sweep_ms {
             state.counters.retain(|_, c| c.expires_at_ms > now);
-            state.next_sweep_ms = now + SWEEP_EVERY_MS;
+            state.next_sweep_ms = now.saturating_add(SWEEP_EVERY_MS);
         }
         let mut admitted = true;
         let mut counts = Vec::with_capacity(checks.len());
+        // Units earlier checks of this decision take from a key: a counter
+        // named twice is checked against both costs, not twice against one.
+        let mut claims: Vec<(&str, u64)> = Vec::new();
         for check in checks {
+            let claim = claims.iter().find(|c| c.0 == check.key).map_or(0, |c| c.1);
             let counter = state.counters.get(check.key).filter(|c| c.expires_at_ms > now);
             let windows: Vec<WindowCount> = check
                 .windows
                 .iter()
                 .map(|w| match counter {
-                    Some(c) => c.window(now, w.requests, w.period_ms, check.cost),
+                    Some(c) => c.window(now, w.requests, w.period_ms, claim, check.cost),
                     None => {
-                        let retry_ms = (check.cost > w.requests).then_some(w.period_ms);
+                        let demand = claim.saturating_add(check.cost);
                         WindowCount {
-                            used: 0,
+                            used: claim,
                             reset_ms: w.period_ms,
-                            retry_ms,
+                            retry_ms: None,
+                            never: demand > w.requests,
                         }
                     }
                 })
                 .collect();
-            let fits = windows.iter().all(|w| w.retry_ms.is_none());
+            let fits = windows.iter().all(|w| !w.over());
             admitted &= fits || check.shadow;
+            if fits {
+                match claims.iter_mut().find(|c| c.0 == check.key) {
+                    Some(c) => c.1 = c.1.saturating_add(check.cost),
+                    None => claims.push((check.key, check.cost)),
+                }
+            }
             counts.push(CheckCount { charged: fits, windows });
         }
         for (check, count) in checks.iter().zip(counts.iter_mut()) {
@@ -207,13 +236,13 @@ fn charge(counters: &mut HashMap<String, Counter>, key: &str, now: u64, longest:
         counter.base = 0;
         counter.entries.clear();
     }
-    let oldest_kept = (now + 1).saturating_sub(longest);
+    let oldest_kept = now.saturating_add(1).saturating_sub(longest);
     while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
         counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
     }
-    let total = counter.total() + cost;
+    let total = counter.total().wrapping_add(cost);
     counter.entries.push_back((now, total));
-    counter.expires_at_ms = now + longest;
+    counter.expires_at_ms = now.saturating_add(longest);
 }
 
 impl CounterStore for MemoryStore {
@@ -263,6 +292,10 @@ mod tests {
         log: HashMap<usize, Vec<(u64, u64)>>,
     }
 
+    /// What the model says of one window: used (with the decision's own
+    /// earlier claims), retry time, never.
+    type ModelWindow = (u64, Option<u64>, bool);
+
     impl Model {
         fn used(&self, key: usize, now: u64, period: u64) -> u64 {
             self.log
@@ -270,47 +303,58 @@ mod tests {
                 .map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
         }
 
-        /// Returns (admitted, per check: charged).
-        fn decide(&mut self, now: u64, checks: &[(usize, Vec<Window>, u64, bool)]) -> (bool, Vec<bool>) {
-            let fits: Vec<bool> = checks
-                .iter()
-                .map(|(key, windows, cost, _)| {
-                    windows
-                        .iter()
-                        .all(|w| self.used(*key, now, w.period_ms) + cost <= w.requests)
-                })
-                .collect();
-            let admitted = checks.iter().zip(&fits).all(|(c, f)| *f || c.3);
-            let charged: Vec<bool> = checks
-                .iter()
-                .zip(&fits)
-                .map(|(c, f)| admitted && *f && c.2 > 0)
-                .collect();
-            for (c, ch) in checks.iter().zip(&charged) {
-                if *ch {
+        /// One window of one check, `claim` units already taken by earlier
+        /// checks of the same decision on the same key. The retry time is
+        /// found by trying every future millisecond.
+        fn window(&self, key: usize, now: u64, w: Window, claim: u64, cost: u64) -> ModelWindow {
+            let used = self.used(key, now, w.period_ms) + claim;
+            if used + cost <= w.requests {
+                return (used, None, false);
+            }
+            if claim + cost > w.requests {
+                return (used, None, true);
+            }
+            let retry = (1..=w.period_ms).find(|d| self.used(key, now + d, w.period_ms) + claim + cost <= w.requests);
+            (used, retry, false)
+        }
+
+        /// Returns (admitted, per check: charged and its windows).
+        #[allow(clippy::type_complexity)]
+        fn decide(
+            &mut self,
+            now: u64,
+            checks: &[(usize, Vec<Window>, u64, bool)],
+        ) -> (bool, Vec<(bool, Vec<ModelWindow>)>) {
+            let mut claims: HashMap<usize, u64> = HashMap::new();
+            let mut out = Vec::new();
+            for (key, windows, cost, _) in checks {
+                let claim = claims.get(key).copied().unwrap_or(0);
+                let ws: Vec<ModelWindow> = windows
+                    .iter()
+                    .map(|w| self.window(*key, now, *w, claim, *cost))
+                    .collect();
+                let fits = ws.iter().all(|w| w.1.is_none() && !w.2);
+                if fits {
+                    *claims.entry(*key).or_default() += cost;
+                }
+                out.push((fits, ws));
+            }
+            let admitted = checks.iter().zip(&out).all(|(c, o)| o.0 || c.3);
+            for (c, o) in checks.iter().zip(out.iter_mut()) {
+                o.0 &= admitted && c.2 > 0;
+                if o.0 {
                     self.log.entry(c.0).or_default().push((now, c.2));
                 }
             }
-            (admitted, charged)
-        }
-
-        /// When `cost` would fit in this window, by trying every future millisecond.
-        fn retry(&self, key: usize, now: u64, w: Window, cost: u64) -> Option<u64> {
-            if self.used(key, now, w.period_ms) + cost <= w.requests {
-                return None;
-            }
-            if cost > w.requests {
-                return Some(w.period_ms);
-            }
-            (1..=w.period_ms).find(|d| self.used(key, now + d, w.period_ms) + cost <= w.requests)
+            (admitted, out)
         }
     }
 
     type Step = (u64, Vec<(usize, u64, bool)>);
 
     fn steps() -> impl Strategy<Value = Vec<Step>> {
-        let check = (0usize..3, 0u64..4, prop::bool::weighted(0.2));
-        prop::collection::vec((0u64..700, prop::collection::vec(check, 1..3)), 1..120)
+        let check = (0usize..3, 0u64..6, prop::bool::weighted(0.2));
+        prop::collection::vec((0u64..700, prop::collection::vec(check, 1..4)), 1..120)
     }
 
     /// Three counters with fixed windows; each step picks some of them.
@@ -353,26 +397,85 @@ mod tests {
             for (dt, picks) in steps {
                 clock.advance(dt);
                 let now = clock.now_ms();
-                let mut picks = picks;
-                picks.sort_by_key(|p| p.0);
-                picks.dedup_by_key(|p| p.0);
+                // The same key may come more than once in one decision.
                 let specs: Vec<(usize, Vec<Window>, u64, bool)> =
                     picks.iter().map(|&(k, cost, shadow)| (k, rule_windows(k), cost, shadow)).collect();
                 let checks: Vec<Check<'_>> =
                     specs.iter().map(|(k, w, cost, shadow)| check(names[*k], w, *cost, *shadow)).collect();
-                let expected_retry: Vec<Vec<Option<u64>>> = specs
-                    .iter()
-                    .map(|(k, ws, cost, _)| ws.iter().map(|w| model.retry(*k, now, *w, *cost)).collect())
-                    .collect();
                 let answer = store.decide_now(&checks);
-                let (admitted, charged) = model.decide(now, &specs);
+                let (admitted, expected) = model.decide(now, &specs);
                 prop_assert_eq!(answer.admitted, admitted);
-                for (i, count) in answer.checks.iter().enumerate() {
-                    prop_assert_eq!(count.charged, charged[i]);
-                    let got: Vec<Option<u64>> = count.windows.iter().map(|w| w.retry_ms).collect();
-                    prop_assert_eq!(&got, &expected_retry[i]);
+                for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
+                    prop_assert_eq!(count.charged, *charged);
+                    let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
+                    prop_assert_eq!(&got, windows);
                 }
             }
         }
+    }
+
+    #[test]
+    fn huge_costs_never_wrap_the_count() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(clock.clone());
+        let w = [Window {
+            requests: 10,
+            period_ms: 60_000,
+        }];
+        for _ in 0..9 {
+            assert!(store.decide_now(&[check("k", &w, 1, false)]).admitted);
+        }
+        let huge = store.decide_now(&[check("k", &w, u64::MAX - 8, false)]);
+        assert!(!huge.admitted, "a cost past u64 must not wrap into room");
+        assert!(huge.checks[0].windows[0].never);
+        assert!(
+            store.decide_now(&[check("k", &w, 1, false)]).admitted,
+            "the tenth unit still fits"
+        );
+        assert!(
+            !store.decide_now(&[check("k", &w, 1, false)]).admitted,
+            "and then the window is full"
+        );
+    }
+
+    #[test]
+    fn one_key_named_twice_is_charged_with_both_costs() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(clock.clone());
+        let w = [Window {
+            requests: 5,
+            period_ms: 60_000,
+        }];
+        let four = [check("k", &w, 1, false); 4];
+        assert!(store.decide_now(&four).admitted);
+        let again = store.decide_now(&four);
+        assert!(!again.admitted, "4 + 4 > 5: the second request must be refused whole");
+        assert!(store.decide_now(&[check("k", &w, 1, false)]).admitted);
+        assert!(
+            !store.decide_now(&[check("k", &w, 1, false)]).admitted,
+            "5 admitted, no more"
+        );
+    }
+
+    #[test]
+    fn the_retry_search_is_exact_over_a_long_window() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(clock.clone());
+        let w = [Window {
+            requests: 200_000,
+            period_ms: 3_600_000,
+        }];
+        for _ in 0..200_000 {
+            store.decide_now(&[check("k", &w, 1, false)]);
+            clock.advance(1);
+        }
+        // Units leave one per ms from 1_000_000 + 3_600_000 on; 150_000 of
+        // them must leave, the last of which was admitted at 1_000_000 + 149_999.
+        let a = store.decide_now(&[check("k", &w, 150_000, false)]);
+        let now = clock.now_ms();
+        assert_eq!(
+            a.checks[0].windows[0].retry_ms,
+            Some(1_000_000 + 149_999 + 3_600_000 - now)
+        );
     }
 }

@@ -41,8 +41,19 @@ pub struct WindowCount {
     pub used: u64,
     /// Milliseconds until the oldest counted unit leaves the window.
     pub reset_ms: u64,
-    /// Milliseconds until this request's cost fits; `None` when it fits now.
+    /// Milliseconds until this request's cost fits; `None` when it fits now
+    /// or never will.
     pub retry_ms: Option<u64>,
+    /// The request asks more of this window than its whole limit: it can
+    /// never fit, however long it waits.
+    pub never: bool,
+}
+
+impl WindowCount {
+    /// Whether this window has no room for the request.
+    pub fn over(&self) -> bool {
+        self.never || self.retry_ms.is_some()
+    }
 }
 
 /// What the store did with one counter.
@@ -156,6 +167,15 @@ pub struct WindowOutcome {
     pub reset_ms: u64,
     /// Milliseconds until a request of this cost fits, when it does not now.
     pub retry_ms: Option<u64>,
+    /// The request asks more of this window than its whole limit.
+    pub never: bool,
+}
+
+impl WindowOutcome {
+    /// Whether this window refused the request.
+    pub fn over(&self) -> bool {
+        self.never || self.retry_ms.is_some()
+    }
 }
 
 /// What one rule said about the request.
@@ -167,7 +187,9 @@ pub struct RuleOutcome {
     pub over: bool,
     /// Whether the request was counted against this rule.
     pub charged: bool,
-    /// Per window, in the rule's order; empty when the store failed.
+    /// Per window, in the rule's order; empty when the store failed or the
+    /// counter was not read (a refusal answered from the denial cache reads
+    /// only the counters it has cached).
     pub windows: Vec<WindowOutcome>,
 }
 
@@ -188,11 +210,21 @@ impl Decision {
 
     /// Milliseconds until a retry of this request would be admitted: the
     /// latest of the refusing windows, since it needs room in all of them.
+    /// `None` when it was not refused, or when it can never be admitted as
+    /// sent (it costs more than a window's whole limit).
     pub fn retry_after_ms(&self) -> Option<u64> {
+        if self.never_fits() {
+            return None;
+        }
         self.refusing()
             .flat_map(|r| r.windows.iter())
             .filter_map(|w| w.retry_ms)
             .max()
+    }
+
+    /// Whether a refusing window could never hold this request's cost.
+    pub fn never_fits(&self) -> bool {
+        self.refusing().flat_map(|r| r.windows.iter()).any(|w| w.never)
     }
 
     /// The window with the least room left among enforcing rules (ties go to
@@ -265,14 +297,17 @@ impl Limiter {
         let decision = match self.denials.check(hits) {
             Some(cached) => {
                 metrics.denial_cache_hit();
-                for r in &cached.rules {
+                for r in cached.rules.iter().filter(|r| r.over) {
                     metrics.rule(&r.rule.name, metrics::RuleOutcome::LimitedCached);
                 }
                 cached
             }
             None => {
+                // The store decided after this instant: a cached refusal
+                // counts its retry time from here, never from the reply.
+                let asked = Instant::now();
                 let decision = self.ask_store(hits).await;
-                self.denials.remember(hits, &decision);
+                self.denials.remember(hits, &decision, asked);
                 for r in &decision.rules {
                     if let Some(outcome) = rule_outcome(decision.verdict, r) {
                         metrics.rule(&r.rule.name, outcome);
@@ -308,6 +343,11 @@ impl Limiter {
             },
         };
         let answer = match answer {
+            // Every surface renders one outcome per hit, in order.
+            Ok(answer) if answer.checks.len() != hits.len() => {
+                let e = StoreError::Reply(format!("{} counters for {} checks", answer.checks.len(), hits.len()));
+                return self.failed(hits, e);
+            }
             Ok(answer) => {
                 metrics::get().store_time(asked.elapsed());
                 answer
@@ -327,15 +367,16 @@ impl Limiter {
                         let taken = if count.charged { hit.cost } else { 0 };
                         WindowOutcome {
                             window: *window,
-                            remaining: window.requests.saturating_sub(c.used + taken),
+                            remaining: window.requests.saturating_sub(c.used.saturating_add(taken)),
                             reset_ms: c.reset_ms,
                             retry_ms: c.retry_ms,
+                            never: c.never,
                         }
                     })
                     .collect();
                 RuleOutcome {
                     rule: hit.rule.clone(),
-                    over: windows.iter().any(|w| w.retry_ms.is_some()),
+                    over: windows.iter().any(WindowOutcome::over),
                     charged: count.charged,
                     windows,
                 }

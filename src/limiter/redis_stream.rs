@@ -593,13 +593,14 @@ fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec
                         .windows
                         .iter()
                         .map(|_| {
-                            let used = next().max(0) as u64;
-                            let reset_ms = next().max(0) as u64;
+                            let used = u64::try_from(next()).unwrap_or(0);
+                            let reset_ms = u64::try_from(next()).unwrap_or(0);
                             let retry = next();
                             WindowCount {
                                 used,
                                 reset_ms,
-                                retry_ms: (retry >= 0).then_some(retry as u64),
+                                retry_ms: u64::try_from(retry).ok(),
+                                never: retry == -2,
                             }
                         })
                         .collect();

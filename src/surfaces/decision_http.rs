@@ -83,7 +83,11 @@ impl DecisionHttp {
     async fn ext_authz(&self, req: &Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
         let path = if original.is_empty() { "/" } else { original };
-        let host = req.headers().get(header::HOST).and_then(|h| h.to_str().ok());
+        // Envoy over HTTP/2 sends the original host as :authority.
+        let host = match crate::descriptor::request_host(req.version(), req.uri(), req.headers()) {
+            Ok(host) => host,
+            Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
         let info = RequestInfo {
             method: req.method(),
             path,
@@ -127,11 +131,15 @@ impl DecisionHttp {
             Some(Err(_)) => return reply(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
             None => Method::GET,
         };
+        let host = match crate::descriptor::request_host(req.version(), req.uri(), headers) {
+            Ok(host) => host,
+            Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
+        };
         let info = RequestInfo {
             method: &method,
             path: uri.path(),
             query: uri.query(),
-            host: headers.get(header::HOST).and_then(|h| h.to_str().ok()),
+            host,
             headers,
             client_ip: self.trusted.client_ip(peer.ip(), headers),
         };

@@ -113,7 +113,14 @@ impl RlsService {
                     limit_remaining: u32::MAX,
                     ..Default::default()
                 },
-                (_, Some(h)) => descriptor_status(&decision, &decision.rules[*h]),
+                (_, Some(h)) => match decision.rules.get(*h) {
+                    Some(outcome) => descriptor_status(&decision, outcome),
+                    // Never happens: the limiter answers one outcome per hit.
+                    None => DescriptorStatus {
+                        code: Code::Ok as i32,
+                        ..Default::default()
+                    },
+                },
                 _ => DescriptorStatus {
                     code: Code::Ok as i32,
                     ..Default::default()
@@ -157,7 +164,12 @@ fn cost_of(d: &RateLimitDescriptor, request_hits: u64) -> u64 {
     if d.is_negative_hits {
         return 0;
     }
-    d.hits_addend.as_ref().map_or(request_hits, |v| v.value)
+    // Past the cap no window can hold it: one more than the cap says "never
+    // fits" and keeps the store's arithmetic far from any overflow.
+    d.hits_addend
+        .as_ref()
+        .map_or(request_hits, |v| v.value)
+        .min(crate::config::MAX_UNITS.saturating_add(1))
 }
 
 /// The rule for a descriptor that brings its own `limit`.
@@ -220,11 +232,20 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     let rule = &outcome.rule;
     let refused = outcome.over && !rule.shadow;
     let failed_closed = decision.verdict == Verdict::FailedClosed;
+    let failed = failed_closed || decision.verdict == Verdict::FailedOpen;
+    if outcome.windows.is_empty() && !failed {
+        // Not read: the refusal came from the denial cache for another
+        // descriptor. OK for this one, with no limit to report.
+        return DescriptorStatus {
+            code: Code::Ok as i32,
+            ..Default::default()
+        };
+    }
     // Report the window that refused, else the one with the least room.
     let window = outcome
         .windows
         .iter()
-        .filter(|w| w.retry_ms.is_some() || !outcome.over)
+        .filter(|w| w.over() || !outcome.over)
         .min_by_key(|w| (w.remaining, std::cmp::Reverse(w.reset_ms)));
     let code = if refused || (failed_closed && rule.failure_mode == FailureMode::Closed) {
         Code::OverLimit
@@ -240,7 +261,8 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
             unit: unit_of(w.period_ms) as i32,
         }),
         limit_remaining: window.map_or(0, |w| u32::try_from(w.remaining).unwrap_or(u32::MAX)),
-        duration_until_reset: window.map(|w| {
+        // A cost above the window's whole limit never fits: no time to give.
+        duration_until_reset: window.filter(|w| !w.never).map(|w| {
             let ms = w.retry_ms.unwrap_or(w.reset_ms);
             PbDuration {
                 seconds: (ms / 1000) as i64,

@@ -30,8 +30,10 @@ use crate::surfaces::upstream_pool::{UpstreamBody, UpstreamPool};
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
-/// Headers that describe one connection, never the message (RFC 9110 §7.6.1).
-const HOP_BY_HOP: [HeaderName; 9] = [
+/// Headers that describe one connection, never the message (RFC 9110 §7.6.1),
+/// and `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses.
+const HOP_BY_HOP: [HeaderName; 10] = [
+    HeaderName::from_static("http2-settings"),
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -125,7 +127,13 @@ impl Proxy {
     /// Handles one client request.
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
-        let host = request_host(&req).map(str::to_owned);
+        let host = match crate::descriptor::request_host(req.version(), req.uri(), req.headers()) {
+            Ok(host) => host.map(str::to_owned),
+            Err(e) => {
+                metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);
+                return plain(StatusCode::BAD_REQUEST, &e.to_string());
+            }
+        };
         let decision = {
             let info = RequestInfo {
                 method: req.method(),
@@ -252,16 +260,18 @@ fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
-/// The host the client addressed: `Host`, or the HTTP/2 `:authority`.
-fn request_host<B>(req: &Request<B>) -> Option<&str> {
-    req.headers()
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .or_else(|| req.uri().authority().map(Authority::as_str))
-}
-
+/// Only a WebSocket handshake is joined end to end. Any other upgrade (h2c
+/// above all) would open a tunnel whose requests tollgate never sees, so
+/// its headers are dropped and the request goes up as plain HTTP/1.1, as
+/// NGINX and Envoy do by default.
 fn wants_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE) && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
+    let mut tokens = headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii);
+    let websocket = tokens.next().is_some_and(|t| t.eq_ignore_ascii_case(b"websocket")) && tokens.next().is_none();
+    websocket && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
 }
 
 /// The comma-separated tokens of every `Connection` header, as bytes so that
@@ -373,6 +383,33 @@ mod tests {
         strip_hop_by_hop(&mut h, true);
         assert_eq!(h["upgrade"], "websocket");
         assert_eq!(h["connection"], "upgrade");
+    }
+
+    #[test]
+    fn only_websocket_upgrades_pass() {
+        for (upgrade, passes) in [
+            (&b"websocket"[..], true),
+            (b"WebSocket", true),
+            (b"h2c", false),
+            (b"websocket, h2c", false),
+            (b"h2c, websocket", false),
+            (b"foo", false),
+        ] {
+            let mut h = headers(&[
+                ("connection", b"Upgrade, HTTP2-Settings"),
+                ("upgrade", upgrade),
+                ("http2-settings", b"AAMAAABkAARAAAAAAAIAAAAA"),
+            ]);
+            assert_eq!(wants_upgrade(&h), passes, "{upgrade:?}");
+            let upgrade = wants_upgrade(&h);
+            strip_hop_by_hop(&mut h, upgrade);
+            assert!(!h.contains_key("http2-settings"));
+            assert_eq!(h.contains_key("upgrade"), passes, "{upgrade:?}");
+        }
+        // HTTP2-Settings goes even when Connection does not name it.
+        let mut h = headers(&[("http2-settings", b"AAMAAABkAARAAAAAAAIAAAAA")]);
+        strip_hop_by_hop(&mut h, false);
+        assert!(h.is_empty());
     }
 
     #[test]
