@@ -211,3 +211,192 @@ async fn a_refusal_is_not_cached_past_its_retry_time() {
     };
     assert!(admitted_after <= Duration::from_millis(1_300), "{admitted_after:?}");
 }
+
+/// One raw HTTP/1.1 exchange; the whole answer as text.
+async fn exchange(tg: &Tollgate, request: &str) -> String {
+    raw(tg.addr, request.as_bytes(), Duration::from_secs(2)).await
+}
+
+fn status_of(answer: &str) -> u16 {
+    answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+}
+
+#[tokio::test]
+async fn h2c_upgrades_are_never_forwarded() {
+    // An upstream that switched protocols would give the caller a tunnel
+    // in which no request is counted.
+    let up = TestUpstream::start().await;
+    let limits =
+        "domain: d\nrules:\n  - name: login\n    match: { path: /login }\n    limits: [{ requests: 3, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let smuggle = |path: &str| {
+        format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n\
+             HTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\nContent-Length: 0\r\n\r\n"
+        )
+    };
+    let seen = exchange(&tg, &smuggle("/echo")).await.to_lowercase();
+    assert!(seen.starts_with("http/1.1 200"), "{seen}");
+    assert!(
+        !seen.contains("x-seen-upgrade"),
+        "Upgrade: h2c reached the upstream: {seen}"
+    );
+    assert!(!seen.contains("x-seen-http2-settings"), "{seen}");
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..5 {
+            v.push(status_of(&exchange(&tg, &smuggle("/login")).await));
+        }
+        v
+    };
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+}
+
+#[tokio::test]
+async fn values_sent_twice_cannot_buy_a_fresh_counter() {
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: per-key
+    match: { path: /k }
+    by: [header:x-key]
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-tenant
+    match: { path: /t }
+    by: [query:tenant]
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-host
+    match: { path: /h }
+    by: [host]
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let c = client();
+    assert_eq!(get(&c, &tg.url("/k"), &[("x-key", "K1")]).await.status, StatusCode::OK);
+    let twice = send(
+        &c,
+        Method::GET,
+        &tg.url("/k"),
+        &[("x-key", "K1"), ("x-key", "r1")],
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST, "K1 twice is not a new caller");
+    assert!(String::from_utf8_lossy(&twice.body).contains("more than once"));
+
+    assert_eq!(get(&c, &tg.url("/t?tenant=a"), &[]).await.status, StatusCode::OK);
+    for q in ["/t?tenant=b&tenant=a", "/t?tenant=a&%74enant=b", "/t?tenant=a&tenant=a"] {
+        assert_eq!(get(&c, &tg.url(q), &[]).await.status, StatusCode::BAD_REQUEST, "{q}");
+    }
+    assert_eq!(
+        get(&c, &tg.url("/t?tenant=a"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // One host, however it is spelled.
+    let host = |h: &str| format!("GET /h HTTP/1.1\r\nHost: {h}\r\nConnection: close\r\n\r\n");
+    assert_eq!(status_of(&exchange(&tg, &host("api.example.com")).await), 200);
+    for spelling in ["api.example.com.", "API.Example.COM", "api.example.com.:8080"] {
+        assert_eq!(status_of(&exchange(&tg, &host(spelling)).await), 429, "{spelling}");
+    }
+    // RFC 9112 §3.2: two Host headers, or none on HTTP/1.1, are a 400.
+    let two = "GET /h HTTP/1.1\r\nHost: a.example\r\nHost: b.example\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, two).await), 400);
+    let none = "GET /h HTTP/1.1\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, none).await), 400);
+    let old = "GET /echo HTTP/1.0\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, old).await), 200, "HTTP/1.0 needs no Host");
+}
+
+#[tokio::test]
+async fn ext_authz_over_http2_reads_the_authority() {
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: api-host\n    match: { host: api.example.com }\n    limits: [{ requests: 1, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let stream = tokio::net::TcpStream::connect(tg.check.unwrap()).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut statuses = Vec::new();
+    for _ in 0..2 {
+        let req = http::Request::builder()
+            .uri("http://api.example.com/ext_authz/orders")
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        statuses.push(sender.send_request(req).await.unwrap().status().as_u16());
+    }
+    assert_eq!(statuses, [200, 429], "the host rule applies to :authority");
+}
+
+#[tokio::test]
+async fn every_spelling_of_login_counts_against_the_shipped_rule() {
+    // Spellings that frameworks route to the login handler: Express's
+    // non-strict, case-insensitive routing, Tomcat's ;parameters, Rails's
+    // formats, IIS's trailing dots and spaces.
+    let up = TestUpstream::start().await;
+    let shipped = std::fs::read_to_string(repo_file("conf/limits.yaml")).unwrap();
+    let tg = Tollgate::start(&shipped, up.addr, &[]);
+    let post =
+        |path: &str| format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    for _ in 0..5 {
+        assert_eq!(status_of(&exchange(&tg, &post("/login")).await), 200);
+    }
+    for spelling in [
+        "/login/",
+        "/LOGIN",
+        "/Login",
+        "/login;jsessionid=1",
+        "/api/..;/login",
+        "/login.",
+        "/login%20",
+        "/login.json",
+        "//login",
+        "/log%69n",
+    ] {
+        assert_eq!(
+            status_of(&exchange(&tg, &post(spelling)).await),
+            429,
+            "{spelling} escaped"
+        );
+    }
+    for hidden in ["/login%2F", "/login%2f", "/login%5C", "/x%2F..%2Flogin", "/login%00"] {
+        assert_eq!(status_of(&exchange(&tg, &post(hidden)).await), 400, "{hidden}");
+    }
+}
+
+#[tokio::test]
+async fn an_ipv6_caller_is_one_caller_per_64() {
+    let up = TestUpstream::start().await;
+    let limits =
+        "domain: d\nrules:\n  - name: per-net\n    by: [client_ip/64]\n    limits: [{ requests: 1, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--trusted-proxies", "127.0.0.1"]);
+    let c = client();
+    let from = |ip: &'static str| [("x-forwarded-for", ip)];
+    assert_eq!(
+        get(&c, &tg.url("/"), &from("2001:db8:1:2::1")).await.status,
+        StatusCode::OK
+    );
+    for same in ["2001:db8:1:2::2", "2001:db8:1:2:ffff:ffff:ffff:ffff"] {
+        assert_eq!(
+            get(&c, &tg.url("/"), &from(same)).await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{same} is in the same /64"
+        );
+    }
+    assert_eq!(
+        get(&c, &tg.url("/"), &from("2001:db8:1:3::1")).await.status,
+        StatusCode::OK
+    );
+    // IPv4 callers keep one counter per address.
+    assert_eq!(get(&c, &tg.url("/"), &from("192.0.2.1")).await.status, StatusCode::OK);
+    assert_eq!(get(&c, &tg.url("/"), &from("192.0.2.2")).await.status, StatusCode::OK);
+}

@@ -88,3 +88,26 @@ fn every_flag_has_an_environment_variable() {
         assert!(help.contains(&format!("[env: {var}")), "{name} has no {var}");
     }
 }
+
+#[test]
+fn only_the_proxy_listens_beyond_loopback_by_default() {
+    // Whoever reaches the RLS port can charge any caller's counters with
+    // descriptors of their choosing: it stays on loopback unless asked.
+    let out = Command::new(binary()).arg("--help").output().unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    let default_of = |flag: &str| -> String {
+        let at = help.find(flag).unwrap_or_else(|| panic!("{flag} in {help}"));
+        let rest = &help[at..];
+        let d = rest.find("[default: ").expect("a default") + "[default: ".len();
+        rest[d..].split(']').next().unwrap().to_string()
+    };
+    assert_eq!(default_of("--grpc-listen"), "127.0.0.1:8081");
+    assert_eq!(default_of("--admin-listen"), "127.0.0.1:9901");
+    assert!(
+        !help[help.find("--check-listen").unwrap()..]
+            .split("\n  -")
+            .next()
+            .unwrap()
+            .contains("[default:")
+    );
+}
