@@ -5,6 +5,7 @@ mod attacks;
 mod cli;
 mod common;
 mod envoy;
+mod model;
 mod nginx;
 mod production;
 mod proxy;

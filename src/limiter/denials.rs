@@ -3,7 +3,8 @@
 //! [`DenialCache`]: a refusal stays exact until its retry time, because counts
 //! inside a sliding window only grow from other instances and units leave at
 //! fixed times. So a key refused for cost `k` is refused again, without asking
-//! the store, for any cost `>= k` until then; a flood from one caller over its
+//! the store, for the same cost until then (a larger cost would also be
+//! refused, but fits later than the cached time, which must stay exact); a flood from one caller over its
 //! limit costs the store about one call per retry period per instance. A
 //! reload of the limits drops the cache.
 //!
@@ -23,8 +24,10 @@ const MAX_ENTRIES: usize = 100_000;
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
 struct Denial {
-    until: Instant,
-    at: Instant,
+    /// Milliseconds (the limiter's clock) until which the refusal holds.
+    until: u64,
+    /// When the store was asked.
+    at: u64,
     /// Units the refused request asked of this counter (its cost plus what
     /// earlier checks of the same request took from it).
     demand: u64,
@@ -57,25 +60,39 @@ impl DenialCache {
     /// A refusal for this request, if a cached denial still covers one of
     /// its counters. The decision has one outcome per hit, in order: the
     /// cached counters with their cached windows, the others unread.
-    pub(super) fn check(&self, hits: &[Hit]) -> Option<Decision> {
+    pub(super) fn check(&self, hits: &[Hit], now: u64) -> Option<Decision> {
         if self.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let now = Instant::now();
         let demands = demands(hits);
+        // A request some window could never hold is answered by the store
+        // ("never", no retry time), whatever else is cached.
+        if hits
+            .iter()
+            .zip(&demands)
+            .any(|(h, d)| !h.rule.shadow && h.rule.windows.iter().any(|w| w.requests < *d))
+        {
+            return None;
+        }
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let cached: Vec<Option<RuleOutcome>> = hits
             .iter()
             .zip(&demands)
-            .map(|(hit, demand)| {
-                if hit.rule.shadow {
+            .enumerate()
+            .map(|(i, (hit, demand))| {
+                // A counter named again later in the request: how much the
+                // store would count for it depends on whether the earlier
+                // copies fit, which only the store knows. Left unread.
+                if hit.rule.shadow || hits.iter().take(i).any(|h| h.key == hit.key) {
                     return None;
                 }
                 let d = entries.get(&hit.key)?;
-                if d.until <= now || *demand < d.demand || d.outcome.rule.windows != hit.rule.windows {
+                // Only the same demand: a larger one fits later than the
+                // cached retry time, and that time must be exact.
+                if d.until <= now || *demand != d.demand || d.outcome.rule.windows != hit.rule.windows {
                     return None;
                 }
-                let elapsed = u64::try_from(now.duration_since(d.at).as_millis()).unwrap_or(u64::MAX);
+                let elapsed = now.saturating_sub(d.at);
                 let mut outcome = d.outcome.clone();
                 outcome.rule = hit.rule.clone();
                 for w in &mut outcome.windows {
@@ -109,11 +126,11 @@ impl DenialCache {
 
     /// Remembers the counters that refused this request, from `asked` (the
     /// store decided after it, so the retry times hold from then at the latest).
-    pub(super) fn remember(&self, hits: &[Hit], decision: &Decision, asked: Instant) {
+    pub(super) fn remember(&self, hits: &[Hit], decision: &Decision, asked: u64) {
         if decision.verdict != Verdict::Limited {
             return;
         }
-        let now = Instant::now();
+        let now = asked;
         let demands = demands(hits);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         if entries.len() >= MAX_ENTRIES {
@@ -134,12 +151,27 @@ impl DenialCache {
             entries.insert(
                 hit.key.clone(),
                 Denial {
-                    until: asked.checked_add(Duration::from_millis(retry)).unwrap_or(asked),
+                    until: asked.saturating_add(retry),
                     at: asked,
                     demand,
                     outcome: outcome.clone(),
                 },
             );
+        }
+        self.len.store(entries.len(), Ordering::Relaxed);
+    }
+
+    /// Forgets the refusals of counters this instance just charged: their
+    /// retry time moved (later), so the cached one is no longer exact.
+    pub(super) fn charged(&self, hits: &[Hit], decision: &Decision) {
+        if self.len.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        for (hit, outcome) in hits.iter().zip(&decision.rules) {
+            if outcome.charged {
+                entries.remove(&hit.key);
+            }
         }
         self.len.store(entries.len(), Ordering::Relaxed);
     }

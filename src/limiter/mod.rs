@@ -254,6 +254,8 @@ impl Decision {
 /// Decides requests against a store, within a deadline.
 pub struct Limiter {
     store: Store,
+    /// Times cached refusals (the same clock the memory store reads).
+    clock: Arc<dyn Clock>,
     deadline: Duration,
     failures: FailureLog,
     denials: denials::DenialCache,
@@ -263,8 +265,15 @@ pub struct Limiter {
 impl Limiter {
     /// A limiter whose decisions wait at most `deadline` for the store.
     pub fn new(store: Store, deadline: Duration) -> Self {
+        Self::with_clock(store, deadline, Arc::new(SystemClock::default()))
+    }
+
+    /// As [`Limiter::new`], with cached refusals timed by `clock` (tests
+    /// that step time by hand pass the store's manual clock).
+    pub fn with_clock(store: Store, deadline: Duration, clock: Arc<dyn Clock>) -> Self {
         Limiter {
             store,
+            clock,
             deadline,
             failures: FailureLog::default(),
             denials: denials::DenialCache::default(),
@@ -294,7 +303,7 @@ impl Limiter {
         }
         let started = Instant::now();
         let metrics = metrics::get();
-        let decision = match self.denials.check(hits) {
+        let decision = match self.denials.check(hits, self.clock.now_ms()) {
             Some(cached) => {
                 metrics.denial_cache_hit();
                 for r in cached.rules.iter().filter(|r| r.over) {
@@ -305,9 +314,12 @@ impl Limiter {
             None => {
                 // The store decided after this instant: a cached refusal
                 // counts its retry time from here, never from the reply.
-                let asked = Instant::now();
+                let asked = self.clock.now_ms();
                 let decision = self.ask_store(hits).await;
                 self.denials.remember(hits, &decision, asked);
+                if decision.verdict == Verdict::Allowed {
+                    self.denials.charged(hits, &decision);
+                }
                 for r in &decision.rules {
                     if let Some(outcome) = rule_outcome(decision.verdict, r) {
                         metrics.rule(&r.rule.name, outcome);

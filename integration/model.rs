@@ -1,0 +1,377 @@
+//! Every decision path against a brute-force reference model.
+//!
+//! Random sequences of requests go through the Envoy RLS service and through
+//! the HTTP rule path (the `Catalog::http_hits` -> `Limiter::decide` ->
+//! headers path that the proxy, ext_authz and auth_request share), on the
+//! memory store and on the Redis script, with the denial cache on and off:
+//! random costs (past the limits too), descriptors repeated in one request,
+//! several rules and windows, reloads that raise and lower limits (and turn
+//! a rule into shadow mode) mid-sequence, and clock steps. Every answer must
+//! be the model's: a plain list of admitted units with their times.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::google::protobuf::UInt64Value;
+use http::{HeaderMap, HeaderValue, Method};
+use proptest::prelude::*;
+use tollgate::config::Window;
+use tollgate::descriptor::RequestInfo;
+use tollgate::limiter::{Clock, Limiter, ManualClock, MemoryStore, RedisMode, RedisStore, Store};
+use tollgate::reload::Catalog;
+use tollgate::surfaces::envoy_rls::RlsService;
+
+use crate::common::RedisServer;
+use crate::envoy::descriptor;
+
+const T0: u64 = 1_700_000_000_000;
+
+/// Per counter, two versions of its rule (a reload switches between them):
+/// windows and whether the rule is in shadow mode.
+fn version(counter: usize, v: usize) -> (Vec<Window>, bool) {
+    let w = |requests, period_ms| Window { requests, period_ms };
+    match (counter, v) {
+        (0, 0) => (vec![w(3, 1_000)], false),
+        (0, _) => (vec![w(2, 300), w(3, 1_000)], false),
+        (1, 0) => (vec![w(2, 300), w(5, 2_000)], false),
+        (1, _) => (vec![w(8, 2_000)], false),
+        (2, 0) => (vec![w(4, 500), w(6, 1_500)], false),
+        _ => (vec![w(2, 100), w(6, 1_500)], true),
+    }
+}
+
+fn period_text(ms: u64) -> String {
+    format!("{ms}ms")
+}
+
+/// The limits file for these versions: an RLS rule and an HTTP rule per counter.
+fn limits_file(domain: &str, versions: &[usize; 3]) -> String {
+    let mut out = format!("domain: {domain}\nrules:\n");
+    for (c, v) in versions.iter().enumerate() {
+        let (windows, shadow) = version(c, *v);
+        let limits: Vec<String> = windows
+            .iter()
+            .map(|w| format!("{{ requests: {}, per: {} }}", w.requests, period_text(w.period_ms)))
+            .collect();
+        let limits = limits.join(", ");
+        out.push_str(&format!(
+            "  - name: rls{c}\n    descriptor: [{{ key: k, value: c{c} }}]\n    shadow: {shadow}\n    limits: [{limits}]\n"
+        ));
+        out.push_str(&format!(
+            "  - name: http{c}\n    match: {{ headers: {{ x-use-{c}: '*' }} }}\n    cost: header:x-cost-{c}\n    shadow: {shadow}\n    limits: [{limits}]\n"
+        ));
+    }
+    out
+}
+
+/// What the model says of one check.
+#[derive(Debug, Clone, PartialEq)]
+struct Expected {
+    /// Per window: retry ms (when over and it can fit later), never.
+    windows: Vec<(Option<u64>, bool)>,
+    /// Per window: remaining after the decision.
+    remaining: Vec<u64>,
+    shadow: bool,
+}
+
+impl Expected {
+    fn over(&self) -> bool {
+        self.windows.iter().any(|(r, n)| r.is_some() || *n)
+    }
+}
+
+/// The brute-force sliding window: admitted units with their times.
+#[derive(Default)]
+struct Model {
+    log: HashMap<String, Vec<(u64, u64)>>,
+}
+
+impl Model {
+    fn used(&self, key: &str, now: u64, period: u64) -> u64 {
+        self.log
+            .get(key)
+            .map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
+    }
+
+    /// Decides checks (key, windows, cost, shadow) together; returns admitted
+    /// and per check what the caller must be told.
+    fn decide(&mut self, now: u64, checks: &[(String, Vec<Window>, u64, bool)]) -> (bool, Vec<Expected>) {
+        let mut claims: HashMap<&str, u64> = HashMap::new();
+        let mut out = Vec::new();
+        let mut fits_all = Vec::new();
+        for (key, windows, cost, shadow) in checks {
+            let claim = claims.get(key.as_str()).copied().unwrap_or(0);
+            let ws: Vec<(Option<u64>, bool)> = windows
+                .iter()
+                .map(|w| {
+                    let used = self.used(key, now, w.period_ms) + claim;
+                    if used + cost <= w.requests {
+                        (None, false)
+                    } else if claim + cost > w.requests {
+                        (None, true)
+                    } else {
+                        let retry = (1..=w.period_ms)
+                            .find(|d| self.used(key, now + d, w.period_ms) + claim + cost <= w.requests);
+                        (retry, false)
+                    }
+                })
+                .collect();
+            let fits = ws.iter().all(|(r, n)| r.is_none() && !n);
+            if fits {
+                *claims.entry(key.as_str()).or_default() += cost;
+            }
+            fits_all.push(fits);
+            out.push(Expected {
+                windows: ws,
+                remaining: Vec::new(),
+                shadow: *shadow,
+            });
+        }
+        let admitted = checks.iter().zip(&fits_all).all(|(c, f)| *f || c.3);
+        let mut claims: HashMap<&str, u64> = HashMap::new();
+        for ((c, fits), e) in checks.iter().zip(&fits_all).zip(out.iter_mut()) {
+            let charged = admitted && *fits && c.2 > 0;
+            let claim = claims.get(c.0.as_str()).copied().unwrap_or(0);
+            let taken = if charged { c.2 } else { 0 };
+            e.remaining =
+                c.1.iter()
+                    .map(|w| {
+                        w.requests
+                            .saturating_sub(self.used(&c.0, now, w.period_ms) + claim + taken)
+                    })
+                    .collect();
+            if *fits {
+                *claims.entry(c.0.as_str()).or_default() += c.2;
+            }
+        }
+        for ((c, fits), _) in checks.iter().zip(&fits_all).zip(&out) {
+            if admitted && *fits && c.2 > 0 {
+                self.log.entry(c.0.clone()).or_default().push((now, c.2));
+            }
+        }
+        (admitted, out)
+    }
+
+    /// The retry time the caller is told: the latest over window of an
+    /// enforcing check, or none when a window can never hold the request.
+    fn retry_after(expected: &[Expected]) -> Option<u64> {
+        let refusing: Vec<&Expected> = expected.iter().filter(|e| e.over() && !e.shadow).collect();
+        if refusing.iter().any(|e| e.windows.iter().any(|w| w.1)) {
+            return None;
+        }
+        refusing.iter().flat_map(|e| e.windows.iter()).filter_map(|w| w.0).max()
+    }
+}
+
+/// One step: a time step, maybe a reload of one counter's rule, then one
+/// request on the RLS surface or the HTTP path.
+#[derive(Debug, Clone)]
+enum Step {
+    Rls { dt: u64, items: Vec<(usize, u64)> },
+    Http { dt: u64, items: Vec<(usize, u64)> },
+    Reload { counter: usize },
+}
+
+fn steps() -> impl Strategy<Value = Vec<Step>> {
+    let rls =
+        (0u64..700, prop::collection::vec((0usize..3, 0u64..6), 1..5)).prop_map(|(dt, items)| Step::Rls { dt, items });
+    // One rule per counter on HTTP (so no repeats), costs from 1.
+    let http = (0u64..700, prop::collection::btree_map(0usize..3, 1u64..6, 1..4)).prop_map(|(dt, items)| Step::Http {
+        dt,
+        items: items.into_iter().collect(),
+    });
+    let reload = (0usize..3).prop_map(|counter| Step::Reload { counter });
+    prop::collection::vec(prop_oneof![4 => rls, 4 => http, 1 => reload], 1..50)
+}
+
+/// One runtime and one redis-server for all cases of the test.
+struct Rig {
+    runtime: tokio::runtime::Runtime,
+    redis: RedisServer,
+    case: AtomicU64,
+    dir: tempfile::TempDir,
+}
+
+struct Case {
+    clock: Arc<ManualClock>,
+    limiter: Arc<Limiter>,
+    catalog: Arc<Catalog>,
+    rls: RlsService,
+    domain: String,
+    file: PathBuf,
+}
+
+impl Rig {
+    fn case(&self, redis: bool) -> Case {
+        let n = self.case.fetch_add(1, Ordering::SeqCst);
+        let domain = format!("model{n}");
+        let file = self.dir.path().join(format!("{domain}.yaml"));
+        std::fs::write(&file, limits_file(&domain, &[0, 0, 0])).unwrap();
+        let clock = Arc::new(ManualClock::new(T0));
+        let store = if redis {
+            let c: Arc<dyn Clock> = clock.clone();
+            let s = self
+                .runtime
+                .block_on(async { RedisStore::connect(&[self.redis.url()], &RedisMode::Standalone, Some(c)) })
+                .unwrap();
+            Store::Redis(s)
+        } else {
+            Store::Memory(MemoryStore::new(clock.clone()))
+        };
+        let limiter = Arc::new(Limiter::with_clock(store, Duration::from_secs(2), clock.clone()));
+        let catalog = Arc::new(Catalog::load(std::slice::from_ref(&file)).unwrap());
+        let l = limiter.clone();
+        catalog.on_change(move || l.forget_denials());
+        let rls = RlsService::new(limiter.clone(), catalog.clone());
+        Case {
+            clock,
+            limiter,
+            catalog,
+            rls,
+            domain,
+            file,
+        }
+    }
+}
+
+fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), TestCaseError> {
+    let case = rig.case(redis);
+    let mut model = Model::default();
+    let mut versions = [0usize; 3];
+    for step in steps {
+        let (dt, items, on_rls) = match step {
+            Step::Reload { counter } => {
+                versions[counter] = 1 - versions[counter];
+                std::fs::write(&case.file, limits_file(&case.domain, &versions)).unwrap();
+                case.catalog.reload_all("model");
+                continue;
+            }
+            Step::Rls { dt, items } => (dt, items, true),
+            Step::Http { dt, items } => (dt, items, false),
+        };
+        case.clock.advance(dt);
+        let now = case.clock.now_ms();
+        if !cache {
+            case.limiter.forget_denials();
+        }
+        let prefix = if on_rls { "rls" } else { "http" };
+        let checks: Vec<(String, Vec<Window>, u64, bool)> = items
+            .iter()
+            .map(|&(c, cost)| {
+                let (windows, shadow) = version(c, versions[c]);
+                (format!("{prefix}{c}"), windows, cost, shadow)
+            })
+            .collect();
+        let (admitted, expected) = model.decide(now, &checks);
+        let retry = Model::retry_after(&expected);
+        if on_rls {
+            let req = RateLimitRequest {
+                domain: case.domain.clone(),
+                descriptors: items
+                    .iter()
+                    .map(|&(c, cost)| {
+                        let mut d = descriptor(&[("k", &format!("c{c}"))]);
+                        d.hits_addend = Some(UInt64Value { value: cost });
+                        d
+                    })
+                    .collect(),
+                hits_addend: 0,
+            };
+            let got = rig.runtime.block_on(case.rls.decide(&req));
+            let code = |ok: bool| if ok { Code::Ok as i32 } else { Code::OverLimit as i32 };
+            prop_assert_eq!(got.overall_code, code(admitted), "{:?} at {}", items, now - T0);
+            prop_assert_eq!(got.statuses.len(), items.len());
+            for (status, e) in got.statuses.iter().zip(&expected) {
+                let read = status.current_limit.is_some();
+                if read {
+                    prop_assert_eq!(status.code, code(!e.over() || e.shadow), "{:?}", items);
+                } else {
+                    // Unread: only where a cached refusal answered the request.
+                    prop_assert!(cache && !admitted, "a status without a limit: {:?}", status);
+                    prop_assert_eq!(status.code, Code::Ok as i32);
+                }
+            }
+            let header = got
+                .response_headers_to_add
+                .iter()
+                .find(|h| h.key == "retry-after")
+                .map(|h| h.value.clone());
+            let want = (!admitted).then(|| retry.map(|ms| ms.div_ceil(1000).max(1).to_string()));
+            match want {
+                None => prop_assert_eq!(header, None),
+                Some(want) => prop_assert_eq!(header, want, "{:?}", items),
+            }
+        } else {
+            let mut headers = HeaderMap::new();
+            for &(c, cost) in &items {
+                headers.insert(
+                    format!("x-use-{c}").parse::<http::HeaderName>().unwrap(),
+                    HeaderValue::from_static("1"),
+                );
+                headers.insert(
+                    format!("x-cost-{c}").parse::<http::HeaderName>().unwrap(),
+                    HeaderValue::from(cost),
+                );
+            }
+            let info = RequestInfo {
+                method: &Method::GET,
+                path: "/",
+                query: None,
+                host: Some("h"),
+                headers: &headers,
+                client_ip: "10.0.0.1".parse().unwrap(),
+            };
+            let hits = case.catalog.http_hits(&info).unwrap();
+            let decision = rig.runtime.block_on(case.limiter.decide(&hits));
+            prop_assert_eq!(decision.verdict.admits(), admitted, "{:?} at {}", items, now - T0);
+            prop_assert_eq!(decision.rules.len(), items.len());
+            let cached = decision.rules.iter().any(|r| r.windows.is_empty());
+            prop_assert!(!cached || (cache && !admitted));
+            if !admitted {
+                prop_assert_eq!(decision.retry_after_ms(), retry, "{:?}", items);
+            }
+            for (outcome, e) in decision.rules.iter().zip(&expected) {
+                if outcome.windows.is_empty() {
+                    continue;
+                }
+                prop_assert_eq!(outcome.over, e.over());
+                // A refusal served from the denial cache keeps the remaining
+                // counts it was cached with; only fresh answers are compared
+                // field by field.
+                if admitted || !cache {
+                    let remaining: Vec<u64> = outcome.windows.iter().map(|w| w.remaining).collect();
+                    prop_assert_eq!(&remaining, &e.remaining, "{:?}", items);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn every_decision_path_answers_like_the_model() {
+    let rig = Rig {
+        runtime: tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap(),
+        redis: RedisServer::start(),
+        case: AtomicU64::new(0),
+        dir: tempfile::tempdir().unwrap(),
+    };
+    let config = ProptestConfig {
+        cases: 64,
+        ..ProptestConfig::default()
+    };
+    for (redis, cache) in [(false, false), (false, true), (true, false), (true, true)] {
+        proptest!(config.clone(), |(steps in steps())| {
+            run(&rig, redis, cache, steps)?;
+        });
+    }
+}
