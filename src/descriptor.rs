@@ -6,6 +6,18 @@
 //! length-prefixed so caller-controlled values can never collide with each
 //! other or with another domain, and long values are hashed to bound keys.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::fmt::Write;
 use std::net::IpAddr;
 
@@ -209,7 +221,7 @@ fn push_component(key: &mut String, value: &str) {
     } else {
         let digest = Sha256::digest(value.as_bytes());
         let _ = write!(key, "{}#", value.len());
-        for byte in &digest[..16] {
+        for byte in digest.iter().take(16) {
             let _ = write!(key, "{byte:02x}");
         }
         key.push('|');
@@ -412,6 +424,38 @@ rules:
                 header: "x-cost".into()
             }
         );
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 512, ..Default::default() })]
+        /// Fuzz: whatever a caller sends, matching answers hits or a 400
+        /// reason, never a panic, and keys stay short.
+        #[test]
+        fn any_request_gives_hits_or_a_reason(
+            method in "[A-Z]{1,8}",
+            path in "[ -~]{0,120}",
+            query in proptest::option::of("[ -~]{0,120}"),
+            host in proptest::option::of("[ -~]{0,80}"),
+            headers in proptest::collection::vec(("(x-api-key|x-cost|x-tier|host|x-[a-z]{1,5})", "[ -~]{0,100}"), 0..8),
+            v6: bool,
+        ) {
+            let limits = parse_str(&format!("{LIMITS}  - name: net\n    by: [client_ip/24/64]\n    limits: [{{ requests: 1, per: 1s }}]\n"), "l.yaml").unwrap();
+            let Ok(method) = Method::from_bytes(method.as_bytes()) else { return Ok(()) };
+            let mut h = HeaderMap::new();
+            for (k, v) in &headers {
+                if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), http::HeaderValue::from_str(v)) {
+                    h.append(k, v);
+                }
+            }
+            let client_ip = if v6 { "2001:db8::1".parse().unwrap() } else { "10.0.0.7".parse().unwrap() };
+            let req = RequestInfo { method: &method, path: &path, query: query.as_deref(), host: host.as_deref(), headers: &h, client_ip };
+            if let Ok(hits) = hits(&limits, &req) {
+                for hit in hits {
+                    proptest::prop_assert!(hit.key.len() < 400, "{}", hit.key);
+                    proptest::prop_assert!(hit.cost >= 1 && hit.cost <= crate::config::MAX_UNITS);
+                }
+            }
+        }
     }
 
     #[test]

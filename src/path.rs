@@ -7,6 +7,18 @@
 //! dot-segment removal) plus merging repeated slashes, as NGINX does. An
 //! encoded slash (`%2F`) stays encoded: decoding it would change segments.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::borrow::Cow;
 
 /// Whether the path hides a segment boundary: an encoded slash or backslash
@@ -86,38 +98,39 @@ fn is_normal(path: &str) -> bool {
 
 /// Decodes `%XX` for unreserved characters and upper-cases the rest.
 fn decode_unreserved(path: &str) -> String {
-    let bytes = path.as_bytes();
-    let mut out = String::with_capacity(path.len() + 1);
+    let mut out = String::with_capacity(path.len().saturating_add(1));
     if !path.starts_with('/') {
         out.push('/');
     }
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
-        {
-            let c = (h << 4 | l) as char;
-            if c.is_ascii_alphanumeric() || "-._~".contains(c) {
-                out.push(c);
-            } else {
-                out.push('%');
-                out.push(bytes[i + 1].to_ascii_uppercase() as char);
-                out.push(bytes[i + 2].to_ascii_uppercase() as char);
+    let mut rest = path;
+    while let Some(at) = rest.find('%') {
+        let (before, escape) = rest.split_at(at);
+        out.push_str(before);
+        let digits = escape.as_bytes().get(1..3);
+        match digits.map(|d| (d, d.first().copied().and_then(hex), d.last().copied().and_then(hex))) {
+            Some((d, Some(h), Some(l))) => {
+                let c = char::from(h << 4 | l);
+                if c.is_ascii_alphanumeric() || "-._~".contains(c) {
+                    out.push(c);
+                } else {
+                    out.push('%');
+                    out.extend(d.iter().map(|b| char::from(b.to_ascii_uppercase())));
+                }
+                // Both digits are ASCII, so index 3 is a character boundary.
+                rest = escape.get(3..).unwrap_or("");
             }
-            i += 3;
-            continue;
+            _ => {
+                out.push('%');
+                rest = escape.get(1..).unwrap_or("");
+            }
         }
-        // Multi-byte UTF-8 is copied whole; it is not split at a byte boundary.
-        let ch_len = path[i..].chars().next().map_or(1, char::len_utf8);
-        out.push_str(&path[i..i + ch_len]);
-        i += ch_len;
     }
+    out.push_str(rest);
     out
 }
 
 fn hex(b: u8) -> Option<u8> {
-    (b as char).to_digit(16).map(|d| d as u8)
+    char::from(b).to_digit(16).and_then(|d| u8::try_from(d).ok())
 }
 
 #[cfg(test)]

@@ -347,10 +347,12 @@ impl RawRule {
                 w.requests, w.period_ms
             ));
         }
-        if let Some(pair) = windows.windows(2).find(|p| p[0].period_ms == p[1].period_ms) {
+        if let Some(period) = windows.windows(2).find_map(|p| match p {
+            [a, b] if a.period_ms == b.period_ms => Some(a.period_ms),
+            _ => None,
+        }) {
             return Err(format!(
-                "rule \"{name}\" has two limits with the same period ({}ms)",
-                pair[0].period_ms
+                "rule \"{name}\" has two limits with the same period ({period}ms)"
             ));
         }
         let descriptor = match self.descriptor {
@@ -735,6 +737,31 @@ rules:
         assert!(parse_str(half, "l.yaml").is_err());
         let err = error_of("domain: api\nrules:\n  - name: [unclosed\n");
         assert!(err.line.is_some(), "{err}");
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 512, ..Default::default() })]
+        /// Fuzz: any text, or the good file with a slice replaced by noise,
+        /// is an answer (limits or file:line: reason), never a panic.
+        #[test]
+        fn the_parser_never_panics(
+            noise in "[ -~\\n\\t\\[\\]{}:,'\"#*-]{0,300}",
+            cut in 0usize..2000,
+            len in 0usize..200,
+            json: bool,
+        ) {
+            let file = if json { "f.json" } else { "f.yaml" };
+            let _ = parse_str(&noise, file);
+            let start = cut.min(GOOD.len());
+            let end = start.saturating_add(len).min(GOOD.len());
+            if GOOD.is_char_boundary(start) && GOOD.is_char_boundary(end) {
+                let mutated = format!("{}{}{}", &GOOD[..start], noise, &GOOD[end..]);
+                let _ = parse_str(&mutated, file);
+            }
+            let envoy = "domain: e\ndescriptors:\n  - key: k\n    rate_limit: { unit: second, requests_per_unit: 5 }\n";
+            let at = cut.min(envoy.len());
+            let _ = parse_str(&format!("{}{}{}", &envoy[..at], noise, &envoy[at..]), file);
+        }
     }
 
     #[test]

@@ -215,6 +215,16 @@ impl Rule {
     }
 }
 
+// On the request path: never panics (see the surfaces' lint set).
+#[cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
 impl Matcher {
     /// Whether a request with these attributes falls under the rule.
     pub fn matches(&self, method: &Method, path: &str, host: Option<&str>, headers: &http::HeaderMap) -> bool {

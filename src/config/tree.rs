@@ -92,6 +92,15 @@ impl DescriptorTree {
     }
 
     /// The rule for a request descriptor, if any.
+    #[cfg_attr(
+        not(test),
+        deny(
+            clippy::indexing_slicing,
+            clippy::unwrap_used,
+            clippy::expect_used,
+            clippy::arithmetic_side_effects
+        )
+    )]
     pub fn lookup<K: AsRef<str>, V: AsRef<str>>(
         &self,
         entries: impl IntoIterator<Item = (K, V)>,

@@ -11,6 +11,18 @@
 //! [`RejectionLog`]: one log line per refused counter, then a summary of how
 //! many more were refused, at most every few seconds per counter.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -205,7 +217,7 @@ impl RejectionLog {
             let window = outcome.windows.iter().find(|w| w.over());
             let folded = match seen.get_mut(&hit.key) {
                 Some((at, folded)) if now.duration_since(*at) < LOG_EVERY => {
-                    *folded += 1;
+                    *folded = folded.saturating_add(1);
                     continue;
                 }
                 Some((_, folded)) => *folded,

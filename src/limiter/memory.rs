@@ -6,6 +6,18 @@
 //! window's oldest entry. One lock covers a whole decision, which is what
 //! makes "charge every counter or none" hold.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -44,7 +56,8 @@ impl Default for SystemClock {
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
-        self.epoch_ms + self.start.elapsed().as_millis() as u64
+        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.epoch_ms.saturating_add(elapsed)
     }
 }
 

@@ -6,6 +6,18 @@
 //! the store cannot answer in time, and returns a [`Decision`] that the
 //! surfaces render in their own wire format. Nothing else talks to the store.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 mod denials;
 mod memory;
 mod redis_stream;
@@ -454,7 +466,8 @@ struct FailureLog {
 impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
         static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        let now = START.get_or_init(Instant::now).elapsed().as_millis() as u64 + 1000;
+        let elapsed = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX);
+        let now = elapsed.saturating_add(1000);
         let folded = self.since_last.fetch_add(1, Ordering::Relaxed);
         let last = self.last_logged_ms.load(Ordering::Relaxed);
         if now.saturating_sub(last) >= 1000
@@ -469,7 +482,7 @@ impl FailureLog {
             } else {
                 "failing open"
             };
-            tracing::warn!(%error, failures = folded + 1, "counter store unavailable, {mode}");
+            tracing::warn!(%error, failures = folded.saturating_add(1), "counter store unavailable, {mode}");
         }
     }
 }

@@ -22,6 +22,18 @@
 //! Between the two steps another instance may fill a group; then the groups
 //! charged before it stay charged. That window is one round trip wide.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -256,7 +268,7 @@ impl RedisStore {
         }
         let parts: Vec<Vec<OwnedCheck>> = groups
             .values()
-            .map(|idx| idx.iter().map(|&i| checks[i].clone()).collect())
+            .map(|idx| idx.iter().filter_map(|&i| checks.get(i).cloned()).collect())
             .collect();
         let mut answers = Vec::with_capacity(parts.len());
         for part in &parts {
@@ -273,7 +285,9 @@ impl RedisStore {
         let admitted = answers.iter().all(|a| a.admitted);
         for (idx, answer) in groups.values().zip(answers) {
             for (&i, count) in idx.iter().zip(answer.checks) {
-                merged[i] = Some(count);
+                if let Some(slot) = merged.get_mut(i) {
+                    *slot = Some(count);
+                }
             }
         }
         let checks = merged
@@ -308,11 +322,11 @@ fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, StoreError> {
 /// The part of a key Redis Cluster hashes: between the first `{` and the
 /// next `}`, when not empty; otherwise the whole key.
 fn hash_tag(key: &str) -> &str {
-    if let Some(open) = key.find('{')
-        && let Some(len) = key[open + 1..].find('}')
-        && len > 0
+    if let Some((_, after)) = key.split_once('{')
+        && let Some((tag, _)) = after.split_once('}')
+        && !tag.is_empty()
     {
-        return &key[open + 1..open + 1 + len];
+        return tag;
     }
     key
 }
@@ -490,7 +504,7 @@ async fn send_batches(
         };
         // A caller past its deadline has already applied its failure mode:
         // charging its request now would count one that was never admitted.
-        let mut taken = 1;
+        let mut taken: usize = 1;
         let mut batch = Vec::with_capacity(8);
         if !first.reply.is_closed() {
             batch.push(first);
@@ -498,7 +512,7 @@ async fn send_batches(
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
                 Ok(p) => {
-                    taken += 1;
+                    taken = taken.saturating_add(1);
                     if !p.reply.is_closed() {
                         batch.push(p);
                     }
@@ -571,7 +585,11 @@ async fn call<C: ConnectionLike + Send>(
 fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec<StoreAnswer>, StoreError> {
     let expected: usize = decisions
         .iter()
-        .map(|(c, _)| 1 + c.iter().map(|c| 1 + 3 * c.windows.len()).sum::<usize>())
+        .map(|(c, _)| {
+            c.iter()
+                .map(|c| c.windows.len().saturating_mul(3).saturating_add(1))
+                .fold(1usize, usize::saturating_add)
+        })
         .sum();
     if reply.len() != expected {
         return Err(StoreError::Reply(format!(

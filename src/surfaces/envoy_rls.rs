@@ -6,6 +6,18 @@
 //! so a refused request charges nothing. The answer carries one status per
 //! descriptor, in order, with the exact time until the window frees up.
 
+// The request path never panics: no indexing that can fail, no unwrap, no
+// unchecked arithmetic on costs, counts or times.
+#![cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
+
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -93,7 +105,9 @@ impl RlsService {
                 continue;
             };
             let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-            hit_of[i] = Some(hits.len());
+            if let Some(slot) = hit_of.get_mut(i) {
+                *slot = Some(hits.len());
+            }
             hits.push(Hit {
                 rule: rule.clone(),
                 key: descriptor_key(&limits.domain, rule, entries),
@@ -264,9 +278,11 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
         // A cost above the window's whole limit never fits: no time to give.
         duration_until_reset: window.filter(|w| !w.never).map(|w| {
             let ms = w.retry_ms.unwrap_or(w.reset_ms);
+            let secs = ms.checked_div(1000).unwrap_or(0);
+            let sub_ms = ms.checked_rem(1000).unwrap_or(0);
             PbDuration {
-                seconds: (ms / 1000) as i64,
-                nanos: ((ms % 1000) * 1_000_000) as i32,
+                seconds: i64::try_from(secs).unwrap_or(i64::MAX),
+                nanos: i32::try_from(sub_ms.saturating_mul(1_000_000)).unwrap_or(0),
             }
         }),
         ..Default::default()
@@ -295,4 +311,84 @@ fn header_options(headers: &HeaderMap) -> Vec<HeaderValue> {
             ..Default::default()
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{ManualClock, MemoryStore, Store};
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{Entry, RateLimitOverride};
+    use envoy_types::pb::google::protobuf::UInt64Value;
+    use proptest::prelude::*;
+
+    const LIMITS: &str = "\
+domain: d
+rules:
+  - name: per-ip
+    descriptor: [{ key: remote_address }]
+    limits: [{ requests: 3, per: 1s }, { requests: 10, per: 90s }]
+  - name: login
+    descriptor: [{ key: remote_address }, { key: path, value: /login }]
+    limits: [{ requests: 2, per: 3s }]
+  - name: pre
+    descriptor: [{ key: k, value: ab* }]
+    shadow: true
+    limits: [{ requests: 1, per: 1s }]
+";
+
+    fn service(dir: &tempfile::TempDir) -> RlsService {
+        let path = dir.path().join("d.yaml");
+        std::fs::write(&path, LIMITS).unwrap();
+        let catalog = Arc::new(Catalog::load(&[path]).unwrap());
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let limiter = Arc::new(Limiter::with_clock(
+            Store::Memory(MemoryStore::new(clock.clone())),
+            std::time::Duration::from_millis(50),
+            clock,
+        ));
+        RlsService::new(limiter, catalog)
+    }
+
+    fn any_descriptor() -> impl Strategy<Value = RateLimitDescriptor> {
+        let entry = (
+            "(remote_address|path|k|[a-z]{0,3})",
+            "(10.0.0.1|/login|abc|ab|[ -~]{0,20})",
+        );
+        (
+            prop::collection::vec(entry, 0..4),
+            prop::option::of(any::<u64>()),
+            prop::option::of((any::<u32>(), -2i32..10)),
+            any::<bool>(),
+        )
+            .prop_map(|(entries, hits, limit, negative)| RateLimitDescriptor {
+                entries: entries.into_iter().map(|(key, value)| Entry { key, value }).collect(),
+                hits_addend: hits.map(|value| UInt64Value { value }),
+                limit: limit.map(|(requests_per_unit, unit)| RateLimitOverride {
+                    requests_per_unit,
+                    unit,
+                }),
+                is_negative_hits: negative,
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..Default::default() })]
+        /// Fuzz: any RLS request is answered, one status per descriptor, in
+        /// order, never a panic (a panic resets the stream, and Envoy's
+        /// default then admits the request).
+        #[test]
+        fn any_request_gets_one_status_per_descriptor(
+            requests in prop::collection::vec((prop::collection::vec(any_descriptor(), 0..6), any::<u32>(), "(d|x|)"), 1..12),
+        ) {
+            let dir = tempfile::tempdir().unwrap();
+            let rls = service(&dir);
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            for (descriptors, hits_addend, domain) in requests {
+                let req = RateLimitRequest { domain, descriptors, hits_addend };
+                let r = runtime.block_on(rls.decide(&req));
+                prop_assert_eq!(r.statuses.len(), req.descriptors.len());
+                prop_assert!(r.overall_code == Code::Ok as i32 || r.overall_code == Code::OverLimit as i32);
+            }
+        }
+    }
 }
