@@ -7,18 +7,6 @@
 //! dot-segment removal) plus merging repeated slashes, as NGINX does. An
 //! encoded slash (`%2F`) stays encoded: decoding it would change segments.
 
-// The request path never panics: no indexing that can fail, no unwrap, no
-// unchecked arithmetic on costs, counts or times.
-#![cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-
 use std::borrow::Cow;
 
 /// Whether the path hides a segment boundary: an encoded slash or backslash
