@@ -519,6 +519,45 @@ mod tests {
         assert_eq!(d.retry_after_ms(), Some(6_000));
     }
 
+    /// A clock that moves `step` ms every time it is read: the store
+    /// decides later than the limiter asked, and answers later still.
+    struct Ticking {
+        now: AtomicU64,
+        step: AtomicU64,
+    }
+
+    impl Clock for Ticking {
+        fn now_ms(&self) -> u64 {
+            self.now.fetch_add(self.step.load(Ordering::SeqCst), Ordering::SeqCst)
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cached_refusal_ends_no_later_than_the_real_one() {
+        let clock = Arc::new(Ticking {
+            now: AtomicU64::new(1_000_000),
+            step: AtomicU64::new(0),
+        });
+        let l = Limiter::with_clock(
+            Store::Memory(MemoryStore::new(clock.clone())),
+            Duration::from_millis(50),
+            clock.clone(),
+        );
+        let h = hits("  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
+        assert_eq!(l.decide(&h).await.verdict, Verdict::Allowed);
+        // The store decides 100 ms after the limiter asked; the unit admitted
+        // at 1_000_000 leaves at 1_001_000 whatever the cache was told.
+        clock.step.store(100, Ordering::SeqCst);
+        assert_eq!(l.decide(&h).await.verdict, Verdict::Limited);
+        clock.step.store(0, Ordering::SeqCst);
+        clock.now.store(1_001_000, Ordering::SeqCst);
+        assert_eq!(
+            l.decide(&h).await.verdict,
+            Verdict::Allowed,
+            "the cache must not refuse past the real retry time"
+        );
+    }
+
     #[tokio::test]
     async fn store_failure_applies_the_failure_mode() {
         let store = RedisStore::connect(&["redis://127.0.0.1:1/".to_string()], &RedisMode::Standalone, None).unwrap();
