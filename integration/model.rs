@@ -1,8 +1,9 @@
 //! Every decision path against a brute-force reference model.
 //!
-//! Random sequences of requests go through the Envoy RLS service and through
-//! the HTTP rule path (the `Catalog::http_hits` -> `Limiter::decide` ->
-//! headers path that the proxy, ext_authz and auth_request share), on the
+//! Random sequences of requests go through the Envoy RLS service, the
+//! ext_authz and auth_request endpoints, and the HTTP rule path itself
+//! (`Catalog::http_hits` -> `Limiter::decide`, which the proxy runs before it
+//! forwards; the proxy's own rendering is covered end to end), on the
 //! memory store and on the Redis script, with the denial cache on and off:
 //! random costs (past the limits too), descriptors repeated in one request,
 //! several rules and windows, reloads that raise and lower limits (and turn
@@ -24,6 +25,7 @@ use tollgate::config::Window;
 use tollgate::descriptor::RequestInfo;
 use tollgate::limiter::{Clock, Limiter, ManualClock, MemoryStore, RedisMode, RedisStore, Store};
 use tollgate::reload::Catalog;
+use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
 
 use crate::common::RedisServer;
@@ -172,19 +174,33 @@ impl Model {
 /// request on the RLS surface or the HTTP path.
 #[derive(Debug, Clone)]
 enum Step {
-    Rls { dt: u64, items: Vec<(usize, u64)> },
-    Http { dt: u64, items: Vec<(usize, u64)> },
-    Reload { counter: usize },
+    Rls {
+        dt: u64,
+        items: Vec<(usize, u64)>,
+    },
+    /// `surface`: 0 the rule path itself, 1 ext_authz, 2 auth_request.
+    Http {
+        dt: u64,
+        items: Vec<(usize, u64)>,
+        surface: u8,
+    },
+    Reload {
+        counter: usize,
+    },
 }
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     let rls =
         (0u64..700, prop::collection::vec((0usize..3, 0u64..6), 1..5)).prop_map(|(dt, items)| Step::Rls { dt, items });
     // One rule per counter on HTTP (so no repeats), costs from 1.
-    let http = (0u64..700, prop::collection::btree_map(0usize..3, 1u64..6, 1..4)).prop_map(|(dt, items)| Step::Http {
-        dt,
-        items: items.into_iter().collect(),
-    });
+    let http =
+        (0u64..700, prop::collection::btree_map(0usize..3, 1u64..6, 1..4), 0u8..3).prop_map(|(dt, items, surface)| {
+            Step::Http {
+                dt,
+                items: items.into_iter().collect(),
+                surface,
+            }
+        });
     let reload = (0usize..3).prop_map(|counter| Step::Reload { counter });
     prop::collection::vec(prop_oneof![4 => rls, 4 => http, 1 => reload], 1..50)
 }
@@ -202,6 +218,7 @@ struct Case {
     limiter: Arc<Limiter>,
     catalog: Arc<Catalog>,
     rls: RlsService,
+    decision_http: DecisionHttp,
     domain: String,
     file: PathBuf,
 }
@@ -228,7 +245,9 @@ impl Rig {
         let l = limiter.clone();
         catalog.on_change(move || l.forget_denials());
         let rls = RlsService::new(limiter.clone(), catalog.clone());
+        let decision_http = DecisionHttp::new(limiter.clone(), catalog.clone(), Default::default());
         Case {
+            decision_http,
             clock,
             limiter,
             catalog,
@@ -244,15 +263,15 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
     let mut model = Model::default();
     let mut versions = [0usize; 3];
     for step in steps {
-        let (dt, items, on_rls) = match step {
+        let (dt, items, on_rls, surface) = match step {
             Step::Reload { counter } => {
                 versions[counter] = 1 - versions[counter];
                 std::fs::write(&case.file, limits_file(&case.domain, &versions)).unwrap();
                 case.catalog.reload_all("model");
                 continue;
             }
-            Step::Rls { dt, items } => (dt, items, true),
-            Step::Http { dt, items } => (dt, items, false),
+            Step::Rls { dt, items } => (dt, items, true, 0),
+            Step::Http { dt, items, surface } => (dt, items, false, surface),
         };
         case.clock.advance(dt);
         let now = case.clock.now_ms();
@@ -305,6 +324,47 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
             match want {
                 None => prop_assert_eq!(header, None),
                 Some(want) => prop_assert_eq!(header, want, "{:?}", items),
+            }
+        } else if surface > 0 {
+            // ext_authz and auth_request, as Envoy and NGINX ask them.
+            let mut req = http::Request::builder().header("host", "h");
+            req = if surface == 1 {
+                req.uri("/ext_authz/")
+            } else {
+                req.uri("/auth_request")
+                    .header("x-original-uri", "/")
+                    .header("x-original-method", "GET")
+            };
+            for &(c, cost) in &items {
+                req = req
+                    .header(format!("x-use-{c}"), "1")
+                    .header(format!("x-cost-{c}"), cost);
+            }
+            let req = req.body(()).unwrap();
+            let peer = "10.0.0.1:5000".parse().unwrap();
+            let got = rig.runtime.block_on(case.decision_http.handle(req, peer));
+            let status = got.status().as_u16();
+            let want = match (surface, admitted) {
+                (1, true) => 200,
+                (1, false) => 429,
+                (_, true) => 204,
+                (_, false) => 403,
+            };
+            prop_assert_eq!(status, want, "surface {} {:?} at {}", surface, items, now - T0);
+            if surface == 2 && !admitted {
+                prop_assert_eq!(
+                    got.headers().get("x-tollgate-status").map(|v| v.as_bytes()),
+                    Some(&b"429"[..])
+                );
+            }
+            let header = got
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string());
+            let want = (!admitted).then(|| retry.map(|ms| ms.div_ceil(1000).max(1).to_string()));
+            match want {
+                None => prop_assert_eq!(header, None),
+                Some(want) => prop_assert_eq!(header, want, "surface {} {:?}", surface, items),
             }
         } else {
             let mut headers = HeaderMap::new();

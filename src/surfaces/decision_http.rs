@@ -14,7 +14,6 @@ use bytes::Bytes;
 use http::header::{self, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::Full;
-use hyper::body::Incoming;
 
 use crate::client_ip::TrustedProxies;
 use crate::descriptor::RequestInfo;
@@ -47,8 +46,8 @@ impl DecisionHttp {
         }
     }
 
-    /// Handles one decision request.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    /// Handles one decision request (its body is never read).
+    pub async fn handle<B>(&self, req: Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let path = req.uri().path();
         if path == AUTH_REQUEST_PATH {
             return self.auth_request(&req, peer).await;
@@ -80,7 +79,7 @@ impl DecisionHttp {
 
     /// Envoy ext_authz: 200 allows; any other non-5xx status is relayed to
     /// the client with the headers listed in `allowed_client_headers`.
-    async fn ext_authz(&self, req: &Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    async fn ext_authz<B>(&self, req: &Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
         let path = if original.is_empty() { "/" } else { original };
         // Envoy over HTTP/2 sends the original host as :authority.
@@ -111,7 +110,7 @@ impl DecisionHttp {
     /// NGINX auth_request: 2xx allows; only 401 and 403 deny (anything else
     /// becomes a 500), so a refusal is a 403 carrying the status the client
     /// should get in `X-Tollgate-Status`, for `error_page 403 = @…`.
-    async fn auth_request(&self, req: &Request<Incoming>, peer: SocketAddr) -> Response<Full<Bytes>> {
+    async fn auth_request<B>(&self, req: &Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let headers = req.headers();
         let uri: Uri = match headers.get("x-original-uri").map(|v| Uri::try_from(v.as_bytes())) {
             Some(Ok(uri)) => uri,
