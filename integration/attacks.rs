@@ -374,3 +374,112 @@ async fn an_ipv6_caller_is_one_caller_per_64() {
     assert_eq!(get(&c, &tg.url("/"), &from("192.0.2.1")).await.status, StatusCode::OK);
     assert_eq!(get(&c, &tg.url("/"), &from("192.0.2.2")).await.status, StatusCode::OK);
 }
+
+// Found by an independent tester with only README.md and the release binary.
+
+#[tokio::test]
+async fn the_host_rules_see_is_the_host_the_upstream_gets() {
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: api-host
+    match: { path: /h, host: api.example.com }
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-host
+    match: { path: /p }
+    by: [host]
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let get_h = "GET /h HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, get_h).await), 200);
+    // An absolute-form target naming another host than Host: which one the
+    // upstream routes on is not ours to guess.
+    let other = "GET http://other/h HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, other).await), 400);
+    let fresh = "GET http://fresh1/p HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, fresh).await), 400);
+    // The same host both ways is one request for that host.
+    let same = "GET http://api.example.com/h HTTP/1.1\r\nHost: API.example.com\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, same).await), 429);
+}
+
+#[tokio::test]
+async fn lower_case_methods_and_semicolon_queries_cannot_dodge_a_rule() {
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: login
+    match: { methods: [POST], path: /login }
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-tenant
+    match: { path: /t }
+    by: [query:tenant]
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let req = |line: &str| format!("{line} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    assert_eq!(status_of(&exchange(&tg, &req("POST /login")).await), 200);
+    for method in ["post", "Post", "pOST"] {
+        // Django and Werkzeug upper-case the method; NGINX refuses it.
+        assert_eq!(
+            status_of(&exchange(&tg, &req(&format!("{method} /login"))).await),
+            400,
+            "{method}"
+        );
+    }
+    // Rack 2 splits the query on ; as well as &.
+    assert_eq!(status_of(&exchange(&tg, &req("GET /t?x=1;tenant=a")).await), 200);
+    assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=a")).await), 429);
+    assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=f1;tenant=a")).await), 400);
+}
+
+#[tokio::test]
+async fn an_rls_request_cannot_hold_redis_for_everyone() {
+    // One request with thousands of descriptors would be one long script
+    // call; every other decision would miss its deadline and fail open.
+    let redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(&shipped_rls_limits(), up.addr, &["--redis", &redis.url()]);
+    let many: Vec<_> = (0..65)
+        .map(|i| descriptor(&[("remote_address", &format!("10.9.0.{i}"))]))
+        .collect();
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let err = client
+        .should_rate_limit(RateLimitRequest {
+            domain: "edge_native".into(),
+            descriptors: many.clone(),
+            hits_addend: 0,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err}");
+    let r = ask(&tg, "edge_native", many[..64].to_vec()).await;
+    assert_eq!(r.statuses.len(), 64, "64 is allowed");
+}
+
+#[tokio::test]
+async fn an_override_with_an_unknown_unit_leaves_the_configured_limit() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let up = TestUpstream::start().await;
+    let limits =
+        "domain: d\nrules:\n  - name: two\n    descriptor: [{ key: k }]\n    limits: [{ requests: 2, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let mut d = descriptor(&[("k", "v")]);
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit: 1000,
+        unit: 99,
+    });
+    let codes: Vec<i32> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(ask(&tg, "d", vec![d.clone()]).await.overall_code);
+        }
+        v
+    };
+    assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32]);
+}

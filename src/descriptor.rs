@@ -66,6 +66,15 @@ pub enum DescriptorError {
     /// An HTTP/1.1 request without `Host` (RFC 9112 §3.2).
     #[error("HTTP/1.1 request without a Host header")]
     HostMissing,
+    /// The target's authority and `Host` name different hosts: rules would
+    /// see one and the upstream the other (RFC 9113 §8.3.1 calls it malformed).
+    #[error("the request target's host and the Host header differ")]
+    HostConflict,
+    /// A method not in upper case: methods are case-sensitive (RFC 9110
+    /// §9.1), yet some frameworks upper-case them, so `post` could dodge a
+    /// POST rule and still reach a POST handler. NGINX refuses them too.
+    #[error("the method must be upper case")]
+    MethodCase,
     /// An encoded slash or backslash in the path (see [`crate::path::is_ambiguous`]).
     #[error("the path holds an encoded slash, backslash or NUL, which servers read differently")]
     AmbiguousPath,
@@ -86,6 +95,9 @@ pub fn request_host<'a>(
         return Err(DescriptorError::HostRepeated);
     }
     if let Some(authority) = uri.authority() {
+        if host.is_some_and(|h| !h.as_bytes().eq_ignore_ascii_case(authority.as_str().as_bytes())) {
+            return Err(DescriptorError::HostConflict);
+        }
         return Ok(Some(authority.as_str()));
     }
     match host {
@@ -103,6 +115,9 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, Descript
     let host = host.as_deref();
     if crate::path::is_ambiguous(req.path) {
         return Err(DescriptorError::AmbiguousPath);
+    }
+    if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
+        return Err(DescriptorError::MethodCase);
     }
     let path = crate::path::matching_form(req.path);
     let req = &RequestInfo { path: &path, ..*req };
@@ -272,8 +287,10 @@ fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
 }
 
 /// Every value of query parameter `name`, percent-decoded (`+` is a space).
+/// `;` separates parameters too, as Rack 2 (Rails before 7.1) reads it, so
+/// `?x=1;tenant=a` cannot hide a parameter from the rule.
 fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = String> + 'a {
-    query.split('&').filter_map(move |pair| {
+    query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         (decode(k) == name).then(|| decode(v))
     })

@@ -166,9 +166,21 @@ impl LiveLimits {
         let domains = self.domains.get();
         let mut taken = domains.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
         let parsed = config::parse_str(&text, &name).and_then(|limits| {
-            let clash = taken
-                .as_ref()
-                .and_then(|t| t.iter().find(|(p, d)| *p != self.path && *d == limits.domain).cloned());
+            // Start-up validates the files as they are on disk; so does a
+            // reload: another file counts with the domain its file now
+            // declares (two files swapping domains in one deploy is fine),
+            // or its active one while that file is unreadable or invalid.
+            let clash = taken.as_ref().and_then(|t| {
+                t.iter()
+                    .filter(|(p, _)| *p != self.path)
+                    .map(|(p, active)| {
+                        let on_disk = std::fs::read_to_string(p)
+                            .ok()
+                            .and_then(|text| config::parse_str(&text, &p.display().to_string()).ok());
+                        (p.clone(), on_disk.map_or_else(|| active.clone(), |l| l.domain))
+                    })
+                    .find(|(_, d)| *d == limits.domain)
+            });
             match clash {
                 Some((other, domain)) => Err(ConfigError {
                     file: name.clone(),
@@ -394,6 +406,13 @@ mod tests {
         catalog.files()[0].reload().unwrap();
         assert_eq!(catalog.files()[1].reload().unwrap(), Reloaded::Changed);
         assert_eq!(catalog.domain("d").unwrap().rules[0].windows[0].requests, 2);
+        // Two files swapping domains in one deploy: valid on disk, so both load.
+        std::fs::write(&a, B).unwrap();
+        std::fs::write(&b, A.replace("domain: d", "domain: f")).unwrap();
+        catalog.reload_all("test");
+        assert_eq!(catalog.domain("d").unwrap().rules[0].windows[0].requests, 2);
+        assert_eq!(catalog.domain("f").unwrap().rules[0].windows[0].requests, 1);
+        assert!(catalog.files().iter().all(|f| f.status().last_error.is_none()));
     }
 }
 

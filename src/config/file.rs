@@ -432,6 +432,12 @@ impl RawMatch {
         let path = match self.path {
             None => None,
             Some(p) if !p.starts_with('/') => return Err(format!("path \"{p}\" must start with /")),
+            // Requests are matched without query and without ;parameters.
+            Some(p) if p.contains(['?', ';', '#']) => {
+                return Err(format!(
+                    "path \"{p}\": ?, ; and # never reach a match (queries and ;parameters are not part of the matched path)"
+                ));
+            }
             Some(p) => match p.strip_suffix('*') {
                 Some(prefix) if !prefix.contains('*') => Some(PathPattern::Prefix(prefix.to_string())),
                 None if !p.contains('*') => Some(PathPattern::Exact(p)),
@@ -459,11 +465,20 @@ impl RawMatch {
             PathPattern::Prefix(p) if p.ends_with('/') => PathPattern::Prefix(crate::path::normalize(&p).into_owned()),
             PathPattern::Prefix(p) => PathPattern::Prefix(p),
         });
+        // Requests are compared without port, trailing dot or case; a rule
+        // written otherwise would silently never match.
+        let host = match self.host {
+            Some(h) if h.contains(':') && !h.starts_with('[') || h.contains("]:") => {
+                return Err(format!("host \"{h}\": write it without a port (ports are ignored)"));
+            }
+            Some(h) => Some(h.strip_suffix('.').unwrap_or(&h).to_ascii_lowercase()),
+            None => None,
+        };
         Ok(Matcher {
             methods,
             path,
             ignore_case: self.ignore_case,
-            host: self.host.map(|h| h.to_ascii_lowercase()),
+            host,
             headers,
         })
     }
@@ -792,6 +807,22 @@ rules:
         );
         assert!(e.to_string().contains("no request could ever be admitted"), "{e}");
         assert!(e.line.is_some(), "{e}");
+    }
+
+    #[test]
+    fn rules_that_could_never_match_are_refused() {
+        for (m, why) in [
+            ("{ host: api.example.com:8080 }", "without a port"),
+            ("{ path: /se;x }", "never reach a match"),
+            ("{ path: '/qp?a=1' }", "never reach a match"),
+        ] {
+            let e = error_of(&format!(
+                "domain: d\nrules:\n  - name: r\n    match: {m}\n    limits: [{{ requests: 1, per: 1s }}]\n"
+            ));
+            assert!(e.to_string().contains(why), "{m}: {e}");
+        }
+        let l = parse_str("domain: d\nrules:\n  - name: r\n    match: { host: API.example.com. }\n    limits: [{ requests: 1, per: 1s }]\n", "l.yaml").unwrap();
+        assert_eq!(l.rules[0].matcher.host.as_deref(), Some("api.example.com"));
     }
 
     #[test]

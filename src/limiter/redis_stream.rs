@@ -43,6 +43,9 @@ use crate::config::Window;
 const DECIDE_LUA: &str = include_str!("decide.lua");
 /// Most decisions sent in one call.
 pub const MAX_BATCH: usize = 64;
+/// Most counters in one batched call: Redis runs a script alone, so one
+/// call must stay short next to the decision deadline (~10 us per counter).
+const MAX_BATCH_KEYS: usize = 256;
 /// Calls in flight at once on one lane's connection. Fewer in flight means
 /// more decisions wait for the next call and share it: with a lane per
 /// thread, 2 (4 before lanes) halved the calls per decision under load and
@@ -494,13 +497,15 @@ async fn send_batches(
         // charging its request now would count one that was never admitted.
         let mut taken: usize = 1;
         let mut batch = Vec::with_capacity(8);
+        let mut keys = first.checks.len();
         if !first.reply.is_closed() {
             batch.push(first);
         }
-        while batch.len() < MAX_BATCH {
+        while batch.len() < MAX_BATCH && keys < MAX_BATCH_KEYS {
             match rx.try_recv() {
                 Ok(p) => {
                     taken = taken.saturating_add(1);
+                    keys = keys.saturating_add(p.checks.len());
                     if !p.reply.is_closed() {
                         batch.push(p);
                     }

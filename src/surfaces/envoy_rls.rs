@@ -25,6 +25,14 @@ use crate::limiter::{Decision, Hit, Limiter, RuleOutcome, Verdict};
 use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
 
+/// Most descriptors one RLS request may carry. Envoy sends one per rate
+/// limit action of a route (a handful); an unbounded request would become
+/// one script call long enough to make every other decision miss its
+/// deadline and fail open.
+pub const MAX_DESCRIPTORS: usize = 64;
+/// Most entries one descriptor may carry.
+pub const MAX_ENTRIES: usize = 32;
+
 /// The RLS service, shared by every gRPC connection.
 pub struct RlsService {
     limiter: Arc<Limiter>,
@@ -63,12 +71,18 @@ impl RlsService {
         let mut matched: Vec<Option<Arc<Rule>>> = req
             .descriptors
             .iter()
-            .map(|d| match &d.limit {
-                Some(o) => override_rule(o.requests_per_unit, o.unit),
-                None => limits
-                    .tree
-                    .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
-                    .cloned(),
+            .map(|d| {
+                // An override with a unit Envoy does not define is ignored,
+                // and the configured limit applies.
+                d.limit
+                    .as_ref()
+                    .and_then(|o| override_rule(o.requests_per_unit, o.unit))
+                    .or_else(|| {
+                        limits
+                            .tree
+                            .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
+                            .cloned()
+                    })
             })
             .collect();
         // A matched rule that `replaces` another drops it from this request.
@@ -155,7 +169,14 @@ impl RateLimitService for RlsService {
         &self,
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
-        Ok(tonic::Response::new(self.decide(request.get_ref()).await))
+        let req = request.get_ref();
+        if req.descriptors.len() > MAX_DESCRIPTORS || req.descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
+            metrics::get().request(Surface::Rls, metrics::Verdict::BadRequest);
+            return Err(tonic::Status::invalid_argument(format!(
+                "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
+            )));
+        }
+        Ok(tonic::Response::new(self.decide(req).await))
     }
 }
 
