@@ -483,3 +483,15 @@ async fn an_override_with_an_unknown_unit_leaves_the_configured_limit() {
     };
     assert_eq!(codes, [Code::Ok as i32, Code::Ok as i32, Code::OverLimit as i32]);
 }
+
+#[tokio::test]
+async fn a_broken_request_body_is_the_clients_fault() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &[]);
+    // Chunk lines ended by a bare LF: the body cannot be read.
+    let bad =
+        "POST /slow/50 HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n5\nhello\n0\n\n";
+    let answer = exchange(&tg, bad).await;
+    assert_eq!(status_of(&answer), 400, "{answer}");
+    assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
+}

@@ -74,12 +74,20 @@ impl TrustedProxies {
     }
 }
 
+/// An address as forwarding headers carry it: bare, or with a port
+/// (`203.0.113.7:41000`, `[2001:db8::1]:443`, as some load balancers write
+/// them), or a bracketed IPv6 address without one.
 fn parse_ip(bytes: &[u8]) -> Option<IpAddr> {
-    std::str::from_utf8(bytes)
-        .ok()?
-        .trim()
-        .parse::<IpAddr>()
+    let text = std::str::from_utf8(bytes).ok()?.trim();
+    text.parse::<IpAddr>()
         .ok()
+        .or_else(|| text.parse::<std::net::SocketAddr>().ok().map(|a| a.ip()))
+        .or_else(|| {
+            text.strip_prefix('[')
+                .and_then(|t| t.strip_suffix(']'))
+                .and_then(|t| t.parse::<std::net::Ipv6Addr>().ok())
+                .map(IpAddr::V6)
+        })
         .map(|ip| ip.to_canonical())
 }
 
@@ -136,6 +144,16 @@ mod tests {
         assert_eq!(t.client_ip(ip("127.0.0.1"), &all_trusted), ip("10.0.0.2"));
         let garbage = headers(&[("x-forwarded-for", "nonsense, 10.0.0.3")]);
         assert_eq!(t.client_ip(ip("127.0.0.1"), &garbage), ip("10.0.0.3"));
+        // Load balancers that append the client's port (Azure App Gateway)
+        // still name one client each, not the proxy for all of them.
+        for (hop, client) in [
+            ("203.0.113.9:41000", "203.0.113.9"),
+            ("[2001:db8::1]:443", "2001:db8::1"),
+            ("[2001:db8::2]", "2001:db8::2"),
+        ] {
+            let h = headers(&[("x-forwarded-for", hop)]);
+            assert_eq!(t.client_ip(ip("127.0.0.1"), &h), ip(client), "{hop}");
+        }
     }
 
     #[test]

@@ -36,10 +36,17 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
         let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
         headers.insert(RETRY_AFTER, HeaderValue::from(retry));
     }
-    let windows: Vec<(&RuleOutcome, &WindowOutcome)> = decision
-        .refusing()
-        .flat_map(|r| r.windows.iter().map(move |w| (r, w)))
-        .collect();
+    let mut windows: Vec<(&RuleOutcome, &WindowOutcome)> = Vec::new();
+    for (r, w) in decision.refusing().flat_map(|r| r.windows.iter().map(move |w| (r, w))) {
+        // A counter named twice in one request (a repeated RLS descriptor)
+        // is one policy item, not two.
+        if !windows
+            .iter()
+            .any(|(seen, sw)| seen.rule.id == r.rule.id && sw.window == w.window)
+        {
+            windows.push((r, w));
+        }
+    }
     insert_ratelimit(headers, &windows);
 }
 

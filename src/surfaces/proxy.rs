@@ -172,6 +172,10 @@ impl Proxy {
         metrics::get().upstream(class, sent.elapsed());
         let mut response = match answer {
             Ok(Ok(r)) => r,
+            Ok(Err(e)) if e.is_client_body() => {
+                tracing::info!(error = %e, "client request body failed");
+                return plain(StatusCode::BAD_REQUEST, "the request body could not be read");
+            }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "upstream failed");
                 return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");

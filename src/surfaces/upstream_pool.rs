@@ -41,6 +41,14 @@ pub enum SendError {
     Http(#[from] hyper::Error),
 }
 
+impl SendError {
+    /// The client's own request body failed while it was being sent on
+    /// (a malformed chunk, a reset): the client's fault, not the upstream's.
+    pub fn is_client_body(&self) -> bool {
+        matches!(self, SendError::Http(e) if e.is_user())
+    }
+}
+
 /// A per-thread pool of connections to one upstream.
 #[derive(Clone)]
 pub struct UpstreamPool {
