@@ -165,6 +165,7 @@ impl LiveLimits {
         // reloaded at once cannot both take the same domain.
         let domains = self.domains.get();
         let mut taken = domains.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut clashed = false;
         let parsed = config::parse_str(&text, &name).and_then(|limits| {
             // Start-up validates the files as they are on disk; so does a
             // reload: another file counts with the domain its file now
@@ -182,18 +183,21 @@ impl LiveLimits {
                     .find(|(_, d)| *d == limits.domain)
             });
             match clash {
-                Some((other, domain)) => Err(ConfigError {
-                    file: name.clone(),
-                    line: None,
-                    reason: format!(
-                        "domain \"{domain}\" is already declared by {}; use one file per domain",
-                        other.display()
-                    ),
-                }),
+                Some((other, domain)) => {
+                    clashed = true;
+                    Err(ConfigError {
+                        file: name.clone(),
+                        line: None,
+                        reason: format!(
+                            "domain \"{domain}\" is already declared by {}; use one file per domain",
+                            other.display()
+                        ),
+                    })
+                }
                 None => Ok(limits),
             }
         });
-        if parsed.as_ref().is_err_and(|e| e.reason.contains("already declared by")) {
+        if clashed {
             // Valid on its own: try it again once the other file moves away.
             *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
@@ -234,6 +238,7 @@ impl LiveLimits {
 
     /// Reloads and logs the outcome in one line.
     pub fn reload_and_log(&self, cause: &str) {
+        let error_before = self.status().last_error.clone();
         match self.reload() {
             Ok(Reloaded::Changed) => {
                 let status = self.status();
@@ -245,6 +250,11 @@ impl LiveLimits {
                 tracing::info!(cause, file = %self.path.display(), "limits unchanged")
             }
             Ok(Reloaded::Unchanged) => tracing::debug!(cause, file = %self.path.display(), "limits unchanged"),
+            // The same refusal again (a file waiting for another to give
+            // up its domain is re-read on every poll): said once.
+            Err(e) if cause != "SIGHUP" && error_before.is_some() && self.status().last_error == error_before => {
+                tracing::debug!(cause, "{e}")
+            }
             Err(e) => tracing::error!(cause, "{e}"),
         }
     }
