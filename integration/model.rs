@@ -1,9 +1,9 @@
 //! Every decision path against a brute-force reference model.
 //!
-//! Random sequences of requests go through the Envoy RLS service, the
-//! ext_authz and auth_request endpoints, and the HTTP rule path itself
-//! (`Catalog::http_hits` -> `Limiter::decide`, which the proxy runs before it
-//! forwards; the proxy's own rendering is covered end to end), on the
+//! Random sequences of requests go through every surface: the Envoy RLS
+//! service, the ext_authz and auth_request endpoints, the reverse proxy
+//! (served on a loopback port in this process, so its clock can be stepped
+//! by hand) and the HTTP rule path itself, on the
 //! memory store and on the Redis script, with the denial cache on and off:
 //! random costs (past the limits too), descriptors repeated in one request,
 //! several rules and windows, reloads that raise and lower limits (and turn
@@ -28,8 +28,10 @@ use tollgate::reload::Catalog;
 use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
 
-use crate::common::RedisServer;
+use crate::common::{RedisServer, TestUpstream, client, get};
 use crate::envoy::descriptor;
+use tollgate::serve::{ConnLimits, serve};
+use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
 
 const T0: u64 = 1_700_000_000_000;
 
@@ -178,7 +180,7 @@ enum Step {
         dt: u64,
         items: Vec<(usize, u64)>,
     },
-    /// `surface`: 0 the rule path itself, 1 ext_authz, 2 auth_request.
+    /// `surface`: 0 the rule path itself, 1 ext_authz, 2 auth_request, 3 the proxy.
     Http {
         dt: u64,
         items: Vec<(usize, u64)>,
@@ -194,7 +196,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
         (0u64..700, prop::collection::vec((0usize..3, 0u64..6), 1..5)).prop_map(|(dt, items)| Step::Rls { dt, items });
     // One rule per counter on HTTP (so no repeats), costs from 1.
     let http =
-        (0u64..700, prop::collection::btree_map(0usize..3, 1u64..6, 1..4), 0u8..3).prop_map(|(dt, items, surface)| {
+        (0u64..700, prop::collection::btree_map(0usize..3, 1u64..6, 1..4), 0u8..4).prop_map(|(dt, items, surface)| {
             Step::Http {
                 dt,
                 items: items.into_iter().collect(),
@@ -209,6 +211,7 @@ fn steps() -> impl Strategy<Value = Vec<Step>> {
 struct Rig {
     runtime: tokio::runtime::Runtime,
     redis: RedisServer,
+    upstream: TestUpstream,
     case: AtomicU64,
     dir: tempfile::TempDir,
 }
@@ -219,6 +222,9 @@ struct Case {
     catalog: Arc<Catalog>,
     rls: RlsService,
     decision_http: DecisionHttp,
+    /// The reverse proxy, served on a loopback port in this process.
+    proxy: std::net::SocketAddr,
+    _stop: tokio::sync::watch::Sender<bool>,
     domain: String,
     file: PathBuf,
 }
@@ -246,7 +252,27 @@ impl Rig {
         catalog.on_change(move || l.forget_denials());
         let rls = RlsService::new(limiter.clone(), catalog.clone());
         let decision_http = DecisionHttp::new(limiter.clone(), catalog.clone(), Default::default());
+        let options = ProxyOptions {
+            upstream: Upstream::parse(&format!("http://{}", self.upstream.addr)).unwrap(),
+            upstream_timeout: Duration::from_secs(5),
+            trusted: Default::default(),
+            ratelimit_headers: true,
+        };
+        let proxy = Arc::new(Proxy::new(limiter.clone(), catalog.clone(), options));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let listener = self
+            .runtime
+            .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .unwrap();
+        let proxy_addr = listener.local_addr().unwrap();
+        self.runtime
+            .spawn(serve(listener, ConnLimits::default(), stopped, move |req, peer| {
+                let proxy = proxy.clone();
+                async move { proxy.handle(req, peer).await }
+            }));
         Case {
+            proxy: proxy_addr,
+            _stop: stop,
             decision_http,
             clock,
             limiter,
@@ -324,6 +350,23 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
             match want {
                 None => prop_assert_eq!(header, None),
                 Some(want) => prop_assert_eq!(header, want, "{:?}", items),
+            }
+        } else if surface == 3 {
+            let mut headers: Vec<(String, String)> = Vec::new();
+            for &(c, cost) in &items {
+                headers.push((format!("x-use-{c}"), "1".into()));
+                headers.push((format!("x-cost-{c}"), cost.to_string()));
+            }
+            let headers: Vec<(&str, &str)> = headers.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+            let url = format!("http://{}/", case.proxy);
+            let got = rig.runtime.block_on(async { get(&client(), &url, &headers).await });
+            let want = if admitted { 200 } else { 429 };
+            prop_assert_eq!(got.status.as_u16(), want, "proxy {:?} at {}", items, now - T0);
+            let header = got.header("retry-after").map(str::to_string);
+            let want = (!admitted).then(|| retry.map(|ms| ms.div_ceil(1000).max(1).to_string()));
+            match want {
+                None => prop_assert_eq!(header, None),
+                Some(want) => prop_assert_eq!(header, want, "proxy {:?}", items),
             }
         } else if surface > 0 {
             // ext_authz and auth_request, as Envoy and NGINX ask them.
@@ -415,12 +458,15 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
 
 #[test]
 fn every_decision_path_answers_like_the_model() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let upstream = runtime.block_on(TestUpstream::start());
     let rig = Rig {
-        runtime: tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap(),
+        runtime,
+        upstream,
         redis: RedisServer::start(),
         case: AtomicU64::new(0),
         dir: tempfile::tempdir().unwrap(),
