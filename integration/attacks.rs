@@ -495,3 +495,64 @@ async fn a_broken_request_body_is_the_clients_fault() {
     assert_eq!(status_of(&answer), 400, "{answer}");
     assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
 }
+
+#[tokio::test]
+async fn http2_whitespace_and_letter_case_name_no_new_caller() {
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: per-key
+    match: { path: /k }
+    by: [header:x-api-key]
+    limits: [{ requests: 1, per: 60s }]
+  - name: free-tier
+    match: { path: /f, headers: { x-tier: free } }
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-path
+    match: { path: /api/*, ignore_case: true }
+    by: [path]
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    // HTTP/2 passes the spaces around a value through (HTTP/1 strips them);
+    // the upstream's own parser strips them, so they must not make a new key.
+    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let mut send = |path: &'static str, name: &'static str, value: &'static str| {
+        let req = http::Request::builder()
+            .uri(format!("http://x{path}"))
+            .header(name, http::HeaderValue::from_static(value))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let sent = h2.send_request(req);
+        async move { sent.await.unwrap().status().as_u16() }
+    };
+    assert_eq!(send("/k", "x-api-key", "k2").await, 200);
+    for spelling in ["k2 ", " k2", "k2\t", "k2 \t "] {
+        assert_eq!(send("/k", "x-api-key", spelling).await, 429, "{spelling:?}");
+    }
+    assert_eq!(send("/f", "x-tier", "free").await, 200);
+    for spelling in ["free ", " free", "free\t"] {
+        assert_eq!(send("/f", "x-tier", spelling).await, 429, "{spelling:?}");
+    }
+    // ignore_case: every casing of a path is one path, for matching and keys.
+    let c = client();
+    assert_eq!(get(&c, &tg.url("/api/orders"), &[]).await.status, StatusCode::OK);
+    for spelling in ["/API/orders", "/Api/ORDERS", "/api/orders/"] {
+        assert_eq!(
+            get(&c, &tg.url(spelling), &[]).await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{spelling}"
+        );
+    }
+    // The target's authority and Host are compared as rules compare hosts.
+    let same = "GET http://X:8080/f HTTP/1.1\r\nHost: x.\r\nx-tier: paid\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, same).await), 200);
+}

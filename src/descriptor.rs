@@ -95,7 +95,10 @@ pub fn request_host<'a>(
         return Err(DescriptorError::HostRepeated);
     }
     if let Some(authority) = uri.authority() {
-        if host.is_some_and(|h| !h.as_bytes().eq_ignore_ascii_case(authority.as_str().as_bytes())) {
+        let differs = host
+            .and_then(|h| h.to_str().ok().map(canonical_host))
+            .is_some_and(|h| h != canonical_host(authority.as_str()));
+        if differs || host.is_some_and(|h| h.to_str().is_err()) {
             return Err(DescriptorError::HostConflict);
         }
         return Ok(Some(authority.as_str()));
@@ -245,10 +248,19 @@ fn part_value(
         Part::ClientIp { v4, v6 } => Some(client_network(req.client_ip, *v4, *v6)),
         Part::Method => Some(req.method.as_str().to_string()),
         // `/a/` and `/a` reach the same handler in most frameworks.
-        Part::Path => Some(match req.path.strip_suffix('/') {
-            Some(p) if !p.is_empty() => p.to_string(),
-            _ => req.path.to_string(),
-        }),
+        Part::Path => {
+            let path = match req.path.strip_suffix('/') {
+                Some(p) if !p.is_empty() => p,
+                _ => req.path,
+            };
+            // A rule that matches regardless of case counts every casing
+            // of a path as one path.
+            Some(if rule.matcher.ignore_case {
+                path.to_ascii_lowercase()
+            } else {
+                path.to_string()
+            })
+        }
         Part::Host => host.map(str::to_string),
         Part::Header(name) => {
             let mut values = req.headers.get_all(name).iter();
@@ -256,7 +268,9 @@ fn part_value(
             if values.next().is_some() {
                 return Err(repeated(format!("header {name}")));
             }
-            Some(String::from_utf8_lossy(first.as_bytes()).into_owned())
+            // HTTP/1 parsers strip the spaces and tabs around a value; HTTP/2
+            // hands them through, and the upstream's parser strips them.
+            Some(String::from_utf8_lossy(first.as_bytes().trim_ascii()).into_owned())
         }
         Part::Query(name) => match req.query {
             None => None,

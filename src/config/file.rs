@@ -432,10 +432,11 @@ impl RawMatch {
         let path = match self.path {
             None => None,
             Some(p) if !p.starts_with('/') => return Err(format!("path \"{p}\" must start with /")),
-            // Requests are matched without query and without ;parameters.
-            Some(p) if p.contains(['?', ';', '#']) => {
+            // Requests are matched without query and without ;parameters,
+            // and requests with an encoded slash or backslash are refused.
+            Some(p) if p.contains(['?', ';', '#']) || crate::path::is_ambiguous(&p) => {
                 return Err(format!(
-                    "path \"{p}\": ?, ; and # never reach a match (queries and ;parameters are not part of the matched path)"
+                    "path \"{p}\": ?, ;, # and encoded slashes never reach a match (queries and ;parameters are not part of the matched path; %2F and %5C are refused)"
                 ));
             }
             Some(p) => match p.strip_suffix('*') {
@@ -815,6 +816,7 @@ rules:
             ("{ host: api.example.com:8080 }", "without a port"),
             ("{ path: /se;x }", "never reach a match"),
             ("{ path: '/qp?a=1' }", "never reach a match"),
+            ("{ path: '/x%2Fy*' }", "never reach a match"),
         ] {
             let e = error_of(&format!(
                 "domain: d\nrules:\n  - name: r\n    match: {m}\n    limits: [{{ requests: 1, per: 1s }}]\n"

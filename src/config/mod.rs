@@ -258,7 +258,9 @@ impl Matcher {
         self.headers.iter().all(|(name, want)| {
             headers.get_all(name).iter().any(|v| match want {
                 HeaderValueMatch::Any => true,
-                HeaderValueMatch::Exact(s) => v.as_bytes() == s.as_bytes(),
+                // Around a value, spaces and tabs are not part of it (HTTP/2
+                // passes them through where HTTP/1 parsers strip them).
+                HeaderValueMatch::Exact(s) => v.as_bytes().trim_ascii() == s.as_bytes(),
             })
         })
     }
