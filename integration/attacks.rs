@@ -556,3 +556,27 @@ rules:
     let same = "GET http://X:8080/f HTTP/1.1\r\nHost: x.\r\nx-tier: paid\r\nConnection: close\r\n\r\n";
     assert_eq!(status_of(&exchange(&tg, same).await), 200);
 }
+
+#[tokio::test]
+async fn an_http2_client_that_never_finishes_its_headers_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &["--header-read-timeout", "1s"]);
+    for addr in [tg.addr, tg.check.unwrap()] {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        // The connection preface, an empty SETTINGS frame, then a HEADERS
+        // frame on stream 1 without END_HEADERS, and nothing more.
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+            .await
+            .unwrap();
+        s.write_all(b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x82").await.unwrap();
+        let started = std::time::Instant::now();
+        let mut sink = Vec::new();
+        let closed = tokio::time::timeout(Duration::from_secs(8), s.read_to_end(&mut sink)).await;
+        assert!(closed.is_ok(), "{addr}: still open after 8 s");
+        assert!(
+            started.elapsed() >= Duration::from_millis(900),
+            "{addr}: closed before the timeout"
+        );
+    }
+}

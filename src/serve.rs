@@ -1,21 +1,72 @@
 //! The accept loop every HTTP listener shares: HTTP/1.1 and h2c on one port,
 //! upgrades, a header read timeout against slow clients, and graceful
 //! shutdown (stop accepting, let in-flight requests finish, bounded).
+//!
+//! hyper's header read timeout covers HTTP/1 only. So every connection also
+//! has a watchdog: one that has not begun a request within the header read
+//! timeout of opening (an HTTP/2 client sending its preface and a HEADERS
+//! frame it never ends, say) is closed; one that has begun none for
+//! [`IDLE_TIMEOUT`] since is shut down gracefully (HTTP/2 GOAWAY; responses
+//! still streaming finish first).
 
 use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::time::Duration;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::{Body, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinSet;
+
+/// How long a connection that has served a request may sit without
+/// beginning another (NGINX's `keepalive_timeout` default is 75 s).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
+
+/// When a connection last began a request, for its watchdog.
+struct Activity {
+    opened: Instant,
+    /// Milliseconds after `opened` when the last request began.
+    last_ms: AtomicU64,
+    served: AtomicBool,
+}
+
+impl Activity {
+    fn new() -> Self {
+        Activity {
+            opened: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            served: AtomicBool::new(false),
+        }
+    }
+
+    fn began(&self) {
+        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.last_ms.store(ms, Ordering::Relaxed);
+        self.served.store(true, Ordering::Relaxed);
+    }
+
+    /// How long until the connection counts as idle (zero: it is).
+    fn left(&self, first_request: Duration) -> Duration {
+        let limit = if self.served.load(Ordering::Relaxed) {
+            IDLE_TIMEOUT
+        } else {
+            first_request
+        };
+        let since = self
+            .opened
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)));
+        limit.saturating_sub(since)
+    }
+}
 
 /// Limits applied to client connections.
 #[derive(Debug, Clone, Copy)]
@@ -65,7 +116,7 @@ pub async fn serve<F, Fut, B>(
         .http2()
         .timer(TokioTimer::new())
         .max_header_list_size(limits.max_header_bytes as u32);
-    let graceful = GracefulShutdown::new();
+    let mut connections = JoinSet::new();
     loop {
         tokio::select! {
             accepted = listener.accept() => {
@@ -80,26 +131,57 @@ pub async fn serve<F, Fut, B>(
                 };
                 let _ = stream.set_nodelay(true);
                 let handler = handler.clone();
+                let activity = Arc::new(Activity::new());
+                let seen = activity.clone();
                 let service = service_fn(move |req| {
+                    seen.began();
                     let response = handler(req, peer);
                     async move { Ok::<_, Infallible>(response.await) }
                 });
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
-                let conn = graceful.watch(conn);
-                tokio::spawn(async move {
-                    if let Err(e) = conn.await {
-                        tracing::debug!(%peer, error = %e, "connection ended with an error");
+                let mut stop = shutdown.clone();
+                let first_request = limits.header_read_timeout;
+                connections.spawn(async move {
+                    let mut conn = std::pin::pin!(conn);
+                    let mut closing = false;
+                    loop {
+                        let left = activity.left(first_request);
+                        tokio::select! {
+                            result = conn.as_mut() => {
+                                if let Err(e) = result {
+                                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                                }
+                                return;
+                            }
+                            _ = stopped(&mut stop), if !closing => {
+                                conn.as_mut().graceful_shutdown();
+                                closing = true;
+                            }
+                            _ = tokio::time::sleep(left), if !closing => {
+                                if activity.left(first_request).is_zero() {
+                                    tracing::debug!(%peer, "idle connection closed");
+                                    if !activity.served.load(Ordering::Relaxed) {
+                                        // Nothing was ever in flight: close at once (an
+                                        // HTTP/2 GOAWAY would wait for a PING the
+                                        // client may never answer).
+                                        return;
+                                    }
+                                    conn.as_mut().graceful_shutdown();
+                                    closing = true;
+                                }
+                            }
+                        }
                     }
                 });
+                // Reap finished connections so the set holds live ones only.
+                while connections.try_join_next().is_some() {}
             }
             _ = stopped(&mut shutdown) => break,
         }
     }
     drop(listener);
-    if tokio::time::timeout(limits.shutdown_grace, graceful.shutdown())
-        .await
-        .is_err()
-    {
+    let drained = async { while connections.join_next().await.is_some() {} };
+    if tokio::time::timeout(limits.shutdown_grace, drained).await.is_err() {
         tracing::warn!(grace = ?limits.shutdown_grace, "connections still open after the shutdown grace period");
     }
 }
