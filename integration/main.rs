@@ -7,6 +7,7 @@ mod common;
 mod envoy;
 mod model;
 mod nginx;
+mod operations;
 mod production;
 mod proxy;
 mod reload;

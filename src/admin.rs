@@ -1,7 +1,11 @@
 //! The admin listener: liveness, readiness and the active limits.
 //!
 //! Bound to loopback by default; it answers small documents about tollgate's
-//! own state and never echoes anything a caller sent.
+//! own state and never echoes anything a caller sent. It answers only
+//! requests addressed to an IP literal, `localhost` or a configured name (a
+//! page a browser loaded from elsewhere cannot reach it through DNS
+//! rebinding), can require a bearer token for everything but the probes, and
+//! hides the values of header matches (they may be credentials).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -9,27 +13,80 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
-use hyper::body::Incoming;
 
 use crate::limiter::Limiter;
 use crate::reload::Catalog;
+
+/// Who may ask the admin listener.
+#[derive(Debug, Clone, Default)]
+pub struct AdminAccess {
+    /// Required as `Authorization: Bearer <token>` except on /healthz and /readyz.
+    pub token: Option<String>,
+    /// Host names accepted besides IP literals and `localhost`.
+    pub hosts: Vec<String>,
+}
 
 /// State the admin endpoints report on.
 pub struct Admin {
     limiter: Arc<Limiter>,
     catalog: Arc<Catalog>,
+    access: AdminAccess,
 }
 
 impl Admin {
     /// Admin endpoints for this limiter and these limits files.
-    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>) -> Self {
-        Admin { limiter, catalog }
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, access: AdminAccess) -> Self {
+        Admin {
+            limiter,
+            catalog,
+            access,
+        }
+    }
+
+    /// Whether the request names a host this listener answers for.
+    fn host_allowed<B>(&self, req: &Request<B>) -> bool {
+        let host = req.uri().authority().map(|a| a.host().to_string()).or_else(|| {
+            let h = req.headers().get(header::HOST)?.to_str().ok()?;
+            Some(h.parse::<http::uri::Authority>().ok()?.host().to_string())
+        });
+        let Some(host) = host else {
+            return true; // HTTP/1.0 without Host: a local tool, not a browser.
+        };
+        let bare = host.trim_start_matches('[').trim_end_matches(']');
+        bare.parse::<std::net::IpAddr>().is_ok()
+            || host.eq_ignore_ascii_case("localhost")
+            || self.access.hosts.iter().any(|h| h.eq_ignore_ascii_case(&host))
     }
 
     /// Handles one admin request.
-    pub async fn handle(&self, req: Request<Incoming>, _peer: SocketAddr) -> Response<Full<Bytes>> {
+    pub async fn handle<B>(&self, req: Request<B>, _peer: SocketAddr) -> Response<Full<Bytes>> {
         if req.method() != Method::GET && req.method() != Method::HEAD {
             return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+        }
+        if !self.host_allowed(&req) {
+            return text(
+                StatusCode::MISDIRECTED_REQUEST,
+                "unknown host; list it in --admin-hosts\n",
+            );
+        }
+        let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+        if let Some(token) = &self.access.token
+            && !probe
+        {
+            let given = req
+                .headers()
+                .get(header::AUTHORIZATION)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.strip_prefix("Bearer "));
+            if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
+                let mut r = text(
+                    StatusCode::UNAUTHORIZED,
+                    "Authorization: Bearer <--admin-token> required\n",
+                );
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+                return r;
+            }
         }
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n"),
@@ -67,6 +124,12 @@ impl Admin {
             ),
         }
     }
+}
+
+/// Compares without stopping at the first differing byte, so the time taken
+/// does not tell a caller how much of a guess was right.
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {

@@ -15,7 +15,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
-use tollgate::admin::Admin;
+use tollgate::admin::{Admin, AdminAccess};
 use tollgate::client_ip::TrustedProxies;
 use tollgate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, SystemClock};
 use tollgate::reload::Catalog;
@@ -76,6 +76,12 @@ struct RunArgs {
     /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
+    /// Require `Authorization: Bearer <token>` on the admin listener (all but /healthz and /readyz).
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// Host names the admin listener answers to besides IP literals and localhost (comma-separated).
+    #[arg(long, env = "TOLLGATE_ADMIN_HOSTS", value_delimiter = ',')]
+    admin_hosts: Vec<String>,
     /// Keep counters in Redis (redis[s]://[user:password@]host:port/db), shared
     /// by every instance; without it counters live in this process. Several
     /// comma-separated URLs for Cluster seed nodes or Sentinels.
@@ -180,6 +186,9 @@ fn check(paths: &[PathBuf]) -> ExitCode {
                     limits.domain,
                     limits.rules.len()
                 );
+                for warning in tollgate::config::surface_warnings(&limits) {
+                    eprintln!("{}: warning: {warning}", f.status().file);
+                }
             }
             ExitCode::SUCCESS
         }
@@ -295,7 +304,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         });
         proxy_threads.push(thread.context("cannot start a proxy thread")?);
     }
-    let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone()));
+    if !args.admin_listen.ip().is_loopback() && args.admin_token.is_none() {
+        tracing::warn!(admin = %args.admin_listen, "admin listener is reachable beyond loopback without --admin-token; /config and /metrics are open to anyone who can reach it");
+    }
+    let access = AdminAccess {
+        token: args.admin_token.clone(),
+        hosts: args.admin_hosts.clone(),
+    };
+    let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone(), access));
 
     let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let admin = admin.clone();

@@ -84,13 +84,17 @@ pub struct LiveLimits {
     status: ArcSwap<ReloadStatus>,
     /// Hash of the last content looked at (good or bad), to skip re-parsing.
     last_seen: Mutex<Option<String>>,
+    /// The file's identity, size and mtime when last read: the backstop
+    /// poll reads the file only when they change, so a large file at rest
+    /// costs a `stat` every poll, not a read and a hash.
+    last_stat: Mutex<Option<FileStamp>>,
     on_change: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
 }
 
 impl LiveLimits {
     /// Loads `path` for the first time; a bad file here is fatal to start-up.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        let text = read_limits(path).map_err(|e| ConfigError {
             file: path.display().to_string(),
             line: None,
             reason: format!("cannot read: {e}"),
@@ -113,6 +117,7 @@ impl LiveLimits {
             active: Arc::new(ArcSwap::from_pointee(limits)),
             status: ArcSwap::from_pointee(status),
             last_seen: Mutex::new(Some(version)),
+            last_stat: Mutex::new(FileStamp::of(path)),
             on_change: Mutex::new(Vec::new()),
         })
     }
@@ -137,8 +142,22 @@ impl LiveLimits {
 
     /// Reads the file and swaps its limits in if it changed and is valid.
     pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        self.reload_inner(true)
+    }
+
+    /// As [`LiveLimits::reload`]; unless `force`d, a file whose identity,
+    /// size and mtime are those last read is taken as unchanged unread.
+    fn reload_inner(&self, force: bool) -> Result<Reloaded, ReloadError> {
+        let stamp = FileStamp::of(&self.path);
+        {
+            let mut last = self.last_stat.lock().unwrap_or_else(|e| e.into_inner());
+            if !force && stamp.is_some() && *last == stamp && self.status().last_error.is_none() {
+                return Ok(Reloaded::Unchanged);
+            }
+            *last = stamp;
+        }
         let name = self.path.display().to_string();
-        let text = match std::fs::read_to_string(&self.path) {
+        let text = match read_limits(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let was_present = self.status().file_present;
@@ -150,7 +169,19 @@ impl LiveLimits {
                     Ok(Reloaded::Unchanged)
                 };
             }
-            Err(e) => return Err(ReloadError::Read(name, e)),
+            Err(e) => {
+                // A directory in its place, no permission, a link loop, too
+                // large: shown on /config and in the metrics like a bad file.
+                let message = format!("{name}: cannot read: {e}");
+                crate::metrics::get().reload(&name, false);
+                *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                self.update_status(|s| {
+                    s.last_error = Some(message);
+                    s.file_present = true;
+                    s.reloads_failed = s.reloads_failed.saturating_add(1);
+                });
+                return Err(ReloadError::Read(name, e));
+            }
         };
         let version = hash(&text);
         {
@@ -239,7 +270,9 @@ impl LiveLimits {
     /// Reloads and logs the outcome in one line.
     pub fn reload_and_log(&self, cause: &str) {
         let error_before = self.status().last_error.clone();
-        match self.reload() {
+        // The poll is a backstop for lost events: it looks at the file's
+        // stamp first. An event or an operator's SIGHUP always reads.
+        match self.reload_inner(cause != "poll") {
             Ok(Reloaded::Changed) => {
                 let status = self.status();
                 let limits = self.active.load();
@@ -273,8 +306,12 @@ impl LiveLimits {
             _ => PathBuf::from("."),
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
+        let file_name = self.path.file_name().map(|n| n.to_os_string());
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if event.is_ok() {
+            if let Ok(event) = event
+                && changes_content(&event)
+                && concerns(&event, file_name.as_deref())
+            {
                 let _ = tx.send(());
             }
         })?;
@@ -324,6 +361,70 @@ impl Drop for WatchGuard {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// What identifies one version of a file without reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: Option<SystemTime>,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            device: m.dev(),
+            inode: m.ino(),
+            len: m.len(),
+            modified: m.modified().ok(),
+        })
+    }
+}
+
+/// Whether an event can change what the file holds: writes, creates,
+/// removes and renames, not opens, reads or access times (tollgate's own
+/// read of the file would otherwise set off the next reload, forever).
+fn changes_content(event: &notify::Event) -> bool {
+    use notify::EventKind;
+    use notify::event::{AccessKind, AccessMode, MetadataKind, ModifyKind};
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => false,
+        _ => true,
+    }
+}
+
+/// Whether an event names the limits file, a Kubernetes ConfigMap's
+/// `..data` swap, or no file at all (a rescan): not a neighbour's log.
+fn concerns(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> bool {
+    event.paths.is_empty()
+        || event.paths.iter().any(|p| match p.file_name() {
+            Some(n) => Some(n) == file_name || n.to_string_lossy().starts_with(".."),
+            None => true,
+        })
+}
+
+/// Reads the limits file, at most [`config::MAX_FILE_BYTES`] of it: a huge
+/// file, or a link to `/dev/zero`, is refused without being read whole.
+fn read_limits(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let limit = u64::try_from(config::MAX_FILE_BYTES).unwrap_or(u64::MAX);
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() > config::MAX_FILE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {} MiB", config::MAX_FILE_BYTES >> 20),
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
 }
 
 fn hash(text: &str) -> String {
@@ -392,6 +493,60 @@ mod tests {
         assert_eq!(live.reload().unwrap(), Reloaded::Changed);
         assert!(live.status().file_present);
         assert_eq!(limit(&live), 1);
+    }
+
+    #[test]
+    fn only_events_that_can_change_the_file_reload_it() {
+        use notify::EventKind;
+        use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
+        let event = |kind, path: &str| notify::Event::new(kind).add_path(PathBuf::from(path));
+        let name = Some(std::ffi::OsStr::new("limits.yaml"));
+        // tollgate's own read (and anyone's cat) opens and closes the file.
+        for kind in [
+            EventKind::Access(AccessKind::Open(AccessMode::Read)),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Access(AccessKind::Read),
+        ] {
+            assert!(!changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
+        }
+        for kind in [
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            EventKind::Modify(ModifyKind::Any),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Create(CreateKind::File),
+        ] {
+            assert!(changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
+        }
+        assert!(concerns(&event(EventKind::Any, "/d/limits.yaml"), name));
+        assert!(concerns(&event(EventKind::Any, "/d/..data"), name), "ConfigMap swap");
+        assert!(
+            !concerns(&event(EventKind::Any, "/d/app.log"), name),
+            "a neighbour's log"
+        );
+    }
+
+    #[test]
+    fn huge_files_and_endless_ones_are_not_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.yaml");
+        std::fs::write(&big, vec![b'#'; crate::config::MAX_FILE_BYTES + 1]).unwrap();
+        assert!(read_limits(&big).unwrap_err().to_string().contains("larger than 8 MiB"));
+        let zero = dir.path().join("zero.yaml");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        assert!(read_limits(&zero).is_err());
+        // A directory in the file's place is an error on /config, not silence.
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let live = LiveLimits::load(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(live.reload(), Err(ReloadError::Read(..))));
+        let status = live.status();
+        assert!(
+            status.last_error.as_deref().unwrap_or("").contains("cannot read"),
+            "{status:?}"
+        );
+        assert_eq!(limit(&live), 1, "the last good limits stay");
     }
 
     #[test]

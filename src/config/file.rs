@@ -95,7 +95,7 @@ pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
 }
 
 /// Largest limits file read, in bytes.
-const MAX_FILE_BYTES: usize = 8 << 20;
+pub const MAX_FILE_BYTES: usize = 8 << 20;
 /// Deepest nesting of `[` / `{` a limits file may use; YAML and JSON parse
 /// time grows with the square of it, and no real file needs more than a few.
 const MAX_NESTING: usize = 64;

@@ -9,7 +9,7 @@ mod envoy;
 mod file;
 mod tree;
 
-pub use file::{ConfigError, load_file, parse_str};
+pub use file::{ConfigError, MAX_FILE_BYTES, load_file, parse_str};
 pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 
 use std::sync::Arc;
@@ -228,7 +228,10 @@ impl Rule {
 impl Matcher {
     /// Whether a request with these attributes falls under the rule.
     pub fn matches(&self, method: &Method, path: &str, host: Option<&str>, headers: &http::HeaderMap) -> bool {
-        if !self.methods.is_empty() && !self.methods.contains(method) {
+        // HEAD runs the GET handler in NGINX and in most frameworks, so a
+        // GET rule counts HEAD too.
+        let head_as_get = method == Method::HEAD && self.methods.contains(&Method::GET);
+        if !self.methods.is_empty() && !self.methods.contains(method) && !head_as_get {
             return false;
         }
         if let Some(pattern) = &self.path {
@@ -266,6 +269,38 @@ impl Matcher {
     }
 }
 
+/// What the decision surfaces cannot say the way a rule asks, for
+/// `tollgate check`: Envoy's ext_authz treats a 5xx from the service as its
+/// own failure (and may let the request through), and NGINX's auth_request
+/// accepts only 401 and 403 as a denial, so both carry such a status as 403
+/// with `X-Tollgate-Status`.
+pub fn surface_warnings(limits: &Limits) -> Vec<String> {
+    let mut out = Vec::new();
+    for rule in limits.http_rules() {
+        if rule.status.is_server_error() {
+            out.push(format!(
+                "rule \"{}\": status {} is sent as 403 with X-Tollgate-Status: {} on ext_authz and auth_request (Envoy and NGINX take a 5xx from the decision service as its failure)",
+                rule.name,
+                rule.status.as_u16(),
+                rule.status.as_u16()
+            ));
+        } else if rule.status != StatusCode::TOO_MANY_REQUESTS {
+            out.push(format!(
+                "rule \"{}\": status {} reaches NGINX auth_request clients only through X-Tollgate-Status (the shipped snippet answers 429)",
+                rule.name,
+                rule.status.as_u16()
+            ));
+        }
+        if rule.failure_mode == FailureMode::Closed && !rule.shadow {
+            out.push(format!(
+                "rule \"{}\": failing closed is 503 on the proxy, and 403 with X-Tollgate-Status: 503 on ext_authz and auth_request",
+                rule.name
+            ));
+        }
+    }
+    out
+}
+
 fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u16(status.as_u16())
 }
@@ -282,10 +317,12 @@ fn ser_header_matches<S: serde::Serializer>(
     headers: &[(HeaderName, HeaderValueMatch)],
     s: S,
 ) -> Result<S::Ok, S::Error> {
+    // Shown on /config: a matched value may be a credential, so only
+    // whether one is required is said.
     s.collect_map(headers.iter().map(|(name, value)| {
         let v = match value {
             HeaderValueMatch::Any => "*",
-            HeaderValueMatch::Exact(v) => v.as_str(),
+            HeaderValueMatch::Exact(_) => "(a value, hidden)",
         };
         (name.as_str(), v)
     }))

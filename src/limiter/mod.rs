@@ -286,11 +286,24 @@ impl Limiter {
         self.denials.clear();
     }
 
-    /// Whether the store answers within the deadline.
+    /// Whether the store decides within the deadline: a real decision (one
+    /// unit on a probe counter that expires within a second), so a Redis
+    /// that answers PING but refuses writes (out of memory) is not ready.
     pub async fn ready(&self) -> Result<(), StoreError> {
-        tokio::time::timeout(self.deadline, self.store.ping())
+        let windows = [Window {
+            requests: crate::config::MAX_UNITS,
+            period_ms: 1_000,
+        }];
+        let probe = [Check {
+            key: "tg:{readyz}probe",
+            windows: &windows,
+            cost: 1,
+            shadow: false,
+        }];
+        tokio::time::timeout(self.deadline, self.store.decide(&probe))
             .await
             .map_err(|_| StoreError::Timeout(self.deadline))?
+            .map(|_| ())
     }
 
     /// Decides one request: all hits are checked and charged together.

@@ -78,7 +78,8 @@ impl DecisionHttp {
     }
 
     /// Envoy ext_authz: 200 allows; any other non-5xx status is relayed to
-    /// the client with the headers listed in `allowed_client_headers`.
+    /// the client with the headers listed in `allowed_client_headers`; a
+    /// 5xx refusal is sent as 403 with `X-Tollgate-Status`.
     async fn ext_authz<B>(&self, req: &Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
         let path = if original.is_empty() { "/" } else { original };
@@ -104,7 +105,15 @@ impl DecisionHttp {
             headers::admission_headers(&decision, r.headers_mut());
             return r;
         }
-        refusal(&decision, decision.status(), None)
+        // Envoy counts a 5xx from the authorization service as its failure
+        // and, with failure_mode_allow, lets the request through: a
+        // refusal whose status is 5xx (failing closed, or a rule's own
+        // 503) goes out as 403, the real status in X-Tollgate-Status.
+        let status = decision.status();
+        if status.is_server_error() {
+            return refusal(&decision, StatusCode::FORBIDDEN, Some(status));
+        }
+        refusal(&decision, status, None)
     }
 
     /// NGINX auth_request: 2xx allows; only 401 and 403 deny (anything else

@@ -1,0 +1,147 @@
+//! Boring to run: what an operator relies on when things go wrong — the
+//! decision surfaces' statuses, readiness that means "deciding", a file
+//! watcher that costs nothing at rest, and an admin listener that only its
+//! operator can use. Each case was broken once (issue 22).
+
+use std::time::Duration;
+
+use http::StatusCode;
+
+use crate::common::*;
+
+#[tokio::test]
+async fn ext_authz_never_answers_a_refusal_with_a_5xx() {
+    // Envoy takes a 5xx from the authorization service as its failure and,
+    // with the shipped failure_mode_allow: true, lets the request through.
+    let mut redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: exports
+    match: { path: /export }
+    status: 503
+    limits: [{ requests: 1, per: 60s }]
+  - name: closed
+    match: { path: /closed }
+    failure_mode: closed
+    limits: [{ requests: 100, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url(), "--redis-timeout", "200ms"]);
+    let c = client();
+    let check = |path: &str| format!("http://{}/ext_authz{path}", tg.check.unwrap());
+    assert_eq!(get(&c, &check("/export"), &[]).await.status, StatusCode::OK);
+    let r = get(&c, &check("/export"), &[]).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+    assert_eq!(r.header("x-tollgate-status"), Some("503"));
+    assert!(r.header("retry-after").is_some());
+    redis.kill();
+    let r = get(&c, &check("/closed"), &[]).await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "failing closed must deny, not error");
+    assert_eq!(r.header("x-tollgate-status"), Some("503"));
+    // The proxy itself still answers 503 to its client.
+    assert_eq!(
+        get(&c, &tg.url("/closed"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+}
+
+#[tokio::test]
+async fn head_counts_against_a_get_rule() {
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: g\n    match: { methods: [GET], path: /g }\n    limits: [{ requests: 2, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let c = client();
+    assert_eq!(get(&c, &tg.url("/g"), &[]).await.status, StatusCode::OK);
+    let head = send(&c, http::Method::HEAD, &tg.url("/g"), &[], Vec::new()).await;
+    assert_eq!(head.status, StatusCode::OK);
+    assert_eq!(get(&c, &tg.url("/g"), &[]).await.status, StatusCode::TOO_MANY_REQUESTS);
+    let head = send(&c, http::Method::HEAD, &tg.url("/g"), &[], Vec::new()).await;
+    assert_eq!(head.status, StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[tokio::test]
+async fn readiness_means_the_store_decides() {
+    // Redis out of memory answers PING but refuses every write.
+    let redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        "domain: d\nrules:\n  - name: r\n    limits: [{ requests: 100, per: 60s }]\n",
+        up.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "500ms"],
+    );
+    let c = client();
+    let ready = format!("http://{}/readyz", tg.admin);
+    assert_eq!(get(&c, &ready, &[]).await.status, StatusCode::OK);
+    redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]).unwrap();
+    redis.cli(&["CONFIG", "SET", "maxmemory", "1"]).unwrap();
+    let r = get(&c, &ready, &[]).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    redis.cli(&["CONFIG", "SET", "maxmemory", "0"]).unwrap();
+    assert_eq!(
+        get(&c, &ready, &[]).await.status,
+        StatusCode::OK,
+        "ready again by itself"
+    );
+}
+
+#[tokio::test]
+async fn the_admin_listener_is_its_operators_only() {
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: r\n    match: { headers: { authorization: 'Bearer s3cret-token' } }\n    limits: [{ requests: 1, per: 1s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--admin-token", "t0ken"]);
+    let c = client();
+    let url = |p: &str| format!("http://{}{p}", tg.admin);
+    // Probes need no token; everything else does.
+    assert_eq!(get(&c, &url("/healthz"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&c, &url("/config"), &[]).await.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        get(&c, &url("/metrics"), &[("authorization", "Bearer nope")])
+            .await
+            .status,
+        StatusCode::UNAUTHORIZED
+    );
+    let config = get(&c, &url("/config"), &[("authorization", "Bearer t0ken")]).await;
+    assert_eq!(config.status, StatusCode::OK);
+    let text = String::from_utf8_lossy(&config.body);
+    assert!(!text.contains("s3cret"), "a header match value is a credential: {text}");
+    // A name a DNS-rebinding page would use is not this listener's.
+    let r = get(&c, &url("/healthz"), &[("host", "evil.example:9901")]).await;
+    assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST);
+    assert_eq!(
+        get(&c, &url("/healthz"), &[("host", "localhost:9901")]).await.status,
+        StatusCode::OK
+    );
+}
+
+/// CPU ticks (user + system) the process has used.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+#[tokio::test]
+async fn an_idle_tollgate_does_not_reload_itself() {
+    // tollgate's own read of the file used to set off the next reload, ~20
+    // times a second, forever; a backup reading the file did the same.
+    let up = TestUpstream::start().await;
+    let mut limits = String::from("domain: d\nrules:\n  - name: r\n    limits: [{ requests: 1, per: 1s }]\n");
+    let filler = format!("# {}\n", "x".repeat(1000));
+    while limits.len() < 4 << 20 {
+        limits.push_str(&filler);
+    }
+    let tg = Tollgate::start(&limits, up.addr, &[]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = cpu_ticks(tg.pid());
+    for _ in 0..20 {
+        let _ = std::fs::read(&tg.config).unwrap();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let used = cpu_ticks(tg.pid()) - before;
+    // Reading and hashing 4 MB 20 times a second is several ticks a second;
+    // the 2 s poll alone is one read in 3 s.
+    assert!(used <= 6, "{used} ticks in 3 s at rest");
+}
