@@ -255,6 +255,7 @@ impl Rig {
         let options = ProxyOptions {
             upstream: Upstream::parse(&format!("http://{}", self.upstream.addr)).unwrap(),
             upstream_timeout: Duration::from_secs(5),
+            body_timeout: Duration::from_secs(5),
             trusted: Default::default(),
             ratelimit_headers: true,
         };

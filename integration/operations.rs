@@ -145,3 +145,101 @@ async fn an_idle_tollgate_does_not_reload_itself() {
     // the 2 s poll alone is one read in 3 s.
     assert!(used <= 6, "{used} ticks in 3 s at rest");
 }
+
+/// An upstream that answers every request with `head`, then `body_start`,
+/// and then nothing, holding the connection open.
+async fn stalling_upstream(head: &'static str, body_start: &'static [u8]) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(head.as_bytes()).await;
+                let _ = s.write_all(body_start).await;
+                tokio::time::sleep(Duration::from_secs(60)).await;
+            });
+        }
+    });
+    addr
+}
+
+fn metric(tg: &Tollgate, name: &str) -> u64 {
+    let out = std::process::Command::new("curl")
+        .args(["-s", &format!("http://{}/metrics", tg.admin)])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
+    out.lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
+#[tokio::test]
+async fn a_stalled_upstream_body_is_cut_off_not_held_forever() {
+    let up = stalling_upstream("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"0123456789").await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up, &["--upstream-body-timeout", "1s"]);
+    let started = std::time::Instant::now();
+    let answer = raw(
+        tg.addr,
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.ends_with("0123456789"),
+        "the ten bytes that came, no more: {answer}"
+    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(5), "the client was held {took:?}");
+    assert!(tg.logged("upstream response body stalled"));
+    assert_eq!(metric(&tg, "tollgate_upstream_body_stalls_total"), 1);
+}
+
+#[tokio::test]
+async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        "domain: d\nrules: []\n",
+        up.addr,
+        &["--upstream-timeout", "1s", "--upstream-body-timeout", "2s"],
+    );
+    // 30 bytes over ~2.4 s: longer than --upstream-timeout, never idle for 2 s.
+    let mut s = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        s.write_all(b"0123456789").await.unwrap();
+    }
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut out)).await;
+    let out = String::from_utf8_lossy(&out);
+    assert!(
+        out.starts_with("HTTP/1.1 200"),
+        "a 2.4 s upload is not a 1 s upstream timeout: {out}"
+    );
+    // 10 of 30 bytes, then silence: cut off after the body timeout.
+    let mut s = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 30\r\nConnection: close\r\n\r\n0123456789")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut out = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(8), s.read_to_end(&mut out)).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "held {:?}",
+        started.elapsed()
+    );
+    assert_eq!(metric(&tg, "tollgate_client_body_stalls_total"), 1);
+}

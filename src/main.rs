@@ -101,9 +101,13 @@ struct RunArgs {
     /// dealt to it, so a request stays on one thread; 0 = one per core.
     #[arg(long, env = "TOLLGATE_PROXY_THREADS", default_value_t = 0)]
     proxy_threads: usize,
-    /// Longest wait for the upstream's response headers (then 504).
+    /// Longest wait for the upstream's response headers once the request has been sent (then 504).
     #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
     upstream_timeout: Duration,
+    /// Longest wait between two pieces of a request or response body; then
+    /// the stalled side is cut off (and counted).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_BODY_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    upstream_body_timeout: Duration,
     /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXIES", value_delimiter = ',')]
     trusted_proxies: Vec<String>,
@@ -287,6 +291,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let options = ProxyOptions {
         upstream,
         upstream_timeout: args.upstream_timeout,
+        body_timeout: args.upstream_body_timeout,
         trusted: trusted.clone(),
         ratelimit_headers: args.ratelimit_headers,
     };

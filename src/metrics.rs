@@ -169,6 +169,8 @@ pub struct Metrics {
     config_error: Family<FileLabels, Gauge>,
     denial_cache_hits: Counter,
     unknown_domain: Counter,
+    client_body_stalls: Counter,
+    upstream_body_stalls: Counter,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
@@ -212,6 +214,8 @@ impl Metrics {
             config_error: Family::default(),
             denial_cache_hits: Counter::default(),
             unknown_domain: Counter::default(),
+            client_body_stalls: Counter::default(),
+            upstream_body_stalls: Counter::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
             request_counters: Default::default(),
@@ -268,6 +272,16 @@ impl Metrics {
             "tollgate_denial_cache_hits",
             "Requests refused from the exact local denial cache",
             m.denial_cache_hits.clone(),
+        );
+        registry.register(
+            "tollgate_client_body_stalls",
+            "Request bodies cut off after --upstream-body-timeout without a byte",
+            m.client_body_stalls.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_body_stalls",
+            "Upstream response bodies cut off after --upstream-body-timeout without a byte",
+            m.upstream_body_stalls.clone(),
         );
         registry.register(
             "tollgate_rls_unknown_domain",
@@ -381,6 +395,16 @@ impl Metrics {
     /// Records a request refused from the denial cache.
     pub fn denial_cache_hit(&self) {
         self.denial_cache_hits.inc();
+    }
+
+    /// Records a body that stalled past the body timeout (`upstream`: the
+    /// upstream's response, else the client's request).
+    pub fn body_stalled(&self, upstream: bool) {
+        if upstream {
+            self.upstream_body_stalls.inc();
+        } else {
+            self.client_body_stalls.inc();
+        }
     }
 
     /// Records an RLS request for an unknown domain.

@@ -11,6 +11,16 @@
         clippy::arithmetic_side_effects
     )
 )]
+pub mod body;
+#[cfg_attr(
+    not(test),
+    deny(
+        clippy::indexing_slicing,
+        clippy::unwrap_used,
+        clippy::expect_used,
+        clippy::arithmetic_side_effects
+    )
+)]
 pub mod decision_http;
 #[cfg_attr(
     not(test),

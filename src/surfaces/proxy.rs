@@ -25,6 +25,7 @@ use crate::headers;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
+use crate::surfaces::body::ClientBody;
 use crate::surfaces::upstream_pool::{UpstreamBody, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
@@ -94,8 +95,11 @@ impl Upstream {
 pub struct ProxyOptions {
     /// Where admitted requests go.
     pub upstream: Upstream,
-    /// Longest wait for the upstream's response headers before answering 504.
+    /// Longest wait for the upstream's response headers, once the request
+    /// has been sent whole, before answering 504.
     pub upstream_timeout: Duration,
+    /// Longest wait between two frames of a body, either way.
+    pub body_timeout: Duration,
     /// Whose forwarding headers are believed.
     pub trusted: TrustedProxies,
     /// Whether admitted responses carry RateLimit headers.
@@ -115,7 +119,12 @@ impl Proxy {
     pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, options: ProxyOptions) -> Self {
         // Below NGINX's default upstream keepalive_timeout (60 s) and most
         // servers' own, so we rarely reuse a connection the upstream is closing.
-        let pool = UpstreamPool::new(options.upstream.authority.clone(), Duration::from_secs(50), 256);
+        let pool = UpstreamPool::new(
+            options.upstream.authority.clone(),
+            Duration::from_secs(50),
+            256,
+            options.body_timeout,
+        );
         Proxy {
             limiter,
             catalog,
@@ -158,12 +167,25 @@ impl Proxy {
 
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-        let upstream_req = match self.upstream_request(req, peer, host.as_deref(), upgrade) {
+        let (upstream_req, body_sent) = match self.upstream_request(req, peer, host.as_deref(), upgrade) {
             Ok(r) => r,
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
         let sent = Instant::now();
-        let answer = tokio::time::timeout(self.options.upstream_timeout, self.pool.send(upstream_req)).await;
+        // The wait for the answer starts once the request has been sent
+        // whole: a long upload is the client's time, not the upstream's
+        // (a stalled one is cut by the body timeout instead).
+        let timeout = self.options.upstream_timeout;
+        let answer = {
+            let waited = async {
+                let _ = body_sent.await;
+                tokio::time::sleep(timeout).await;
+            };
+            tokio::select! {
+                answer = self.pool.send(upstream_req) => Ok(answer),
+                () = waited => Err(()),
+            }
+        };
         let class = match &answer {
             Ok(Ok(r)) => status_class(r.status()),
             Ok(Err(_)) => "error",
@@ -220,8 +242,9 @@ impl Proxy {
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
-    ) -> Result<Request<Incoming>, StatusCode> {
+    ) -> Result<(Request<ClientBody>, tokio::sync::oneshot::Receiver<()>), StatusCode> {
         let (mut parts, body) = req.into_parts();
+        let (body, sent) = ClientBody::new(body, self.options.body_timeout);
         // The upstream sees the normalised path the limits were matched on.
         let normal = crate::path::normalize(parts.uri.path());
         let path = match (&normal, parts.uri.path_and_query()) {
@@ -250,7 +273,7 @@ impl Proxy {
         if !headers.contains_key(header::HOST) {
             headers.insert(header::HOST, self.options.upstream.host.clone());
         }
-        Ok(Request::from_parts(parts, body))
+        Ok((Request::from_parts(parts, body), sent))
     }
 }
 

@@ -21,6 +21,8 @@ use bytes::Bytes;
 use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
+
+use crate::surfaces::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
@@ -57,6 +59,8 @@ pub struct UpstreamPool {
 
 struct PoolInner {
     authority: Authority,
+    /// Longest wait between two frames of a response body.
+    body_timeout: Duration,
     idle: Mutex<VecDeque<Idle>>,
     idle_timeout: Duration,
     max_idle: usize,
@@ -69,17 +73,18 @@ struct PoolInner {
 const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
 
 struct Idle {
-    sender: SendRequest<Incoming>,
+    sender: SendRequest<ClientBody>,
     since: Instant,
 }
 
 impl UpstreamPool {
     /// A pool for `authority` (`host:port`) keeping up to `max_idle`
     /// connections for at most `idle_timeout` each.
-    pub fn new(authority: Authority, idle_timeout: Duration, max_idle: usize) -> Self {
+    pub fn new(authority: Authority, idle_timeout: Duration, max_idle: usize, body_timeout: Duration) -> Self {
         UpstreamPool {
             inner: Arc::new(PoolInner {
                 authority,
+                body_timeout,
                 idle: Mutex::new(VecDeque::new()),
                 idle_timeout,
                 max_idle,
@@ -90,7 +95,7 @@ impl UpstreamPool {
 
     /// Sends `req` (origin-form URI, `Host` set) and returns the response
     /// head; the body streams from the upstream as it is read.
-    pub async fn send(&self, mut req: Request<Incoming>) -> Result<Response<UpstreamBody>, SendError> {
+    pub async fn send(&self, mut req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
         loop {
             let (mut sender, reused) = match self.take() {
                 Some(sender) => (sender, true),
@@ -110,7 +115,7 @@ impl UpstreamPool {
     }
 
     /// The most recently returned connection that can take a request now.
-    fn take(&self) -> Option<SendRequest<Incoming>> {
+    fn take(&self) -> Option<SendRequest<ClientBody>> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
         let mut i = idle.len();
         while i > 0 {
@@ -128,7 +133,7 @@ impl UpstreamPool {
         None
     }
 
-    fn put(&self, sender: SendRequest<Incoming>) {
+    fn put(&self, sender: SendRequest<ClientBody>) {
         if sender.is_closed() {
             return;
         }
@@ -164,7 +169,7 @@ impl UpstreamPool {
         });
     }
 
-    async fn connect(&self) -> Result<SendRequest<Incoming>, SendError> {
+    async fn connect(&self) -> Result<SendRequest<ClientBody>, SendError> {
         let authority = &self.inner.authority;
         let connect_error = |source| SendError::Connect {
             authority: authority.clone(),
@@ -212,13 +217,15 @@ impl UpstreamPool {
 
     /// Ties `sender` to the response body so that it comes back once the body
     /// has been read; an upgraded connection belongs to the tunnel instead.
-    fn lease(&self, sender: SendRequest<Incoming>, response: Response<Incoming>) -> Response<UpstreamBody> {
+    fn lease(&self, sender: SendRequest<ClientBody>, response: Response<Incoming>) -> Response<UpstreamBody> {
         let lease = (response.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| Lease {
             pool: self.clone(),
             sender,
         });
+        let timer = IdleTimer::new(self.inner.body_timeout);
         response.map(|body| UpstreamBody {
             body,
+            timer,
             lease,
             ended: false,
         })
@@ -227,23 +234,25 @@ impl UpstreamPool {
 
 struct Lease {
     pool: UpstreamPool,
-    sender: SendRequest<Incoming>,
+    sender: SendRequest<ClientBody>,
 }
 
 /// The upstream's response body; returns its connection to the pool when
 /// dropped after the last byte (a body abandoned half way closes it).
 pub struct UpstreamBody {
     body: Incoming,
+    timer: IdleTimer,
     lease: Option<Lease>,
     ended: bool,
 }
 
 impl Body for UpstreamBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let frame = Pin::new(&mut self.body).poll_frame(cx);
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &mut *self;
+        let frame = poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx);
         if let Poll::Ready(None) = frame {
             self.ended = true;
         }

@@ -1,0 +1,148 @@
+//! Bodies in flight through the proxy, with an idle timeout between frames.
+//!
+//! A stalled upstream must not hold a client forever, and a stalled client
+//! upload must not hold an upstream connection: either body is cut off when
+//! no frame arrives for the body timeout (`--upstream-body-timeout`), and the
+//! event is counted. The client's body also tells the proxy when it has been
+//! sent whole, so the wait for the upstream's answer (`--upstream-timeout`)
+//! starts then, not while the client is still uploading.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame, Incoming, SizeHint};
+use tokio::sync::oneshot;
+use tokio::time::{Instant, Sleep};
+
+/// What a body reports when it stalls or fails.
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body timeout ran out between two frames.
+#[derive(Debug, thiserror::Error)]
+#[error("no body data for {0:?}")]
+pub struct Stalled(pub Duration);
+
+/// A deadline that moves forward with every frame, made on first need.
+pub struct IdleTimer {
+    limit: Duration,
+    sleep: Option<Pin<Box<Sleep>>>,
+}
+
+impl IdleTimer {
+    /// A timer allowing `limit` between frames.
+    pub fn new(limit: Duration) -> Self {
+        IdleTimer { limit, sleep: None }
+    }
+
+    /// A frame arrived: the next may take `limit` again.
+    fn touch(&mut self) {
+        if let Some(sleep) = self.sleep.as_mut()
+            && let Some(next) = Instant::now().checked_add(self.limit)
+        {
+            sleep.as_mut().reset(next);
+        }
+    }
+
+    /// Whether the wait for the next frame has run out (registers a wake-up
+    /// otherwise).
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        let limit = self.limit;
+        let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        sleep.as_mut().poll(cx).is_ready()
+    }
+
+    /// Polls `body`, failing it with [`Stalled`] when no frame came in time.
+    fn poll<B>(&mut self, body: Pin<&mut B>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>>
+    where
+        B: Body<Data = Bytes>,
+        B::Error: Into<BodyError>,
+    {
+        match body.poll_frame(cx) {
+            Poll::Ready(frame) => {
+                self.touch();
+                Poll::Ready(frame.map(|f| f.map_err(Into::into)))
+            }
+            Poll::Pending if self.expired(cx) => Poll::Ready(Some(Err(Stalled(self.limit).into()))),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// The client's request body on its way upstream.
+pub struct ClientBody {
+    body: Incoming,
+    timer: IdleTimer,
+    /// Fired once the whole body has been read (or it failed).
+    sent: Option<oneshot::Sender<()>>,
+}
+
+impl ClientBody {
+    /// Wraps `body`; the receiver resolves once it has been sent whole.
+    pub fn new(body: Incoming, idle: Duration) -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        let mut body = ClientBody {
+            body,
+            timer: IdleTimer::new(idle),
+            sent: Some(tx),
+        };
+        // An empty body is never polled: it is sent with the head.
+        if body.body.is_end_stream() {
+            body.finished();
+        }
+        (body, rx)
+    }
+
+    fn finished(&mut self) {
+        if let Some(tx) = self.sent.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl Body for ClientBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = &mut *self;
+        let frame = this.timer.poll(Pin::new(&mut this.body), cx);
+        match &frame {
+            Poll::Ready(None) => this.finished(),
+            Poll::Ready(Some(Err(e))) => {
+                if e.is::<Stalled>() {
+                    crate::metrics::get().body_stalled(false);
+                }
+                this.finished();
+            }
+            _ => {}
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Polls an upstream response body under `timer`, counting stalls.
+pub fn poll_upstream(
+    timer: &mut IdleTimer,
+    body: Pin<&mut Incoming>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    let frame = timer.poll(body, cx);
+    if let Poll::Ready(Some(Err(e))) = &frame
+        && e.is::<Stalled>()
+    {
+        crate::metrics::get().body_stalled(true);
+        tracing::warn!(error = %e, "upstream response body stalled; closing the client connection");
+    }
+    frame
+}
