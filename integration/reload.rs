@@ -303,3 +303,43 @@ async fn two_hundred_edits_under_load_drop_nothing() {
     );
     eprintln!("served {} requests during 200 edits", served.load(Ordering::SeqCst));
 }
+
+#[tokio::test]
+async fn a_directory_deleted_and_made_again_is_watched_again() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let sub = dir.path().join("limits.d");
+    std::fs::create_dir(&sub).unwrap();
+    let config = sub.join("limits.yaml");
+    std::fs::write(&config, limits(2)).unwrap();
+    let args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--upstream".into(),
+        format!("http://{}", upstream.addr),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--admin-listen".into(),
+        "127.0.0.1:0".into(),
+        "--grpc-listen".into(),
+        "off".into(),
+    ];
+    let tg = Tollgate::spawn(&args, config.clone(), tempfile::tempdir().unwrap());
+    assert_eq!(enforced_limit(&tg).await, 2);
+    std::fs::remove_dir_all(&sub).unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    std::fs::create_dir(&sub).unwrap();
+    std::fs::write(&config, limits(3)).unwrap();
+    // The backstop poll finds the new file, and the directory is watched again.
+    wait_for_limit(&tg, 3, Duration::from_secs(5)).await;
+    assert!(
+        tg.logged("watching the limits file's directory again"),
+        "{}",
+        tg.log_text()
+    );
+    // From now on an edit is an event, seen well within the 2 s poll.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    std::fs::write(&config, limits(4)).unwrap();
+    let took = wait_for_limit(&tg, 4, Duration::from_secs(3)).await;
+    eprintln!("after the directory came back: {took:?}");
+}

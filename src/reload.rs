@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use arc_swap::ArcSwap;
-use notify::{RecommendedWatcher, RecursiveMode, Watcher};
+use notify::{RecursiveMode, Watcher};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
@@ -307,7 +307,18 @@ impl LiveLimits {
         };
         let (tx, mut rx) = mpsc::unbounded_channel();
         let file_name = self.path.file_name().map(|n| n.to_os_string());
+        // Set when the watched directory itself goes (its inode may be
+        // reused by the one made next, so identity alone cannot tell).
+        let dir_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gone = dir_gone.clone();
+        let watched_dir = dir.clone();
         let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if let Ok(event) = &event
+                && event.kind.is_remove()
+                && event.paths.contains(&watched_dir)
+            {
+                gone.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
             if let Ok(event) = event
                 && changes_content(&event)
                 && concerns(&event, file_name.as_deref())
@@ -316,6 +327,7 @@ impl LiveLimits {
             }
         })?;
         watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        let mut watched = dir_identity(&dir);
         let live = self.clone();
         let task = tokio::spawn(async move {
             let mut poll = tokio::time::interval(POLL);
@@ -338,22 +350,37 @@ impl LiveLimits {
                         let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
                     }
                     _ = poll.tick() => {
+                        // A directory deleted and made again is a new one:
+                        // the old watch died with it, so watch the new one.
+                        let now = dir_identity(&dir);
+                        if now != watched || (now.is_some() && dir_gone.swap(false, std::sync::atomic::Ordering::SeqCst)) {
+                            let _ = watcher.unwatch(&dir);
+                            watched = match now {
+                                Some(_) => match watcher.watch(&dir, RecursiveMode::NonRecursive) {
+                                    Ok(()) => {
+                                        tracing::info!(dir = %dir.display(), "watching the limits file's directory again");
+                                        now
+                                    }
+                                    Err(e) => {
+                                        tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the limits file's directory; polling");
+                                        None
+                                    }
+                                },
+                                None => None,
+                            };
+                        }
                         let live = live.clone();
                         let _ = tokio::task::spawn_blocking(move || live.reload_and_log("poll")).await;
                     }
                 }
             }
         });
-        Ok(WatchGuard {
-            _watcher: watcher,
-            task,
-        })
+        Ok(WatchGuard { task })
     }
 }
 
 /// Keeps a file watch alive; dropping it stops watching.
 pub struct WatchGuard {
-    _watcher: RecommendedWatcher,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -361,6 +388,12 @@ impl Drop for WatchGuard {
     fn drop(&mut self) {
         self.task.abort();
     }
+}
+
+/// A directory's device and inode: a directory made again has new ones.
+fn dir_identity(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// What identifies one version of a file without reading it.
