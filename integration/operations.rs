@@ -243,3 +243,21 @@ async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
     );
     assert_eq!(metric(&tg, "tollgate_client_body_stalls_total"), 1);
 }
+
+#[tokio::test]
+async fn an_upstream_switch_nobody_asked_for_is_a_502() {
+    let up = stalling_upstream(
+        "HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: h2c\r\n\r\n",
+        b"",
+    )
+    .await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up, &[]);
+    let answer = raw(
+        tg.addr,
+        b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(tg.logged("upstream switched protocols unasked"));
+}

@@ -208,6 +208,14 @@ impl Proxy {
             }
         };
 
+        // A protocol switch nobody asked for (or to another protocol than
+        // the WebSocket the client asked for) cannot be relayed.
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS
+            && (client_upgrade.is_none() || !wants_upgrade(response.headers()))
+        {
+            tracing::warn!("upstream switched protocols unasked");
+            return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
+        }
         if response.status() == StatusCode::SWITCHING_PROTOCOLS
             && let Some(client_upgrade) = client_upgrade
         {
