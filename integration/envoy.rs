@@ -515,8 +515,12 @@ async fn auth_request_answers_need_the_original_uri() {
     let tg = Tollgate::start("domain: it\nrules: []\n", app.addr, &[]);
     let c = client();
     let url = format!("http://{}/auth_request", tg.check.unwrap());
+    // A 403 NGINX accepts (anything else it turns into a 500 and the snippet
+    // would fail open), carrying a 500 for the client: the NGINX setup is
+    // wrong, and that must show.
     let a = get(&c, &url, &[]).await;
-    assert_eq!(a.status, StatusCode::BAD_REQUEST);
+    assert_eq!(a.status, StatusCode::FORBIDDEN);
+    assert_eq!(a.header("x-tollgate-status"), Some("500"));
     assert!(String::from_utf8_lossy(&a.body).contains("X-Original-URI"));
     let ok = get(&c, &url, &[("x-original-uri", "/x?y=1"), ("x-original-method", "POST")]).await;
     assert_eq!(ok.status, StatusCode::NO_CONTENT);

@@ -326,9 +326,17 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let mut tasks = vec![admin_task];
     if let Some(listener) = check_listener {
         let check = Arc::new(DecisionHttp::new(limiter.clone(), catalog.clone(), trusted));
+        // Whatever NGINX or Envoy accepted from a client and passes on must
+        // be read here: a 431 would turn into "the check failed", which the
+        // proxy in front may answer by letting the request through.
+        let check_limits = ConnLimits {
+            max_headers: 1024,
+            max_header_bytes: 256 * 1024,
+            ..conn_limits
+        };
         tasks.push(tokio::spawn(serve(
             listener,
-            conn_limits,
+            check_limits,
             stop_rx.clone(),
             move |req, peer| {
                 let check = check.clone();

@@ -28,6 +28,10 @@ pub const EXT_AUTHZ_PREFIX: &str = "/ext_authz";
 pub const AUTH_REQUEST_PATH: &str = "/auth_request";
 /// On an auth_request refusal: the status NGINX should send the client.
 pub const TOLLGATE_STATUS: HeaderName = HeaderName::from_static("x-tollgate-status");
+/// On an auth_request refusal: the body NGINX should send the client.
+pub const TOLLGATE_BODY: HeaderName = HeaderName::from_static("x-tollgate-body");
+/// Where the shipped NGINX snippet asks for the refusal to send a client.
+pub const AUTH_REQUEST_REFUSAL_PATH: &str = "/auth_request/refusal";
 
 /// Both HTTP decision surfaces, on one listener.
 pub struct DecisionHttp {
@@ -52,6 +56,9 @@ impl DecisionHttp {
         if path == AUTH_REQUEST_PATH {
             return self.auth_request(&req, peer).await;
         }
+        if path == AUTH_REQUEST_REFUSAL_PATH {
+            return self.render_refusal(&req);
+        }
         if let Some(rest) = path.strip_prefix(EXT_AUTHZ_PREFIX)
             && (rest.is_empty() || rest.starts_with('/'))
         {
@@ -63,7 +70,7 @@ impl DecisionHttp {
         )
     }
 
-    async fn decide(&self, surface: Surface, info: &RequestInfo<'_>) -> Result<Decision, Response<Full<Bytes>>> {
+    async fn decide(&self, surface: Surface, info: &RequestInfo<'_>) -> Result<Decision, String> {
         match self.catalog.http_hits(info) {
             Ok(hits) => {
                 let decision = self.limiter.decide(&hits).await;
@@ -72,7 +79,7 @@ impl DecisionHttp {
             }
             Err(e) => {
                 metrics::get().request(surface, metrics::Verdict::BadRequest);
-                Err(reply(StatusCode::BAD_REQUEST, &e.to_string()))
+                Err(e.to_string())
             }
         }
     }
@@ -98,7 +105,7 @@ impl DecisionHttp {
         };
         let decision = match self.decide(Surface::ExtAuthz, &info).await {
             Ok(d) => d,
-            Err(response) => return response,
+            Err(e) => return reply(StatusCode::BAD_REQUEST, &e),
         };
         if decision.verdict.admits() {
             let mut r = reply(StatusCode::OK, "");
@@ -117,16 +124,19 @@ impl DecisionHttp {
     }
 
     /// NGINX auth_request: 2xx allows; only 401 and 403 deny (anything else
-    /// becomes a 500), so a refusal is a 403 carrying the status the client
-    /// should get in `X-Tollgate-Status`, for `error_page 403 = @…`.
+    /// becomes a 500), so every refusal, tollgate's own 400s included, is a
+    /// 403 carrying what the client should get: the status in
+    /// `X-Tollgate-Status` and the body in `X-Tollgate-Body`, which the
+    /// shipped snippet hands back to [`AUTH_REQUEST_REFUSAL_PATH`].
     async fn auth_request<B>(&self, req: &Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let headers = req.headers();
         let uri: Uri = match headers.get("x-original-uri").map(|v| Uri::try_from(v.as_bytes())) {
             Some(Ok(uri)) => uri,
-            Some(Err(_)) => return reply(StatusCode::BAD_REQUEST, "X-Original-URI is not a request target"),
+            Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-URI is not a request target"),
+            // The NGINX configuration is wrong: make that visible, not open.
             None => {
-                return reply(
-                    StatusCode::BAD_REQUEST,
+                return denied(
+                    StatusCode::INTERNAL_SERVER_ERROR,
                     "auth_request needs X-Original-URI (see conf/nginx/)",
                 );
             }
@@ -136,12 +146,12 @@ impl DecisionHttp {
             .map(|m| Method::from_bytes(m.as_bytes()))
         {
             Some(Ok(m)) => m,
-            Some(Err(_)) => return reply(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
+            Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
             None => Method::GET,
         };
         let host = match crate::descriptor::request_host(req.version(), req.uri(), headers) {
             Ok(host) => host,
-            Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(e) => return denied(StatusCode::BAD_REQUEST, &e.to_string()),
         };
         let info = RequestInfo {
             method: &method,
@@ -153,15 +163,66 @@ impl DecisionHttp {
         };
         let decision = match self.decide(Surface::AuthRequest, &info).await {
             Ok(d) => d,
-            Err(response) => return response,
+            Err(e) => return denied(StatusCode::BAD_REQUEST, &e),
         };
         if decision.verdict.admits() {
             let mut r = reply(StatusCode::NO_CONTENT, "");
             headers::admission_headers(&decision, r.headers_mut());
             return r;
         }
-        refusal(&decision, StatusCode::FORBIDDEN, Some(decision.status()))
+        let mut r = refusal(&decision, StatusCode::FORBIDDEN, Some(decision.status()));
+        let body = headers::refusal_body(&decision);
+        if let Ok(v) = HeaderValue::from_bytes(&body) {
+            r.headers_mut().insert(TOLLGATE_BODY, v);
+        }
+        r
     }
+
+    /// The refusal an auth_request answer described, as the client gets it:
+    /// the status and body from `X-Tollgate-Status` / `X-Tollgate-Body`, and
+    /// `Retry-After` and the RateLimit headers from their `X-Tollgate-`
+    /// copies (NGINX's `return` cannot take a status from a variable).
+    fn render_refusal<B>(&self, req: &Request<B>) -> Response<Full<Bytes>> {
+        let h = req.headers();
+        let status = h
+            .get(TOLLGATE_STATUS)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.parse::<u16>().ok())
+            .filter(|s| (400..=599).contains(s))
+            .and_then(|s| StatusCode::from_u16(s).ok())
+            .unwrap_or(StatusCode::TOO_MANY_REQUESTS);
+        let body = h
+            .get(TOLLGATE_BODY)
+            .map(|v| Bytes::copy_from_slice(v.as_bytes()))
+            .unwrap_or_else(|| Bytes::from_static(b"{\"error\":\"rate_limited\"}"));
+        let mut r = Response::new(Full::new(body));
+        *r.status_mut() = status;
+        let out = r.headers_mut();
+        out.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        for (from, to) in [
+            ("x-tollgate-retry-after", header::RETRY_AFTER),
+            ("x-tollgate-ratelimit", headers::RATELIMIT),
+            ("x-tollgate-ratelimit-policy", headers::RATELIMIT_POLICY),
+        ] {
+            if let Some(v) = h.get(from).filter(|v| !v.is_empty()) {
+                out.insert(to, v.clone());
+            }
+        }
+        r
+    }
+}
+
+/// An auth_request refusal of tollgate's own (a request it cannot decide):
+/// a 403 NGINX accepts, with the status and body the client should get.
+fn denied(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
+    let mut r = reply(StatusCode::FORBIDDEN, message);
+    let body = serde_json::json!({ "error": status.canonical_reason(), "message": message }).to_string();
+    let h = r.headers_mut();
+    h.insert(TOLLGATE_STATUS, HeaderValue::from(status.as_u16()));
+    if let Ok(v) = HeaderValue::from_str(&body) {
+        h.insert(TOLLGATE_BODY, v);
+    }
+    r
 }
 
 fn refusal(decision: &Decision, status: StatusCode, intended: Option<StatusCode>) -> Response<Full<Bytes>> {
