@@ -580,3 +580,18 @@ async fn an_http2_client_that_never_finishes_its_headers_is_cut_off() {
         );
     }
 }
+
+#[tokio::test]
+async fn an_rls_peer_that_never_answers_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(&shipped_rls_limits(), up.addr, &["--header-read-timeout", "1s"]);
+    let mut s = tokio::net::TcpStream::connect(tg.grpc.unwrap()).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        .await
+        .unwrap();
+    s.write_all(b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x82").await.unwrap();
+    let mut sink = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
+    assert!(closed.is_ok(), "a peer that never answers a PING is closed");
+}

@@ -417,7 +417,7 @@ fn serve_proxy_thread(
         });
         match grpc {
             Some((incoming, rls)) => {
-                tokio::join!(http, serve_grpc(incoming, rls, stop));
+                tokio::join!(http, serve_grpc(incoming, rls, stop, limits.header_read_timeout));
             }
             None => http.await,
         }
@@ -490,11 +490,16 @@ async fn serve_grpc(
     incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
     rls: RlsService,
     mut stop: watch::Receiver<bool>,
+    ping_every: Duration,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
     let incoming = UnboundedReceiverStream::new(incoming).map(tokio::net::TcpStream::from_std);
+    // A peer that stops answering HTTP/2 PINGs (a slow-loris that sent a
+    // preface and never a whole request) is closed; Envoy answers them.
     let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(ping_every))
+        .http2_keepalive_timeout(Some(ping_every))
         .add_service(health)
         .add_service(RateLimitServiceServer::new(rls))
         .serve_with_incoming_shutdown(incoming, async move {
