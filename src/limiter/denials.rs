@@ -2,23 +2,27 @@
 //!
 //! [`DenialCache`]: a refusal stays exact until its retry time, because counts
 //! inside a sliding window only grow from other instances and units leave at
-//! fixed times. So a key refused for cost `k` is refused again, without asking
-//! the store, for the same cost until then (a larger cost would also be
-//! refused, but fits later than the cached time, which must stay exact); a flood from one caller over its
-//! limit costs the store about one call per retry period per instance. A
-//! reload of the limits drops the cache.
+//! fixed times. So a refused request is refused again, without asking the
+//! store, when the very same request (the same counters with the same costs)
+//! comes again before its retry time: a flood from one caller over its limit
+//! costs the store about one call per retry period per instance. The whole
+//! decision is kept, every counter of the request read, so the answer stays
+//! exact: the same retry time, and each window that has freed up since is
+//! reported as fitting. A request this instance admits drops every cached
+//! refusal of the counters it charged; a reload of the limits drops them all.
 //!
 //! [`RejectionLog`]: one log line per refused counter, then a summary of how
 //! many more were refused, at most every few seconds per counter.
 
 use std::collections::HashMap;
+use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use super::{Decision, Hit, RuleOutcome, Verdict};
+use super::{Decision, Hit, Verdict};
 
-/// Most counters remembered at once; past it, expired ones go, then all.
+/// Most requests remembered at once; past it, expired ones go, then all.
 const MAX_ENTRIES: usize = 100_000;
 /// How often one counter's refusals are logged at most.
 const LOG_EVERY: Duration = Duration::from_secs(10);
@@ -28,158 +32,147 @@ struct Denial {
     until: u64,
     /// When the store was asked.
     at: u64,
-    /// Units the refused request asked of this counter (its cost plus what
-    /// earlier checks of the same request took from it).
-    demand: u64,
-    outcome: RuleOutcome,
+    /// The counters of the request, to forget it when one is charged.
+    keys: Vec<String>,
+    decision: Decision,
 }
 
-/// Exact refusals, by counter key, until their retry time.
+#[derive(Default)]
+struct Entries {
+    /// By request signature (see [`signature`]).
+    by_request: HashMap<String, Denial>,
+    /// Counter key -> signatures of cached requests that read it.
+    by_key: HashMap<String, Vec<String>>,
+}
+
+/// Exact refusals of whole requests, until their retry time.
 #[derive(Default)]
 pub(super) struct DenialCache {
-    entries: Mutex<HashMap<String, Denial>>,
+    entries: Mutex<Entries>,
     /// Lets the common case (nothing cached) skip the lock.
     len: AtomicUsize,
 }
 
-/// Per hit, the units the request asks of the hit's counter up to and
-/// including that hit (a counter may be named more than once).
-fn demands(hits: &[Hit]) -> Vec<u64> {
-    hits.iter()
-        .enumerate()
-        .map(|(i, hit)| {
-            hits.iter()
-                .take(i.saturating_add(1))
-                .filter(|h| h.key == hit.key)
-                .fold(0u64, |sum, h| sum.saturating_add(h.cost))
-        })
-        .collect()
+/// What makes two requests the same to the store: their counters, in
+/// order, each with its cost and its rule's windows.
+fn signature(hits: &[Hit]) -> String {
+    let mut s = String::with_capacity(hits.len().saturating_mul(64));
+    for h in hits {
+        s.push_str(&h.key);
+        let _ = write!(s, "\u{0}{}\u{0}{}", h.cost, u8::from(h.rule.shadow));
+        for w in &h.rule.windows {
+            let _ = write!(s, "\u{0}{}/{}", w.requests, w.period_ms);
+        }
+        s.push('\u{1}');
+    }
+    s
 }
 
 impl DenialCache {
-    /// A refusal for this request, if a cached denial still covers one of
-    /// its counters. The decision has one outcome per hit, in order: the
-    /// cached counters with their cached windows, the others unread.
+    /// The cached refusal of this very request, if it still holds, with its
+    /// times moved on to `now`.
     pub(super) fn check(&self, hits: &[Hit], now: u64) -> Option<Decision> {
         if self.len.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let demands = demands(hits);
-        // A request some window could never hold is answered by the store
-        // ("never", no retry time), whatever else is cached.
-        if hits
-            .iter()
-            .zip(&demands)
-            .any(|(h, d)| !h.rule.shadow && h.rule.windows.iter().any(|w| w.requests < *d))
-        {
-            return None;
-        }
+        let signature = signature(hits);
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let cached: Vec<Option<RuleOutcome>> = hits
-            .iter()
-            .zip(&demands)
-            .enumerate()
-            .map(|(i, (hit, demand))| {
-                // A counter named again later in the request: how much the
-                // store would count for it depends on whether the earlier
-                // copies fit, which only the store knows. Left unread.
-                if hit.rule.shadow || hits.iter().take(i).any(|h| h.key == hit.key) {
-                    return None;
-                }
-                let d = entries.get(&hit.key)?;
-                // Only the same demand: a larger one fits later than the
-                // cached retry time, and that time must be exact.
-                if d.until <= now || *demand != d.demand || d.outcome.rule.windows != hit.rule.windows {
-                    return None;
-                }
-                let elapsed = now.saturating_sub(d.at);
-                let mut outcome = d.outcome.clone();
-                outcome.rule = hit.rule.clone();
-                for w in &mut outcome.windows {
-                    w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
-                    w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed).max(1));
-                }
-                Some(outcome)
-            })
-            .collect();
-        drop(entries);
-        if cached.iter().all(Option::is_none) {
+        let d = entries.by_request.get(&signature)?;
+        if d.until <= now {
             return None;
         }
-        let rules = hits
-            .iter()
-            .zip(cached)
-            .map(|(hit, cached)| {
-                cached.unwrap_or_else(|| RuleOutcome {
-                    rule: hit.rule.clone(),
-                    over: false,
-                    charged: false,
-                    windows: Vec::new(),
-                })
-            })
-            .collect();
-        Some(Decision {
-            verdict: Verdict::Limited,
-            rules,
-        })
+        let elapsed = now.saturating_sub(d.at);
+        let mut decision = d.decision.clone();
+        drop(entries);
+        for (outcome, hit) in decision.rules.iter_mut().zip(hits) {
+            // Same rule, new handle (a reload clears the cache anyway).
+            outcome.rule = hit.rule.clone();
+            for w in &mut outcome.windows {
+                w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
+                // A window whose retry time has come fits now.
+                w.retry_ms = w.retry_ms.and_then(|r| r.checked_sub(elapsed).filter(|r| *r > 0));
+            }
+            outcome.over = outcome.windows.iter().any(super::WindowOutcome::over);
+        }
+        Some(decision)
     }
 
-    /// Remembers the counters that refused this request, from `asked` (the
-    /// store decided after it, so the retry times hold from then at the latest).
+    /// Remembers a refused request, from `asked` (the store decided after
+    /// it, so the retry times hold from then at the latest).
     pub(super) fn remember(&self, hits: &[Hit], decision: &Decision, asked: u64) {
-        if decision.verdict != Verdict::Limited {
+        if decision.verdict != Verdict::Limited || decision.rules.len() != hits.len() {
             return;
         }
+        // A request that can never fit is not cached: it never reaches a
+        // retry time, and answering it costs the store nothing new.
+        let Some(retry) = decision.retry_after_ms() else {
+            return;
+        };
         let now = asked;
-        let demands = demands(hits);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if entries.len() >= MAX_ENTRIES {
-            entries.retain(|_, d| d.until > now);
-            if entries.len() >= MAX_ENTRIES {
-                entries.clear();
+        if entries.by_request.len() >= MAX_ENTRIES {
+            entries.by_request.retain(|_, d| d.until > now);
+            if entries.by_request.len() >= MAX_ENTRIES {
+                entries.by_request.clear();
+            }
+            let live: std::collections::HashSet<&String> = entries.by_request.keys().collect();
+            let by_key: HashMap<String, Vec<String>> = entries
+                .by_key
+                .iter()
+                .map(|(k, sigs)| (k.clone(), sigs.iter().filter(|s| live.contains(s)).cloned().collect::<Vec<_>>()))
+                .filter(|(_, sigs)| !sigs.is_empty())
+                .collect();
+            entries.by_key = by_key;
+        }
+        let signature = signature(hits);
+        let keys: Vec<String> = hits.iter().map(|h| h.key.clone()).collect();
+        for key in &keys {
+            let sigs = entries.by_key.entry(key.clone()).or_default();
+            if !sigs.contains(&signature) {
+                sigs.push(signature.clone());
             }
         }
-        for ((hit, outcome), demand) in hits.iter().zip(&decision.rules).zip(demands) {
-            // A request that can never fit is not cached: it never reaches a
-            // retry time, and answering it costs the store nothing new.
-            if !outcome.over || hit.rule.shadow || outcome.windows.iter().any(|w| w.never) {
-                continue;
-            }
-            let Some(retry) = outcome.windows.iter().filter_map(|w| w.retry_ms).max() else {
-                continue;
-            };
-            entries.insert(
-                hit.key.clone(),
-                Denial {
-                    until: asked.saturating_add(retry),
-                    at: asked,
-                    demand,
-                    outcome: outcome.clone(),
-                },
-            );
-        }
-        self.len.store(entries.len(), Ordering::Relaxed);
+        entries.by_request.insert(
+            signature,
+            Denial {
+                until: asked.saturating_add(retry),
+                at: asked,
+                keys,
+                decision: decision.clone(),
+            },
+        );
+        self.len.store(entries.by_request.len(), Ordering::Relaxed);
     }
 
-    /// Forgets the refusals of counters this instance just charged: their
-    /// retry time moved (later), so the cached one is no longer exact.
+    /// Forgets the refusals of requests touching counters this instance just
+    /// charged: their retry times moved (later), so they are no longer exact.
     pub(super) fn charged(&self, hits: &[Hit], decision: &Decision) {
         if self.len.load(Ordering::Relaxed) == 0 {
             return;
         }
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         for (hit, outcome) in hits.iter().zip(&decision.rules) {
-            if outcome.charged {
-                entries.remove(&hit.key);
+            if !outcome.charged {
+                continue;
+            }
+            for sig in entries.by_key.remove(&hit.key).unwrap_or_default() {
+                if let Some(d) = entries.by_request.remove(&sig) {
+                    for key in d.keys.iter().filter(|k| **k != hit.key) {
+                        if let Some(sigs) = entries.by_key.get_mut(key) {
+                            sigs.retain(|s| *s != sig);
+                        }
+                    }
+                }
             }
         }
-        self.len.store(entries.len(), Ordering::Relaxed);
+        self.len.store(entries.by_request.len(), Ordering::Relaxed);
     }
 
     /// Forgets everything.
     pub(super) fn clear(&self) {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries.clear();
+        entries.by_request.clear();
+        entries.by_key.clear();
         self.len.store(0, Ordering::Relaxed);
     }
 }
