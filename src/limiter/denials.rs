@@ -119,7 +119,12 @@ impl DenialCache {
             let by_key: HashMap<String, Vec<String>> = entries
                 .by_key
                 .iter()
-                .map(|(k, sigs)| (k.clone(), sigs.iter().filter(|s| live.contains(s)).cloned().collect::<Vec<_>>()))
+                .map(|(k, sigs)| {
+                    (
+                        k.clone(),
+                        sigs.iter().filter(|s| live.contains(s)).cloned().collect::<Vec<_>>(),
+                    )
+                })
                 .filter(|(_, sigs)| !sigs.is_empty())
                 .collect();
             entries.by_key = by_key;
