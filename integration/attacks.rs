@@ -39,11 +39,17 @@ fn stores() -> Vec<(&'static str, Option<RedisServer>)> {
     vec![("memory", None), ("redis", Some(RedisServer::start()))]
 }
 
-fn store_args(redis: &Option<RedisServer>) -> Vec<String> {
-    match redis {
-        Some(r) => vec!["--redis".into(), r.url(), "--redis-timeout".into(), "1s".into()],
+/// tollgate with `limits` on the store `redis` names (memory when none),
+/// in front of a test upstream.
+async fn start_on(redis: &Option<RedisServer>, limits: &str) -> (Tollgate, TestUpstream) {
+    let args = match redis {
+        Some(r) => vec!["--redis".to_string(), r.url(), "--redis-timeout".into(), "1s".into()],
         None => Vec::new(),
-    }
+    };
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(limits, up.addr, &args);
+    (tg, up)
 }
 
 #[tokio::test]
@@ -53,10 +59,7 @@ async fn rls_cached_denial_keeps_one_status_per_descriptor_in_order() {
     // OVER_LIMIT, one status per descriptor, in order: a panic here reset
     // the stream and Envoy (failure_mode_deny: false) let the request in.
     for (name, redis) in stores() {
-        let args = store_args(&redis);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let up = TestUpstream::start().await;
-        let tg = Tollgate::start(&shipped_rls_limits(), up.addr, &args);
+        let (tg, _up) = start_on(&redis, &shipped_rls_limits()).await;
         let ip = descriptor(&[("remote_address", "10.1.1.1")]);
         let login = descriptor(&[("remote_address", "10.1.1.1"), ("path", "/login")]);
         for call in 1..=12 {
@@ -89,11 +92,7 @@ async fn rls_cached_denial_keeps_one_status_per_descriptor_in_order() {
 #[tokio::test]
 async fn rls_repeated_descriptor_is_charged_for_every_copy() {
     for (name, redis) in stores() {
-        let args = store_args(&redis);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let up = TestUpstream::start().await;
-        let limits = "domain: d\nrules:\n  - name: five\n    descriptor: [{ key: k }]\n    limits: [{ requests: 5, per: 60s }]\n";
-        let tg = Tollgate::start(limits, up.addr, &args);
+        let (tg, _up) = start_on(&redis, "domain: d\nrules:\n  - name: five\n    descriptor: [{ key: k }]\n    limits: [{ requests: 5, per: 60s }]\n").await;
         let one = descriptor(&[("k", "v")]);
         let mut admitted = 0;
         for _ in 0..4 {
@@ -114,11 +113,7 @@ async fn rls_repeated_descriptor_is_charged_for_every_copy() {
 #[tokio::test]
 async fn rls_huge_hits_addend_never_fits_and_never_wraps() {
     for (name, redis) in stores() {
-        let args = store_args(&redis);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let up = TestUpstream::start().await;
-        let limits = "domain: d\nrules:\n  - name: ten\n    descriptor: [{ key: k }]\n    limits: [{ requests: 10, per: 60s }]\n";
-        let tg = Tollgate::start(limits, up.addr, &args);
+        let (tg, _up) = start_on(&redis, "domain: d\nrules:\n  - name: ten\n    descriptor: [{ key: k }]\n    limits: [{ requests: 10, per: 60s }]\n").await;
         for _ in 0..9 {
             let r = ask(&tg, "d", vec![descriptor(&[("k", "v")])]).await;
             assert_eq!(r.overall_code, Code::Ok as i32, "{name}");
@@ -141,12 +136,11 @@ async fn rls_huge_hits_addend_never_fits_and_never_wraps() {
 #[tokio::test]
 async fn cost_header_overflow_and_never_fitting_costs() {
     for (name, redis) in stores() {
-        let args = store_args(&redis);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let up = TestUpstream::start().await;
-        let limits =
-            "domain: d\nrules:\n  - name: costly\n    limits: [{ requests: 10, per: 60s }]\n    cost: header:x-cost\n";
-        let tg = Tollgate::start(limits, up.addr, &args);
+        let (tg, _up) = start_on(
+            &redis,
+            "domain: d\nrules:\n  - name: costly\n    limits: [{ requests: 10, per: 60s }]\n    cost: header:x-cost\n",
+        )
+        .await;
         let c = client();
         for _ in 0..9 {
             assert_eq!(get(&c, &tg.url("/"), &[]).await.status, StatusCode::OK, "{name}");

@@ -24,15 +24,7 @@ fn ip(s: &str) -> IpAddr {
 async fn auth_request_snippet_turns_refusals_into_429() {
     let app = TestUpstream::start().await;
     let tg = Tollgate::start(PER_CLIENT, app.addr, &["--trusted-proxies", "127.0.0.1/32"]);
-    let snippet = repo_file("conf/nginx/tollgate_auth_request.conf");
-    let nginx = Nginx::start(
-        &format!(
-            "upstream tollgate_check {{ server {}; keepalive 4; }}\nupstream app {{ server {}; }}",
-            tg.check.unwrap(),
-            app.addr
-        ),
-        &format!("    include {};", snippet.display()),
-    );
+    let nginx = nginx_with_snippet(&tg, &app);
 
     let alice = ip("127.0.0.2");
     for i in 0..3 {

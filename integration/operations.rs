@@ -169,13 +169,11 @@ async fn stalling_upstream(head: &'static str, body_start: &'static [u8]) -> std
     addr
 }
 
-fn metric(tg: &Tollgate, name: &str) -> u64 {
-    let out = std::process::Command::new("curl")
-        .args(["-s", &format!("http://{}/metrics", tg.admin)])
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-        .unwrap_or_default();
-    out.lines()
+/// One counter's value from `/metrics`.
+async fn metric(tg: &Tollgate, name: &str) -> u64 {
+    let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
+    String::from_utf8_lossy(&body)
+        .lines()
         .find(|l| l.starts_with(name))
         .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
         .map_or(0, |v| v as u64)
@@ -200,7 +198,7 @@ async fn a_stalled_upstream_body_is_cut_off_not_held_forever() {
     let took = started.elapsed();
     assert!(took < Duration::from_secs(5), "the client was held {took:?}");
     assert!(tg.logged("upstream response body stalled"));
-    assert_eq!(metric(&tg, "tollgate_upstream_body_stalls_total"), 1);
+    assert_eq!(metric(&tg, "tollgate_upstream_body_stalls_total").await, 1);
 }
 
 #[tokio::test]
@@ -241,7 +239,7 @@ async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
         "held {:?}",
         started.elapsed()
     );
-    assert_eq!(metric(&tg, "tollgate_client_body_stalls_total"), 1);
+    assert_eq!(metric(&tg, "tollgate_client_body_stalls_total").await, 1);
 }
 
 #[tokio::test]

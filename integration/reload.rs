@@ -55,6 +55,23 @@ async fn wait_for_limit(tg: &Tollgate, n: usize, limit: Duration) -> Duration {
     }
 }
 
+/// tollgate on a limits file the test laid out itself.
+fn spawn_on(config: &Path, upstream: &TestUpstream) -> Tollgate {
+    let args = vec![
+        "--config".to_string(),
+        config.display().to_string(),
+        "--upstream".into(),
+        format!("http://{}", upstream.addr),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--admin-listen".into(),
+        "127.0.0.1:0".into(),
+        "--grpc-listen".into(),
+        "off".into(),
+    ];
+    Tollgate::spawn(&args, config.to_path_buf(), tempfile::tempdir().unwrap())
+}
+
 fn write_via_rename(path: &Path, text: &str) {
     let tmp = path.with_extension("tmp~");
     std::fs::write(&tmp, text).unwrap();
@@ -95,19 +112,7 @@ async fn configmap_symlink_swaps_apply_within_a_second() {
     std::os::unix::fs::symlink("..2026_11_22_v1", root.join("..data")).unwrap();
     std::os::unix::fs::symlink("..data/limits.yaml", root.join("limits.yaml")).unwrap();
     let config = root.join("limits.yaml");
-    let args = vec![
-        "--config".to_string(),
-        config.display().to_string(),
-        "--upstream".into(),
-        format!("http://{}", upstream.addr),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--admin-listen".into(),
-        "127.0.0.1:0".into(),
-        "--grpc-listen".into(),
-        "off".into(),
-    ];
-    let tg = Tollgate::spawn(&args, config, tempfile::tempdir().unwrap());
+    let tg = spawn_on(&config, &upstream);
     assert_eq!(enforced_limit(&tg).await, 2);
 
     version("..2026_11_22_v2", 5);
@@ -312,19 +317,7 @@ async fn a_directory_deleted_and_made_again_is_watched_again() {
     std::fs::create_dir(&sub).unwrap();
     let config = sub.join("limits.yaml");
     std::fs::write(&config, limits(2)).unwrap();
-    let args = vec![
-        "--config".to_string(),
-        config.display().to_string(),
-        "--upstream".into(),
-        format!("http://{}", upstream.addr),
-        "--listen".into(),
-        "127.0.0.1:0".into(),
-        "--admin-listen".into(),
-        "127.0.0.1:0".into(),
-        "--grpc-listen".into(),
-        "off".into(),
-    ];
-    let tg = Tollgate::spawn(&args, config.clone(), tempfile::tempdir().unwrap());
+    let tg = spawn_on(&config, &upstream);
     assert_eq!(enforced_limit(&tg).await, 2);
     std::fs::remove_dir_all(&sub).unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;

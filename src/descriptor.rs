@@ -320,9 +320,15 @@ fn decode(s: &str) -> String {
 /// The host as rules compare it: no port, lower case, no trailing dot
 /// (`API.Example.com.:443` is `api.example.com`, as DNS and most servers
 /// read it).
-fn canonical_host(host: &str) -> String {
+fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
     let host = strip_port(host.trim());
-    host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase()
+    let host = host.strip_suffix('.').unwrap_or(host);
+    // On every request: allocate only when there is a capital to lower.
+    if host.bytes().any(|b| b.is_ascii_uppercase()) {
+        std::borrow::Cow::Owned(host.to_ascii_lowercase())
+    } else {
+        std::borrow::Cow::Borrowed(host)
+    }
 }
 
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.

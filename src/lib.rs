@@ -7,71 +7,37 @@
 //! `surfaces` speak each wire protocol, `serve` runs listeners and `admin`
 //! reports health.
 
-// The modules a request passes through never panic: clippy denies indexing
-// that can fail, unwrap/expect and unchecked arithmetic in them (outside
-// tests). `config` opts in for its request-time matching only.
+/// Declares the modules a request passes through. They never panic: clippy
+/// denies indexing that can fail, unwrap/expect and unchecked arithmetic in
+/// them (outside tests). `config` opts in for its request-time matching only.
+macro_rules! request_path {
+    ($(pub mod $name:ident;)*) => {
+        $(
+            #[cfg_attr(
+                not(test),
+                deny(
+                    clippy::indexing_slicing,
+                    clippy::unwrap_used,
+                    clippy::expect_used,
+                    clippy::arithmetic_side_effects
+                )
+            )]
+            pub mod $name;
+        )*
+    };
+}
+
 pub mod admin;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod client_ip;
 pub mod config;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod descriptor;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod headers;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod limiter;
 pub mod metrics;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod path;
 pub mod reload;
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-pub mod serve;
 pub mod surfaces;
+
+request_path! {
+    pub mod client_ip;
+    pub mod descriptor;
+    pub mod headers;
+    pub mod limiter;
+    pub mod path;
+    pub mod serve;
+}

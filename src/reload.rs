@@ -94,7 +94,7 @@ pub struct LiveLimits {
 impl LiveLimits {
     /// Loads `path` for the first time; a bad file here is fatal to start-up.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = read_limits(path).map_err(|e| ConfigError {
+        let text = config::read_limits(path).map_err(|e| ConfigError {
             file: path.display().to_string(),
             line: None,
             reason: format!("cannot read: {e}"),
@@ -157,7 +157,7 @@ impl LiveLimits {
             *last = stamp;
         }
         let name = self.path.display().to_string();
-        let text = match read_limits(&self.path) {
+        let text = match config::read_limits(&self.path) {
             Ok(t) => t,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 let was_present = self.status().file_present;
@@ -442,24 +442,6 @@ fn concerns(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> bool 
         })
 }
 
-/// Reads the limits file, at most [`config::MAX_FILE_BYTES`] of it: a huge
-/// file, or a link to `/dev/zero`, is refused without being read whole.
-fn read_limits(path: &Path) -> std::io::Result<String> {
-    use std::io::Read;
-    let limit = u64::try_from(config::MAX_FILE_BYTES).unwrap_or(u64::MAX);
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)?;
-    if bytes.len() > config::MAX_FILE_BYTES {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("larger than {} MiB", config::MAX_FILE_BYTES >> 20),
-        ));
-    }
-    String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
-}
-
 fn hash(text: &str) -> String {
     let digest = Sha256::digest(text.as_bytes());
     digest[..8].iter().map(|b| format!("{b:02x}")).collect()
@@ -563,10 +545,15 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let big = dir.path().join("big.yaml");
         std::fs::write(&big, vec![b'#'; crate::config::MAX_FILE_BYTES + 1]).unwrap();
-        assert!(read_limits(&big).unwrap_err().to_string().contains("larger than 8 MiB"));
+        assert!(
+            config::read_limits(&big)
+                .unwrap_err()
+                .to_string()
+                .contains("larger than 8 MiB")
+        );
         let zero = dir.path().join("zero.yaml");
         std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
-        assert!(read_limits(&zero).is_err());
+        assert!(config::read_limits(&zero).is_err());
         // A directory in the file's place is an error on /config, not silence.
         let path = dir.path().join("l.yaml");
         std::fs::write(&path, A).unwrap();

@@ -45,10 +45,28 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
+/// Reads the limits file, at most [`MAX_FILE_BYTES`] of it: a huge
+/// file, or a link to `/dev/zero`, is refused without being read whole.
+pub fn read_limits(path: &Path) -> std::io::Result<String> {
+    use std::io::Read;
+    let limit = u64::try_from(MAX_FILE_BYTES).unwrap_or(u64::MAX);
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(limit.saturating_add(1))
+        .read_to_end(&mut bytes)?;
+    if bytes.len() > MAX_FILE_BYTES {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("larger than {} MiB", MAX_FILE_BYTES >> 20),
+        ));
+    }
+    String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
+}
+
 /// Reads and validates the limits file at `path`.
 pub fn load_file(path: &Path) -> Result<Limits, ConfigError> {
     let name = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+    let text = read_limits(path).map_err(|e| ConfigError {
         file: name.clone(),
         line: None,
         reason: format!("cannot read: {e}"),

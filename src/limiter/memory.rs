@@ -250,10 +250,6 @@ impl CounterStore for MemoryStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
         Ok(self.decide_now(checks))
     }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        Ok(())
-    }
 }
 
 #[cfg(test)]

@@ -97,8 +97,6 @@ pub enum StoreError {
 pub trait CounterStore: Send + Sync {
     /// Checks every window of every counter and charges them together.
     fn decide(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
-    /// Whether the store answers at all (for readiness).
-    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 }
 
 /// The stores tollgate can run with, picked at start-up.
@@ -114,13 +112,6 @@ impl CounterStore for Store {
         match self {
             Store::Memory(s) => s.decide(checks).await,
             Store::Redis(s) => s.decide(checks).await,
-        }
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        match self {
-            Store::Memory(s) => s.ping().await,
-            Store::Redis(s) => s.ping().await,
         }
     }
 }
@@ -187,9 +178,7 @@ pub struct RuleOutcome {
     pub over: bool,
     /// Whether the request was counted against this rule.
     pub charged: bool,
-    /// Per window, in the rule's order; empty when the store failed or the
-    /// counter was not read (a refusal answered from the denial cache reads
-    /// only the counters it has cached).
+    /// Per window, in the rule's order; empty when the store failed.
     pub windows: Vec<WindowOutcome>,
 }
 

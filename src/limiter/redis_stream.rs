@@ -459,23 +459,6 @@ impl CounterStore for RedisStore {
             Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
         }
     }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        match &self.conn {
-            Conn::Node(node) => {
-                let mut conn = self.lane(node).link.get()?;
-                let result = redis::cmd("PING").query_async::<()>(&mut conn).await;
-                if result.is_err() {
-                    node.clone().failed();
-                }
-                Ok(result?)
-            }
-            Conn::Cluster(cluster) => {
-                let mut conn = cluster.get().await?;
-                Ok(redis::cmd("PING").query_async::<()>(&mut conn).await?)
-            }
-        }
-    }
 }
 
 /// Takes whatever is queued (up to [`MAX_BATCH`]) whenever a call slot is

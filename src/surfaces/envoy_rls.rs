@@ -255,15 +255,6 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     let rule = &outcome.rule;
     let refused = outcome.over && !rule.shadow;
     let failed_closed = decision.verdict == Verdict::FailedClosed;
-    let failed = failed_closed || decision.verdict == Verdict::FailedOpen;
-    if outcome.windows.is_empty() && !failed {
-        // Not read: the refusal came from the denial cache for another
-        // descriptor. OK for this one, with no limit to report.
-        return DescriptorStatus {
-            code: Code::Ok as i32,
-            ..Default::default()
-        };
-    }
     // Report the window that refused, else the one with the least room.
     let window = outcome
         .windows
