@@ -589,3 +589,127 @@ async fn an_rls_peer_that_never_answers_is_cut_off() {
     let closed = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut sink)).await;
     assert!(closed.is_ok(), "a peer that never answers a PING is closed");
 }
+
+/// The HTTP surfaces, asked the way their callers ask.
+#[derive(Debug, Clone, Copy)]
+enum HttpSurface {
+    Proxy,
+    ExtAuthz,
+    AuthRequest,
+}
+
+/// What a surface said, in one vocabulary: admitted, limited, or refused as
+/// a request it cannot decide (400).
+async fn outcome(
+    tg: &Tollgate,
+    surface: HttpSurface,
+    method: &str,
+    target: &str,
+    headers: &[(&str, &str)],
+) -> &'static str {
+    let method = http::Method::from_bytes(method.as_bytes()).unwrap();
+    let c = client();
+    let check = tg.check.unwrap();
+    let r = match surface {
+        HttpSurface::Proxy => send(&c, method, &tg.url(target), headers, Vec::new()).await,
+        HttpSurface::ExtAuthz => {
+            send(
+                &c,
+                method,
+                &format!("http://{check}/ext_authz{target}"),
+                headers,
+                Vec::new(),
+            )
+            .await
+        }
+        HttpSurface::AuthRequest => {
+            let mut h = headers.to_vec();
+            h.push(("x-original-uri", target));
+            h.push(("x-original-method", method.as_str()));
+            get(&c, &format!("http://{check}/auth_request"), &h).await
+        }
+    };
+    let status = match (r.status.as_u16(), r.header("x-tollgate-status")) {
+        (403, Some(s)) => s.parse().unwrap(),
+        (204, None) => 200,
+        (s, _) => s,
+    };
+    match status {
+        200 => "admitted",
+        429 => "limited",
+        400 => "bad",
+        other => panic!("{surface:?} {target}: {other} {:?}", r.body),
+    }
+}
+
+#[tokio::test]
+async fn every_caller_controlled_value_means_the_same_on_every_http_surface() {
+    // Spellings that must count against the same counter, values sent twice,
+    // huge numbers: the proxy, ext_authz and auth_request must agree, on
+    // both stores.
+    let limits = "\
+domain: d
+rules:
+  - name: login
+    match: { path: /login }
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-key
+    match: { path: /k }
+    by: [header:x-key]
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-tenant
+    match: { path: /t }
+    by: [query:tenant]
+    limits: [{ requests: 1, per: 60s }]
+  - name: costly
+    match: { path: /c }
+    cost: header:x-cost
+    limits: [{ requests: 10, per: 60s }]
+  - name: one-host
+    match: { path: /h, host: api.example.com }
+    limits: [{ requests: 1, per: 60s }]
+";
+    // (method, target, headers, what every surface must say)
+    type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
+    let cases: &[Case<'_>] = &[
+        ("POST", "/login", &[], "admitted"),
+        ("POST", "/login/", &[], "limited"),
+        ("POST", "/login;jsessionid=1", &[], "limited"),
+        ("POST", "/api/..;/login", &[], "limited"),
+        ("POST", "//login", &[], "limited"),
+        ("POST", "/log%69n", &[], "limited"),
+        ("post", "/login", &[], "bad"),
+        ("POST", "/x%2Flogin", &[], "bad"),
+        ("GET", "/k", &[("x-key", "K")], "admitted"),
+        ("GET", "/k", &[("x-key", "K"), ("x-key", "K2")], "bad"),
+        ("GET", "/k", &[("x-key", "K")], "limited"),
+        ("GET", "/t?tenant=a", &[], "admitted"),
+        ("GET", "/t?x=1;tenant=a", &[], "limited"),
+        ("GET", "/t?tenant=b&tenant=a", &[], "bad"),
+        ("GET", "/t?tenant=b&%74enant=a", &[], "bad"),
+        ("GET", "/c", &[("x-cost", "18446744073709551607")], "bad"),
+        ("GET", "/c", &[("x-cost", "1"), ("x-cost", "1")], "bad"),
+        ("GET", "/c", &[("x-cost", "11")], "limited"),
+        ("GET", "/c", &[("x-cost", "10")], "admitted"),
+        ("GET", "/c", &[("x-cost", "1")], "limited"),
+        ("GET", "/h", &[("host", "api.example.com")], "admitted"),
+        ("GET", "/h", &[("host", "API.Example.com.")], "limited"),
+        ("HEAD", "/login", &[], "limited"),
+    ];
+    for (store, redis) in stores() {
+        for surface in [HttpSurface::Proxy, HttpSurface::ExtAuthz, HttpSurface::AuthRequest] {
+            let (tg, _up) = start_on(&redis, limits).await;
+            for (i, (method, target, headers, want)) in cases.iter().enumerate() {
+                let got = outcome(&tg, surface, method, target, headers).await;
+                assert_eq!(
+                    got, *want,
+                    "{store} {surface:?} case {i}: {method} {target} {headers:?}"
+                );
+            }
+            // Each instance on the same Redis needs its own counters.
+            if let Some(r) = &redis {
+                r.cli(&["FLUSHALL"]).unwrap();
+            }
+        }
+    }
+}

@@ -104,3 +104,20 @@ fn only_the_proxy_listens_beyond_loopback_by_default() {
     assert_eq!(default_of("--grpc-listen"), "127.0.0.1:8081");
     assert_eq!(default_of("--admin-listen"), "127.0.0.1:9901");
 }
+
+#[test]
+fn check_warns_about_statuses_a_decision_surface_cannot_carry() {
+    let out = Command::new(binary())
+        .args(["check", "--config", "conf/limits.yaml"])
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    // The shipped exports rule answers 503 and fails closed.
+    assert!(
+        err.contains("warning: rule \"exports\": status 503 is sent as 403"),
+        "{err}"
+    );
+    assert!(err.contains("failing closed is 503 on the proxy"), "{err}");
+    assert!(!err.contains("\"login\""), "a 429 rule carries everywhere: {err}");
+}

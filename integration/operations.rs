@@ -89,7 +89,11 @@ async fn readiness_means_the_store_decides() {
 async fn the_admin_listener_is_its_operators_only() {
     let up = TestUpstream::start().await;
     let limits = "domain: d\nrules:\n  - name: r\n    match: { headers: { authorization: 'Bearer s3cret-token' } }\n    limits: [{ requests: 1, per: 1s }]\n";
-    let tg = Tollgate::start(limits, up.addr, &["--admin-token", "t0ken"]);
+    let tg = Tollgate::start(
+        limits,
+        up.addr,
+        &["--admin-token", "t0ken", "--admin-hosts", "admin.internal"],
+    );
     let c = client();
     let url = |p: &str| format!("http://{}{p}", tg.admin);
     // Probes need no token; everything else does.
@@ -110,6 +114,13 @@ async fn the_admin_listener_is_its_operators_only() {
     assert_eq!(r.status, StatusCode::MISDIRECTED_REQUEST);
     assert_eq!(
         get(&c, &url("/healthz"), &[("host", "localhost:9901")]).await.status,
+        StatusCode::OK
+    );
+    // Names the operator listed are this listener's too.
+    assert_eq!(
+        get(&c, &url("/healthz"), &[("host", "admin.internal:9901")])
+            .await
+            .status,
         StatusCode::OK
     );
 }
