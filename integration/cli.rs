@@ -89,20 +89,50 @@ fn every_flag_has_an_environment_variable() {
     }
 }
 
+/// The address tollgate picks for its RLS listener with these arguments:
+/// from the "listening" line, or from the error if the port is taken.
+fn default_grpc_address(extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let limits = dir.path().join("l.yaml");
+    std::fs::write(&limits, "domain: d\nrules: []\n").unwrap();
+    let mut child = Command::new(binary())
+        .args(["--config", limits.to_str().unwrap(), "--admin-listen", "127.0.0.1:0"])
+        .args(extra)
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut found = String::new();
+    for line in std::io::BufRead::lines(stderr).map_while(Result::ok) {
+        if let Some(at) = line.find("grpc=") {
+            found = line[at + 5..].split_whitespace().next().unwrap_or("").to_string();
+            break;
+        }
+        if let Some(at) = line.find("cannot listen on ") {
+            found = line[at + 17..].split_whitespace().next().unwrap_or("").to_string();
+            break;
+        }
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    found
+}
+
 #[test]
 fn only_the_proxy_listens_beyond_loopback_by_default() {
-    // Whoever reaches the RLS port can charge any caller's counters with
-    // descriptors of their choosing: it stays on loopback unless asked.
+    // Beside a proxy, whoever reaches the RLS port can charge any caller's
+    // counters with descriptors of their choosing: loopback unless asked.
+    let beside = default_grpc_address(&["--upstream", "http://127.0.0.1:9", "--listen", "127.0.0.1:0"]);
+    assert_eq!(beside, "127.0.0.1:8081");
+    // As a pure rate limit service (no --upstream) it is the service, and
+    // listens where envoyproxy/ratelimit does.
+    assert_eq!(default_grpc_address(&[]), "0.0.0.0:8081");
     let out = Command::new(binary()).arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
-    let default_of = |flag: &str| -> String {
-        let at = help.find(flag).unwrap_or_else(|| panic!("{flag} in {help}"));
-        let rest = &help[at..];
-        let d = rest.find("[default: ").expect("a default") + "[default: ".len();
-        rest[d..].split(']').next().unwrap().to_string()
-    };
-    assert_eq!(default_of("--grpc-listen"), "127.0.0.1:8081");
-    assert_eq!(default_of("--admin-listen"), "127.0.0.1:9901");
+    assert!(
+        help.contains("[default: 127.0.0.1:9901]"),
+        "admin stays on loopback: {help}"
+    );
 }
 
 #[test]

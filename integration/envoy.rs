@@ -243,7 +243,8 @@ async fn nested_descriptors_and_matching_order() {
     assert_eq!(status.code, Code::OverLimit as i32);
     let limit = status.current_limit.as_ref().unwrap();
     assert_eq!((limit.requests_per_unit, limit.unit), (5, 4), "5 per DAY");
-    assert_eq!(limit.name, "message_type_marketing.to_number");
+    // Unnamed in the file: no name, as envoyproxy/ratelimit answers.
+    assert_eq!(limit.name, "");
     assert_eq!(status.limit_remaining, 0);
     let reset = status.duration_until_reset.as_ref().unwrap();
     // A whole day when the first request was in this very millisecond.

@@ -5,6 +5,7 @@ mod attacks;
 mod cli;
 mod common;
 mod envoy;
+mod envoy_ratelimit;
 mod model;
 mod nginx;
 mod operations;

@@ -247,7 +247,7 @@ impl Rig {
             Store::Memory(MemoryStore::new(clock.clone()))
         };
         let limiter = Arc::new(Limiter::with_clock(store, Duration::from_secs(2), clock.clone()));
-        let catalog = Arc::new(Catalog::load(std::slice::from_ref(&file)).unwrap());
+        let catalog = Arc::new(Catalog::load(std::slice::from_ref(&file), false).unwrap());
         let l = limiter.clone();
         catalog.on_change(move || l.forget_denials());
         let rls = RlsService::new(limiter.clone(), catalog.clone());

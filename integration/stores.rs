@@ -62,6 +62,7 @@ fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64) -> Check<'a> {
         windows,
         cost,
         shadow: false,
+        quota: false,
     }
 }
 
@@ -167,6 +168,7 @@ async fn shadow_counters_never_refuse() {
             windows: &ws,
             cost: 1,
             shadow: true,
+            quota: false,
         };
         assert!((s.store)(&[shadow]).admitted);
         let a = (s.store)(&[shadow, check("e", &ws, 1)]);
@@ -188,12 +190,17 @@ async fn redis_keys_expire_after_the_longest_window() {
     assert!(entry.contains("n\n1\nc\n1"), "{entry}");
 }
 
-type Step = (u64, Vec<(usize, u64, bool)>);
+type Step = (u64, Vec<(usize, u64, u8)>);
+
+/// A check's role: bit 1 shadow, bit 2 quota (envoyproxy/ratelimit's quota_mode).
+fn role() -> impl Strategy<Value = u8> {
+    prop_oneof![6 => Just(0u8), 1 => Just(1), 2 => Just(2), 1 => Just(3)]
+}
 
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     // Costs past a window's limit, and the same counter more than once in a
     // decision (an RLS request repeating a descriptor), are part of the space.
-    let pick = (0usize..3, 0u64..6, prop::bool::weighted(0.2));
+    let pick = (0usize..3, 0u64..6, role());
     prop::collection::vec((0u64..700, prop::collection::vec(pick, 1..4)), 1..60)
 }
 
@@ -258,11 +265,17 @@ fn redis_script_answers_exactly_like_the_memory_store() {
         let (clock, memory, redis_store, keys) = pair.case("prop");
         for (dt, picks) in steps {
             clock.advance(dt);
-            let specs: Vec<(usize, Vec<Window>, u64, bool)> =
-                picks.iter().map(|&(k, cost, shadow)| (k, windows_of(k), cost, shadow)).collect();
+            let specs: Vec<(usize, Vec<Window>, u64, u8)> =
+                picks.iter().map(|&(k, cost, role)| (k, windows_of(k), cost, role)).collect();
             let checks: Vec<Check<'_>> = specs
                 .iter()
-                .map(|(k, ws, cost, shadow)| Check { key: &keys[*k], windows: ws, cost: *cost, shadow: *shadow })
+                .map(|(k, ws, cost, role)| Check {
+                    key: &keys[*k],
+                    windows: ws,
+                    cost: *cost,
+                    shadow: role & 1 == 1,
+                    quota: role & 2 == 2,
+                })
                 .collect();
             let expected = runtime.block_on(memory.decide(&checks)).unwrap();
             let got = runtime.block_on(redis_store.decide(&checks)).unwrap();
@@ -271,12 +284,12 @@ fn redis_script_answers_exactly_like_the_memory_store() {
     });
 }
 
-type Batch = (u64, Vec<Vec<(usize, usize, u64, bool)>>);
+type Batch = (u64, Vec<Vec<(usize, usize, u64, u8)>>);
 
 fn batches() -> impl Strategy<Value = Vec<Batch>> {
     // (key, which of its two window sets, cost, shadow): a reload can change
     // a rule's windows while requests under the old ones are in the same call.
-    let pick = (0usize..3, 0usize..2, 0u64..6, prop::bool::weighted(0.2));
+    let pick = (0usize..3, 0usize..2, 0u64..6, role());
     let request = prop::collection::vec(pick, 1..4);
     prop::collection::vec((0u64..700, prop::collection::vec(request, 1..8)), 1..30)
 }
@@ -305,7 +318,13 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
                 .map(|picks| {
                     picks
                         .into_iter()
-                        .map(|(k, set, cost, shadow)| Check { key: &keys[k], windows: &windows[k][set], cost, shadow })
+                        .map(|(k, set, cost, role)| Check {
+                            key: &keys[k],
+                            windows: &windows[k][set],
+                            cost,
+                            shadow: role & 1 == 1,
+                            quota: role & 2 == 2,
+                        })
                         .collect()
                 })
                 .collect();
@@ -332,6 +351,7 @@ async fn concurrent_decisions_share_calls_and_stay_exact() {
                     windows: &windows,
                     cost: 1,
                     shadow: false,
+                    quota: false,
                 }];
                 store.decide(&checks).await.unwrap().admitted
             })

@@ -50,6 +50,9 @@ enum Command {
         /// Limits files (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
         #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
         config: Vec<PathBuf>,
+        /// Merge envoyproxy/ratelimit files that declare the same domain.
+        #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
+        merge_domain_config: bool,
     },
 }
 
@@ -59,20 +62,32 @@ struct RunArgs {
     /// Repeat for several domains, one file each.
     #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
     config: Vec<PathBuf>,
-    /// Where admitted requests go, as http://host:port.
-    #[arg(long, env = "TOLLGATE_UPSTREAM", required = true)]
+    /// Merge envoyproxy/ratelimit files that declare the same domain (their
+    /// MERGE_DOMAIN_CONFIG); otherwise one domain, one file.
+    #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
+    merge_domain_config: bool,
+    /// Where admitted requests go, as http://host:port. Without it tollgate
+    /// is a pure rate limit service: no proxy, only the decision listeners
+    /// (the RLS then listens on 0.0.0.0:8081, as envoyproxy/ratelimit does).
+    #[arg(long, env = "TOLLGATE_UPSTREAM")]
     upstream: Option<String>,
     /// Address the proxy listens on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
     listen: SocketAddr,
     /// Envoy RLS gRPC listener (ShouldRateLimit and grpc.health.v1), or "off".
-    /// Loopback unless told otherwise: whoever reaches it can charge any
-    /// caller's counters with descriptors of their choosing.
-    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", default_value = "127.0.0.1:8081", value_parser = parse_listen)]
-    grpc_listen: Listen,
+    /// 127.0.0.1:8081 beside a proxy (whoever reaches it can charge any
+    /// caller's counters with descriptors of their choosing), 0.0.0.0:8081
+    /// without --upstream.
+    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", value_parser = parse_listen)]
+    grpc_listen: Option<Listen>,
     /// HTTP decision listener: /ext_authz/<path> for Envoy, /auth_request for NGINX (off unless given).
     #[arg(long, env = "TOLLGATE_CHECK_LISTEN", value_parser = parse_listen)]
     check_listen: Option<Listen>,
+    /// Answer RLS requests with dynamic metadata: the request's domain and
+    /// descriptors and the `metadata` of the limits it passed
+    /// (envoyproxy/ratelimit's RESPONSE_DYNAMIC_METADATA).
+    #[arg(long, env = "TOLLGATE_RLS_DYNAMIC_METADATA", default_value_t = false, action = ArgAction::Set)]
+    rls_dynamic_metadata: bool,
     /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
@@ -158,7 +173,10 @@ enum LogFormat {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
-        Some(Command::Check { config }) => check(&config),
+        Some(Command::Check {
+            config,
+            merge_domain_config,
+        }) => check(&config, merge_domain_config),
         None => {
             init_logging(cli.run.log_format);
             let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -179,8 +197,8 @@ fn main() -> ExitCode {
     }
 }
 
-fn check(paths: &[PathBuf]) -> ExitCode {
-    match Catalog::load(paths) {
+fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
+    match Catalog::load(paths, merge) {
         Ok(catalog) => {
             for f in catalog.files() {
                 let limits = f.active().load();
@@ -217,9 +235,22 @@ fn init_logging(format: LogFormat) {
 }
 
 async fn run(args: RunArgs) -> anyhow::Result<()> {
-    let upstream = Upstream::parse(args.upstream.as_deref().context("--upstream is required")?)?;
+    let upstream = args.upstream.as_deref().map(Upstream::parse).transpose()?;
+    let grpc_listen = args.grpc_listen.unwrap_or_else(|| {
+        let ip = if upstream.is_some() {
+            [127, 0, 0, 1]
+        } else {
+            [0, 0, 0, 0]
+        };
+        Listen(Some(SocketAddr::from((ip, 8081))))
+    });
+    if upstream.is_none() && grpc_listen.0.is_none() && args.check_listen.as_ref().and_then(|l| l.0).is_none() {
+        anyhow::bail!(
+            "nothing to serve: give --upstream, or leave a decision listener (--grpc-listen, --check-listen) on"
+        );
+    }
     let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
-    let catalog = Arc::new(Catalog::load(&args.config).map_err(|e| anyhow::anyhow!("{e}"))?);
+    let catalog = Arc::new(Catalog::load(&args.config, args.merge_domain_config).map_err(|e| anyhow::anyhow!("{e}"))?);
     for f in catalog.files() {
         let limits = f.active().load();
         let status = f.status();
@@ -258,9 +289,12 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let proxy_listeners = bind_shared(args.listen, threads).await?;
+    let proxy_listeners = match upstream {
+        Some(_) => bind_shared(args.listen, threads).await?,
+        None => Vec::new(),
+    };
     let admin_listener = bind(args.admin_listen).await?;
-    let grpc_listener = match args.grpc_listen.0 {
+    let grpc_listener = match grpc_listen.0 {
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
@@ -274,7 +308,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .map_or("off".to_string(), |a| a.to_string())
     };
     tracing::info!(
-                proxy = %proxy_listeners[0].local_addr()?,
+        proxy = %proxy_listeners.first().and_then(|l| l.local_addr().ok()).map_or("off".to_string(), |a| a.to_string()),
         admin = %admin_listener.local_addr()?,
         grpc = %shown(&grpc_listener),
         check = %shown(&check_listener),
@@ -288,25 +322,40 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     };
     let (stop_tx, stop_rx) = watch::channel(false);
 
-    let options = ProxyOptions {
+    let options = upstream.map(|upstream| ProxyOptions {
         upstream,
         upstream_timeout: args.upstream_timeout,
         body_timeout: args.upstream_body_timeout,
         trusted: trusted.clone(),
         ratelimit_headers: args.ratelimit_headers,
-    };
-    let mut proxy_threads = Vec::with_capacity(proxy_listeners.len());
+    });
+    // Threads serve the proxy listener (when there is one) and the gRPC
+    // connections dealt to them.
+    let mut proxy_listeners = proxy_listeners.into_iter();
+    let mut proxy_threads = Vec::with_capacity(threads);
     let mut grpc_workers = Vec::new();
-    for (i, listener) in proxy_listeners.into_iter().enumerate() {
-        let (limiter, catalog, options, stop) = (limiter.clone(), catalog.clone(), options.clone(), stop_rx.clone());
+    for i in 0..threads {
+        let proxy = match (proxy_listeners.next(), &options) {
+            (Some(listener), Some(options)) => {
+                Some((listener, Proxy::new(limiter.clone(), catalog.clone(), options.clone())))
+            }
+            _ => None,
+        };
         let grpc = grpc_listener.is_some().then(|| {
             let (conns, incoming) = mpsc::unbounded_channel();
             grpc_workers.push(conns);
-            (incoming, RlsService::new(limiter.clone(), catalog.clone()))
+            (
+                incoming,
+                RlsService::new(limiter.clone(), catalog.clone()).with_dynamic_metadata(args.rls_dynamic_metadata),
+            )
         });
-        let thread = std::thread::Builder::new().name(format!("proxy-{i}")).spawn(move || {
-            serve_proxy_thread(listener, Proxy::new(limiter, catalog, options), grpc, conn_limits, stop)
-        });
+        if proxy.is_none() && grpc.is_none() {
+            break;
+        }
+        let stop = stop_rx.clone();
+        let thread = std::thread::Builder::new()
+            .name(format!("proxy-{i}"))
+            .spawn(move || serve_proxy_thread(proxy, grpc, conn_limits, stop));
         proxy_threads.push(thread.context("cannot start a proxy thread")?);
     }
     if !args.admin_listen.ip().is_loopback() && args.admin_token.is_none() {
@@ -389,8 +438,7 @@ async fn bind_shared(addr: SocketAddr, n: usize) -> anyhow::Result<Vec<std::net:
 /// pool, so a request never hops between threads (as NGINX workers). It
 /// also serves the gRPC connections dealt to it.
 fn serve_proxy_thread(
-    listener: std::net::TcpListener,
-    proxy: Proxy,
+    proxy: Option<(std::net::TcpListener, Proxy)>,
     grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
     limits: ConnLimits,
     stop: watch::Receiver<bool>,
@@ -403,21 +451,30 @@ fn serve_proxy_thread(
         }
     };
     runtime.block_on(async move {
-        let listener = match TcpListener::from_std(listener) {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot use the proxy listener");
+        let http = async {
+            let Some((listener, proxy)) = proxy else {
                 return;
-            }
+            };
+            let listener = match TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot use the proxy listener");
+                    return;
+                }
+            };
+            let proxy = Arc::new(proxy);
+            serve(listener, limits, stop.clone(), move |req, peer| {
+                let proxy = proxy.clone();
+                async move { proxy.handle(req, peer).await }
+            })
+            .await
         };
-        let proxy = Arc::new(proxy);
-        let http = serve(listener, limits, stop.clone(), move |req, peer| {
-            let proxy = proxy.clone();
-            async move { proxy.handle(req, peer).await }
-        });
         match grpc {
             Some((incoming, rls)) => {
-                tokio::join!(http, serve_grpc(incoming, rls, stop, limits.header_read_timeout));
+                tokio::join!(
+                    http,
+                    serve_grpc(incoming, rls, stop.clone(), limits.header_read_timeout)
+                );
             }
             None => http.await,
         }

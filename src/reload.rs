@@ -8,6 +8,7 @@
 //! bad or half-written file changes nothing but the reported error. A slow
 //! poll backs the watcher up in case an event is lost.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -69,10 +70,16 @@ pub enum Reloaded {
 
 /// The domain each file of a catalog holds, so that a reload is validated
 /// exactly as start-up is: two files never declare one domain (they would
-/// share counter keys, and one rule's expiry would wipe the other's history).
+/// share counter keys, and one rule's expiry would wipe the other's
+/// history), unless envoyproxy/ratelimit files are merged by domain.
+/// A file, the domain it declares, and the limits it has in force.
+type DomainOf = (PathBuf, String, Arc<ArcSwap<Limits>>);
+
 #[derive(Default)]
 struct Domains {
-    by_file: Mutex<Vec<(PathBuf, String)>>,
+    /// Each file's path, its domain, and its active limits, in file order.
+    by_file: Mutex<Vec<DomainOf>>,
+    merge: bool,
 }
 
 /// One limits file and the limits it currently stands for.
@@ -195,21 +202,51 @@ impl LiveLimits {
         // The domain check and the swap happen under one lock, so two files
         // reloaded at once cannot both take the same domain.
         let domains = self.domains.get();
+        let merge = domains.is_some_and(|d| d.merge);
         let mut taken = domains.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
         let mut clashed = false;
         let parsed = config::parse_str(&text, &name).and_then(|limits| {
+            if merge {
+                // Merged with the other files of its domain as they are in
+                // force, in file order: a clash refuses this version.
+                let parts: Vec<Arc<Limits>> = taken
+                    .iter()
+                    .flat_map(|t| t.iter())
+                    .filter_map(|(p, _, active)| {
+                        if *p == self.path {
+                            Some(Arc::new(limits.clone()))
+                        } else {
+                            Some(active.load_full()).filter(|a| a.domain == limits.domain)
+                        }
+                    })
+                    .collect();
+                if parts.len() > 1
+                    && let Err(reason) = Limits::merge(&parts)
+                {
+                    clashed = true;
+                    return Err(ConfigError {
+                        file: name.clone(),
+                        line: None,
+                        reason: format!("cannot merge with the other files of its domain: {reason}"),
+                    });
+                }
+                return Ok(limits);
+            }
             // Start-up validates the files as they are on disk; so does a
             // reload: another file counts with the domain its file now
             // declares (two files swapping domains in one deploy is fine),
             // or its active one while that file is unreadable or invalid.
             let clash = taken.as_ref().and_then(|t| {
                 t.iter()
-                    .filter(|(p, _)| *p != self.path)
-                    .map(|(p, active)| {
+                    .filter(|(p, _, _)| *p != self.path)
+                    .map(|(p, _, active)| {
                         let on_disk = std::fs::read_to_string(p)
                             .ok()
                             .and_then(|text| config::parse_str(&text, &p.display().to_string()).ok());
-                        (p.clone(), on_disk.map_or_else(|| active.clone(), |l| l.domain))
+                        (
+                            p.clone(),
+                            on_disk.map_or_else(|| active.load().domain.clone(), |l| l.domain),
+                        )
                     })
                     .find(|(_, d)| *d == limits.domain)
             });
@@ -235,7 +272,7 @@ impl LiveLimits {
         match parsed {
             Ok(limits) => {
                 if let Some(taken) = taken.as_mut()
-                    && let Some(entry) = taken.iter_mut().find(|(p, _)| *p == self.path)
+                    && let Some(entry) = taken.iter_mut().find(|(p, _, _)| *p == self.path)
                 {
                     entry.1 = limits.domain.clone();
                 }
@@ -576,7 +613,7 @@ mod tests {
         let b = dir.path().join("b.yaml");
         std::fs::write(&a, A).unwrap();
         std::fs::write(&b, A.replace("domain: d", "domain: e")).unwrap();
-        let catalog = Catalog::load(&[a.clone(), b.clone()]).unwrap();
+        let catalog = Catalog::load(&[a.clone(), b.clone()], false).unwrap();
         std::fs::write(&b, B).unwrap();
         let err = catalog.files()[1].reload().unwrap_err();
         assert!(err.to_string().contains("already declared by"), "{err}");
@@ -601,9 +638,54 @@ mod tests {
     }
 }
 
-/// Every limits file tollgate serves (one per domain), each live.
+/// Every limits file tollgate serves, each live, and the limits in force
+/// for each domain.
 pub struct Catalog {
     files: Vec<Arc<LiveLimits>>,
+    by_domain: Arc<DomainIndex>,
+}
+
+/// The limits in force per domain (files of one domain merged), rebuilt
+/// whenever a file's limits change, so a lookup is one map probe.
+struct DomainIndex {
+    actives: Vec<Arc<ArcSwap<Limits>>>,
+    map: ArcSwap<HashMap<String, Arc<Limits>>>,
+    /// Rebuilds one at a time, each from the latest limits.
+    rebuild: Mutex<()>,
+}
+
+impl DomainIndex {
+    fn rebuild(&self) {
+        let _one = self.rebuild.lock().unwrap_or_else(|e| e.into_inner());
+        let mut parts: Vec<(String, Vec<Arc<Limits>>)> = Vec::new();
+        for active in &self.actives {
+            let limits = active.load_full();
+            match parts.iter_mut().find(|(d, _)| *d == limits.domain) {
+                Some((_, list)) => list.push(limits),
+                None => parts.push((limits.domain.clone(), vec![limits])),
+            }
+        }
+        let map = parts
+            .into_iter()
+            .filter_map(|(domain, mut list)| {
+                let limits = if list.len() == 1 {
+                    list.pop()?
+                } else {
+                    match Limits::merge(&list) {
+                        Ok(merged) => Arc::new(merged),
+                        // Reloads are checked against this, so it cannot
+                        // happen; keep the first file rather than none.
+                        Err(e) => {
+                            tracing::error!(%domain, "{e}");
+                            list.into_iter().next()?
+                        }
+                    }
+                };
+                Some((domain, limits))
+            })
+            .collect();
+        self.map.store(Arc::new(map));
+    }
 }
 
 /// Why a set of limits files cannot be served together.
@@ -615,21 +697,42 @@ pub enum CatalogError {
     /// Two files declare the same domain.
     #[error("{0} and {1} both declare domain \"{2}\"; use one file per domain")]
     DuplicateDomain(String, String, String),
+    /// Files of one domain cannot be merged.
+    #[error("{0}: cannot merge with the other files of domain \"{1}\": {2}")]
+    Merge(String, String, String),
 }
 
 impl Catalog {
-    /// Loads every file; any invalid file or a repeated domain is fatal here.
-    pub fn load(paths: &[PathBuf]) -> Result<Self, CatalogError> {
+    /// Loads every file; any invalid file or a repeated domain is fatal
+    /// here. With `merge`, envoyproxy/ratelimit files may share a domain and
+    /// are merged (their `MERGE_DOMAIN_CONFIG`).
+    pub fn load(paths: &[PathBuf], merge: bool) -> Result<Self, CatalogError> {
         let mut files: Vec<Arc<LiveLimits>> = Vec::with_capacity(paths.len());
         for path in paths {
             let live = Arc::new(LiveLimits::load(path)?);
-            let domain = live.active().load().domain.clone();
-            if let Some(other) = files.iter().find(|f| f.active().load().domain == domain) {
-                return Err(CatalogError::DuplicateDomain(
-                    other.status().file.clone(),
-                    live.status().file.clone(),
-                    domain,
-                ));
+            let limits = live.active().load_full();
+            let same: Vec<Arc<Limits>> = files
+                .iter()
+                .map(|f| f.active().load_full())
+                .filter(|l| l.domain == limits.domain)
+                .collect();
+            if let Some(other) = files.iter().find(|f| f.active().load().domain == limits.domain) {
+                if !merge {
+                    return Err(CatalogError::DuplicateDomain(
+                        other.status().file.clone(),
+                        live.status().file.clone(),
+                        limits.domain.clone(),
+                    ));
+                }
+                let mut parts = same;
+                parts.push(limits.clone());
+                if let Err(reason) = Limits::merge(&parts) {
+                    return Err(CatalogError::Merge(
+                        live.status().file.clone(),
+                        limits.domain.clone(),
+                        reason,
+                    ));
+                }
             }
             files.push(live);
         }
@@ -637,14 +740,25 @@ impl Catalog {
             by_file: Mutex::new(
                 files
                     .iter()
-                    .map(|f| (f.path.clone(), f.active().load().domain.clone()))
+                    .map(|f| (f.path.clone(), f.active().load().domain.clone(), f.active()))
                     .collect(),
             ),
+            merge,
         });
         for f in &files {
             let _ = f.domains.set(domains.clone());
         }
-        Ok(Catalog { files })
+        let by_domain = Arc::new(DomainIndex {
+            actives: files.iter().map(|f| f.active()).collect(),
+            map: ArcSwap::from_pointee(HashMap::new()),
+            rebuild: Mutex::new(()),
+        });
+        by_domain.rebuild();
+        for f in &files {
+            let index = by_domain.clone();
+            f.on_change(move || index.rebuild());
+        }
+        Ok(Catalog { files, by_domain })
     }
 
     /// The files, in command-line order.
@@ -652,12 +766,9 @@ impl Catalog {
         &self.files
     }
 
-    /// The active limits of `domain`, for the Envoy RLS surface.
+    /// The limits in force for `domain`, for the Envoy RLS surface.
     pub fn domain(&self, domain: &str) -> Option<Arc<Limits>> {
-        self.files
-            .iter()
-            .map(|f| f.active.load_full())
-            .find(|l| l.domain == domain)
+        self.by_domain.map.load().get(domain).cloned()
     }
 
     /// The counters an HTTP request touches, across every file.

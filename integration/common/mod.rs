@@ -188,6 +188,22 @@ impl Tollgate {
         Self::spawn_with_env(&args, config, dir, env)
     }
 
+    /// Starts tollgate as a pure rate limit service (no `--upstream`) over
+    /// these limits files, RLS and admin on free loopback ports.
+    pub fn start_rls(files: &[PathBuf], extra: &[&str]) -> Tollgate {
+        let mut args: Vec<String> = Vec::new();
+        for f in files {
+            args.push("--config".into());
+            args.push(f.display().to_string());
+        }
+        for a in ["--admin-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"] {
+            args.push(a.into());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let config = files.first().cloned().unwrap_or_default();
+        Self::spawn(&args, config, tempfile::tempdir().unwrap())
+    }
+
     /// Starts the binary with exactly these arguments.
     pub fn spawn(args: &[String], config: PathBuf, dir: tempfile::TempDir) -> Tollgate {
         Self::spawn_with_env(args, config, dir, &[])
@@ -221,7 +237,8 @@ impl Tollgate {
                 panic!("tollgate did not start: {:?}", logs.lock().unwrap());
             }
         };
-        let addr = field(&line, "proxy=").unwrap();
+        // A pure rate limit service (no --upstream) has no proxy listener.
+        let addr = field(&line, "proxy=").unwrap_or_else(|| SocketAddr::from(([0, 0, 0, 0], 0)));
         let admin = field(&line, "admin=").unwrap();
         let grpc = field(&line, "grpc=");
         let check = field(&line, "check=");

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use http::StatusCode;
 use serde::Deserialize;
-use serde::de::{DeserializeSeed, Deserializer, SeqAccess, Visitor};
+use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 
 use super::file::{Domain, validated_map};
 use super::{Cost, DescriptorTree, EntryPattern, FailureMode, Format, Limits, Matcher, Rule, ValuePattern, Window};
@@ -26,23 +26,25 @@ pub(super) struct EnvoyFile {
     descriptors: Descriptors,
 }
 
-/// One level of descriptors; a repeated `key`/`value` pair is an error.
+/// One level of descriptors; two with the same composite key are an error.
 #[derive(Default)]
 struct Descriptors(Vec<Descriptor>);
 
 struct Descriptor {
-    key: String,
-    value: Option<String>,
+    entry: EntryPattern,
     rate_limit: Option<RawRateLimit>,
     descriptors: Descriptors,
     shadow_mode: bool,
+    quota_mode: bool,
+    metadata: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawDescriptor {
-    key: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "scalar")]
+    key: Option<String>,
+    #[serde(default, deserialize_with = "scalar")]
     value: Option<String>,
     #[serde(default)]
     rate_limit: Option<RawRateLimit>,
@@ -50,32 +52,82 @@ struct RawDescriptor {
     descriptors: Descriptors,
     #[serde(default)]
     shadow_mode: bool,
-    /// Only changes metric names in envoyproxy/ratelimit; accepted so such
-    /// files load, while tollgate's metric labels stay bounded to rule names.
+    #[serde(default)]
+    quota_mode: bool,
+    #[serde(default)]
+    share_threshold: bool,
+    #[serde(default)]
+    metadata: Option<serde_json::Value>,
+    /// `detailed_metric` and `value_to_metric` only put request values into
+    /// envoyproxy/ratelimit's metric names; accepted so such files load,
+    /// while tollgate's metric labels stay bounded to rule names.
     #[serde(default)]
     #[allow(dead_code)]
     detailed_metric: bool,
+    #[serde(default)]
+    #[allow(dead_code)]
+    value_to_metric: bool,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRateLimit {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "scalar")]
     unit: Option<String>,
     #[serde(default)]
     requests_per_unit: Option<u32>,
     #[serde(default)]
     unlimited: bool,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "scalar")]
     name: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "nullable")]
     replaces: Vec<Replace>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Replace {
-    name: String,
+    #[serde(default, deserialize_with = "scalar")]
+    name: Option<String>,
+}
+
+/// A string field that, as in envoyproxy/ratelimit's YAML reader, also
+/// takes a number or boolean as written (`value: 200`).
+fn scalar<'de, D: Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    struct ScalarVisitor;
+    impl<'de> Visitor<'de> for ScalarVisitor {
+        type Value = Option<String>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_bool<E: de::Error>(self, v: bool) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_i64<E: de::Error>(self, v: i64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_f64<E: de::Error>(self, v: f64) -> Result<Self::Value, E> {
+            Ok(Some(v.to_string()))
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+    }
+    d.deserialize_any(ScalarVisitor)
+}
+
+/// A list that may be written empty (`replaces:` with nothing after it).
+fn nullable<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Vec<T>, D::Error> {
+    Ok(Option::<Vec<T>>::deserialize(d)?.unwrap_or_default())
 }
 
 /// Window length of an Envoy `unit`, in milliseconds.
@@ -109,13 +161,20 @@ impl<'de> Deserialize<'de> for Descriptors {
                 }
                 Ok(Descriptors(list))
             }
+            // `descriptors:` with nothing after it is an empty level.
+            fn visit_unit<E: de::Error>(self) -> Result<Descriptors, E> {
+                Ok(Descriptors::default())
+            }
+            fn visit_none<E: de::Error>(self) -> Result<Descriptors, E> {
+                Ok(Descriptors::default())
+            }
         }
-        d.deserialize_seq(ListVisitor)
+        d.deserialize_any(ListVisitor)
     }
 }
 
 struct UniqueDescriptor<'a> {
-    seen: &'a mut HashSet<(String, Option<String>)>,
+    seen: &'a mut HashSet<String>,
 }
 
 impl<'de> DeserializeSeed<'de> for UniqueDescriptor<'_> {
@@ -125,38 +184,66 @@ impl<'de> DeserializeSeed<'de> for UniqueDescriptor<'_> {
             d,
             "a descriptor (key, value, rate_limit, descriptors)",
             |raw: RawDescriptor| {
-                if raw.key.is_empty() {
-                    return Err("descriptor key must not be empty".to_string());
+                let key = raw.key.unwrap_or_default();
+                if key.is_empty() {
+                    return Err("descriptor has empty key".to_string());
                 }
-                let what = match &raw.value {
-                    Some(v) => format!("{}={v}", raw.key),
-                    None => raw.key.clone(),
+                let entry = EntryPattern {
+                    key,
+                    value: ValuePattern::parse(raw.value.as_deref()),
+                    shared: raw.share_threshold,
                 };
-                if !self.seen.insert((raw.key.clone(), raw.value.clone())) {
-                    return Err(format!("duplicate descriptor {what}"));
+                let composite = entry.composite();
+                if !self.seen.insert(composite.clone()) {
+                    return Err(format!("duplicate descriptor composite key '{composite}'"));
                 }
-                if let Some(rl) = &raw.rate_limit
-                    && !rl.unlimited
-                {
-                    let unit = rl
-                        .unit
-                        .as_deref()
-                        .ok_or_else(|| format!("descriptor {what}: rate_limit needs a unit"))?;
-                    if unit_ms(unit).is_none() {
+                if raw.share_threshold && !composite.contains('*') {
+                    return Err(format!(
+                        "share_threshold can only be used with wildcard values (containing '*'), but found key '{composite}'"
+                    ));
+                }
+                if let Some(rl) = &raw.rate_limit {
+                    let unit = rl.unit.as_deref().unwrap_or_default();
+                    let known = unit_ms(unit).is_some();
+                    if rl.unlimited && known {
                         return Err(format!(
-                            "descriptor {what}: unknown unit \"{unit}\" (second, minute, hour, day, week, month, year)"
+                            "descriptor {composite}: should not specify rate limit unit when unlimited"
                         ));
                     }
-                    if rl.requests_per_unit.is_none() {
-                        return Err(format!("descriptor {what}: rate_limit needs requests_per_unit"));
+                    if !rl.unlimited && !known {
+                        return Err(format!(
+                            "descriptor {composite}: invalid rate limit unit '{unit}' (second, minute, hour, day, week, month, year)"
+                        ));
+                    }
+                    let name = rl.name.as_deref().unwrap_or_default();
+                    for r in &rl.replaces {
+                        match r.name.as_deref().unwrap_or_default() {
+                            "" => {
+                                return Err(format!(
+                                    "descriptor {composite}: should not have an empty replaces entry"
+                                ));
+                            }
+                            n if n == name => {
+                                return Err(format!(
+                                    "descriptor {composite}: replaces should not contain name of same descriptor"
+                                ));
+                            }
+                            _ => {}
+                        }
                     }
                 }
+                if let Some(m) = &raw.metadata
+                    && !(m.is_object() || m.is_null())
+                {
+                    return Err(format!("descriptor {composite}: metadata must be a map"));
+                }
                 Ok(Descriptor {
-                    key: raw.key,
-                    value: raw.value,
+                    entry,
                     rate_limit: raw.rate_limit,
                     descriptors: raw.descriptors,
                     shadow_mode: raw.shadow_mode,
+                    quota_mode: raw.quota_mode,
+                    metadata: raw.metadata.filter(|m| m.as_object().is_some_and(|o| !o.is_empty())),
                 })
             },
         )
@@ -186,12 +273,10 @@ fn add_level(
     tree: &mut DescriptorTree,
 ) -> Result<(), String> {
     for d in level {
-        path.push(EntryPattern {
-            key: d.key.clone(),
-            value: ValuePattern::parse(d.value.as_deref()),
-        });
-        let shadow = d.shadow_mode;
-        let rule = d.rate_limit.map(|rl| Arc::new(rule_for(path, shadow, rl)));
+        path.push(d.entry);
+        let rule = d
+            .rate_limit
+            .map(|rl| Arc::new(rule_for(path, d.shadow_mode, d.quota_mode, d.metadata, rl)));
         tree.insert(path, rule.clone()).map_err(|e| e.to_string())?;
         rules.extend(rule);
         add_level(d.descriptors.0, path, rules, tree)?;
@@ -202,35 +287,43 @@ fn add_level(
 
 /// The id envoyproxy/ratelimit would use for this node: `key_value.key2`.
 fn path_id(path: &[EntryPattern]) -> String {
-    path.iter()
-        .map(|e| match &e.value {
-            ValuePattern::Any => e.key.clone(),
-            ValuePattern::Exact(v) => format!("{}_{v}", e.key),
-            ValuePattern::Prefix(p) => format!("{}_{p}*", e.key),
-        })
-        .collect::<Vec<_>>()
-        .join(".")
+    path.iter().map(EntryPattern::composite).collect::<Vec<_>>().join(".")
 }
 
-fn rule_for(path: &[EntryPattern], shadow: bool, rl: RawRateLimit) -> Rule {
+fn rule_for(
+    path: &[EntryPattern],
+    shadow: bool,
+    quota: bool,
+    metadata: Option<serde_json::Value>,
+    rl: RawRateLimit,
+) -> Rule {
     let id = path_id(path);
-    let windows = match (rl.unlimited, rl.unit.as_deref().and_then(unit_ms), rl.requests_per_unit) {
-        (false, Some(period_ms), Some(requests)) => vec![Window {
-            requests: u64::from(requests),
+    let windows = match (rl.unlimited, rl.unit.as_deref().and_then(unit_ms)) {
+        (false, Some(period_ms)) => vec![Window {
+            // Absent means 0, as in envoyproxy/ratelimit: every request is over.
+            requests: u64::from(rl.requests_per_unit.unwrap_or(0)),
             period_ms,
         }],
         _ => Vec::new(),
     };
+    let limit_name = rl.name.unwrap_or_default();
     Rule {
-        name: rl.name.clone().unwrap_or_else(|| id.clone()),
+        name: if limit_name.is_empty() {
+            id.clone()
+        } else {
+            limit_name.clone()
+        },
+        limit_name,
         id,
         descriptor: Some(path.to_vec()),
         unlimited: rl.unlimited,
-        replaces: rl.replaces.into_iter().map(|r| r.name).collect(),
+        replaces: rl.replaces.into_iter().filter_map(|r| r.name).collect(),
         matcher: Matcher::default(),
         by: Vec::new(),
         windows,
         shadow,
+        quota,
+        metadata,
         status: StatusCode::TOO_MANY_REQUESTS,
         cost: Cost::Fixed(1),
         failure_mode: FailureMode::Open,
@@ -267,7 +360,7 @@ descriptors:
 ";
 
     fn rule_name(l: &crate::config::Limits, entries: &[(&str, &str)]) -> Option<String> {
-        l.tree.lookup(entries.iter().copied()).map(|r| r.name.clone())
+        l.tree.lookup(entries.iter().copied()).map(|m| m.rule.name.clone())
     }
 
     #[test]
@@ -294,9 +387,9 @@ descriptors:
         assert_eq!(rule_name(&l, &[("remote_address", "50.0.0.6")]), None);
         assert_eq!(rule_name(&l, &[("path", "/api/users")]).as_deref(), Some("path_/api/*"));
         assert_eq!(rule_name(&l, &[("path", "/apx")]), None);
-        let day = l.tree.lookup([("to_number", "1")]).unwrap();
+        let day = l.tree.lookup([("to_number", "1")]).unwrap().rule;
         assert_eq!(day.windows[0].period_ms, 86_400_000);
-        assert!(l.tree.lookup([("ldap", "x")]).unwrap().unlimited);
+        assert!(l.tree.lookup([("ldap", "x")]).unwrap().rule.unlimited);
     }
 
     #[test]
@@ -305,7 +398,7 @@ descriptors:
             (
                 "unit: day\n          requests_per_unit: 5",
                 "unit: fortnight\n          requests_per_unit: 5",
-                "unknown unit",
+                "invalid rate limit unit 'fortnight'",
             ),
             (
                 "requests_per_unit: 20 }",
@@ -315,12 +408,27 @@ descriptors:
             (
                 "  - key: ldap\n",
                 "  - key: to_number\n",
-                "duplicate descriptor to_number",
+                "duplicate descriptor composite key 'to_number'",
             ),
             (
-                "unit: minute, requests_per_unit: 20",
-                "unit: minute",
-                "needs requests_per_unit",
+                "{ unlimited: true }",
+                "{ unlimited: true, unit: second }",
+                "should not specify rate limit unit when unlimited",
+            ),
+            (
+                "value: 50.0.0.5\n",
+                "value: 50.0.0.5\n    share_threshold: true\n",
+                "share_threshold can only be used with wildcard values",
+            ),
+            (
+                "name: blocked }",
+                "name: blocked, replaces: [{ name: blocked }] }",
+                "replaces should not contain name of same descriptor",
+            ),
+            (
+                "name: blocked }",
+                "name: blocked, replaces: [{ name: '' }] }",
+                "should not have an empty replaces entry",
             ),
         ] {
             assert!(MESSAGING.contains(from), "{from}");

@@ -179,19 +179,15 @@ pub(super) fn deserialize<T: serde::de::DeserializeOwned>(text: &str, file: &str
 }
 
 /// An envoyproxy/ratelimit file is recognised by its shape: a top-level
-/// `descriptors` list and no `rules`.
+/// `descriptors` key (even with nothing after it) and no `rules`.
 fn looks_like_envoy(text: &str, file: &str) -> bool {
-    #[derive(Deserialize)]
-    struct Shape {
-        descriptors: Option<serde::de::IgnoredAny>,
-        rules: Option<serde::de::IgnoredAny>,
-    }
+    type Shape = std::collections::HashMap<String, serde::de::IgnoredAny>;
     let shape: Option<Shape> = if file.ends_with(".json") {
         serde_json::from_str(text).ok()
     } else {
         yaml_serde::from_str(text).ok()
     };
-    shape.is_some_and(|s| s.descriptors.is_some() && s.rules.is_none())
+    shape.is_some_and(|s| s.contains_key("descriptors") && !s.contains_key("rules"))
 }
 
 /// Both parsers append "at line N column M"; the line is reported separately.
@@ -257,7 +253,8 @@ impl<'de> Deserialize<'de> for RuleList {
 #[derive(Default)]
 struct Seen {
     names: HashSet<String>,
-    patterns: HashSet<Vec<EntryPattern>>,
+    /// Composite keys (`key_value`): two spellings of one key collide.
+    patterns: HashSet<Vec<String>>,
 }
 
 /// Deserializes one rule and refuses a name (or descriptor) used before, so
@@ -275,7 +272,10 @@ impl<'de> DeserializeSeed<'de> for UniqueRule<'_> {
             }
             let parsed = raw.into_rule()?;
             if let Some(pattern) = &parsed.rule.descriptor
-                && !self.seen.patterns.insert(pattern.clone())
+                && !self
+                    .seen
+                    .patterns
+                    .insert(pattern.iter().map(EntryPattern::composite).collect())
             {
                 return Err(format!(
                     "rule \"{}\": another rule already matches this descriptor",
@@ -389,6 +389,7 @@ impl RawRule {
                     .map(|e| EntryPattern {
                         key: e.key,
                         value: ValuePattern::parse(e.value.as_deref()),
+                        shared: false,
                     })
                     .collect(),
             ),
@@ -396,6 +397,7 @@ impl RawRule {
         Ok(ParsedRule {
             rule: Rule {
                 id: name.clone(),
+                limit_name: name.clone(),
                 name,
                 descriptor,
                 unlimited: false,
@@ -404,6 +406,8 @@ impl RawRule {
                 by: self.by.into_iter().map(|p| p.0).collect(),
                 windows,
                 shadow: self.shadow,
+                quota: false,
+                metadata: None,
                 status,
                 cost: self.cost.map(|c| c.0).unwrap_or(Cost::Fixed(1)),
                 failure_mode: FailureMode::Open,

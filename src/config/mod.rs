@@ -48,6 +48,28 @@ pub enum Format {
 }
 
 impl Limits {
+    /// Several envoyproxy/ratelimit files of one domain as one (its
+    /// `MERGE_DOMAIN_CONFIG`): their top-level descriptors side by side, in
+    /// file order; a composite key declared twice is an error. tollgate's
+    /// own files are never merged: one domain, one file.
+    pub fn merge(parts: &[Arc<Limits>]) -> Result<Limits, String> {
+        let Some((first, rest)) = parts.split_first() else {
+            return Err("nothing to merge".into());
+        };
+        let mut merged = (**first).clone();
+        for part in rest {
+            if part.format != Format::EnvoyRatelimit || merged.format != Format::EnvoyRatelimit {
+                return Err(format!(
+                    "domain \"{}\" is declared by several files; only envoyproxy/ratelimit files can share one",
+                    merged.domain
+                ));
+            }
+            merged.tree.merge(&part.tree).map_err(|e| e.to_string())?;
+            merged.rules.extend(part.rules.iter().cloned());
+        }
+        Ok(merged)
+    }
+
     /// The rules the HTTP surfaces (proxy, ext_authz, auth_request) apply.
     pub fn http_rules(&self) -> impl Iterator<Item = &Arc<Rule>> {
         self.rules.iter().filter(|r| r.descriptor.is_none())
@@ -61,6 +83,10 @@ pub struct Rule {
     pub id: String,
     /// Shown in headers, logs and metrics (the id unless the file names it).
     pub name: String,
+    /// The name the RLS reports in `current_limit` and `replaces` refers to:
+    /// empty for an unnamed envoyproxy/ratelimit limit, as there.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub limit_name: String,
     /// For Envoy descriptors: the entries this rule matches, in order.
     /// A rule with a descriptor is not applied by the HTTP surfaces.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -79,6 +105,14 @@ pub struct Rule {
     pub windows: Vec<Window>,
     /// Count and report, never reject.
     pub shadow: bool,
+    /// envoyproxy/ratelimit's `quota_mode`: being over refuses the request
+    /// only when every quota rule the request touches is over.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub quota: bool,
+    /// Handed to Envoy in the RLS answer's dynamic metadata when the request
+    /// passes this rule (envoyproxy/ratelimit's `metadata`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<serde_json::Value>,
     /// Status sent to a rejected caller.
     #[serde(serialize_with = "ser_status")]
     pub status: StatusCode,

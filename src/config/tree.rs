@@ -1,8 +1,13 @@
-//! Envoy descriptor matching: a request descriptor `[(k1, v1), (k2, v2)]`
-//! is looked up level by level, as envoyproxy/ratelimit does. At each level
-//! `key` + exact `value` beats `key` + `value*` (longest prefix), which beats
-//! a bare `key`; the rule at the node reached by the last entry applies. A
-//! descriptor deeper or shallower than the configured tree matches nothing.
+//! Envoy descriptor matching, exactly as envoyproxy/ratelimit does it, so a
+//! migrated file answers every request the same way.
+//!
+//! Each configured level is named by its composite key: `key_value`, or
+//! `key` when no value is given. A request entry `(k, v)` is looked up level
+//! by level: first the composite `k_v` itself, then the level's wildcard
+//! patterns (a `*` anywhere matches any run of characters) in file order,
+//! the first that matches `k_v` winning, then the bare `k`. The rule at the
+//! node the last entry reaches applies; a descriptor deeper or shallower
+//! than the configured tree matches nothing.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,19 +24,17 @@ pub enum ValuePattern {
     Any,
     /// Exactly this value.
     Exact(String),
-    /// Values starting with this (written `prefix*`); one counter per value.
-    Prefix(String),
+    /// This pattern, where each `*` matches any run of characters.
+    Wildcard(String),
 }
 
 impl ValuePattern {
-    /// Reads a configured value: absent is any, a trailing `*` a prefix.
+    /// Reads a configured value: absent or empty is any, one with `*` a wildcard.
     pub fn parse(value: Option<&str>) -> Self {
         match value {
-            None => ValuePattern::Any,
-            Some(v) => match v.strip_suffix('*') {
-                Some(prefix) => ValuePattern::Prefix(prefix.to_string()),
-                None => ValuePattern::Exact(v.to_string()),
-            },
+            None | Some("") => ValuePattern::Any,
+            Some(v) if v.contains('*') => ValuePattern::Wildcard(v.to_string()),
+            Some(v) => ValuePattern::Exact(v.to_string()),
         }
     }
 }
@@ -43,6 +46,20 @@ pub struct EntryPattern {
     pub key: String,
     /// What its value must be.
     pub value: ValuePattern,
+    /// Every value this wildcard matches shares one counter
+    /// (envoyproxy/ratelimit's `share_threshold`).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub shared: bool,
+}
+
+impl EntryPattern {
+    /// The name envoyproxy/ratelimit gives this level: `key` or `key_value`.
+    pub fn composite(&self) -> String {
+        match &self.value {
+            ValuePattern::Any => self.key.clone(),
+            ValuePattern::Exact(v) | ValuePattern::Wildcard(v) => format!("{}_{v}", self.key),
+        }
+    }
 }
 
 /// Descriptor patterns arranged for lookup.
@@ -53,41 +70,76 @@ pub struct DescriptorTree {
 
 #[derive(Debug, Clone, Default)]
 struct Level {
-    exact: HashMap<(String, String), Node>,
-    prefix: Vec<(String, String, Node)>,
-    any: HashMap<String, Node>,
+    /// Every node of the level by composite key, wildcards included.
+    nodes: HashMap<String, Node>,
+    /// The level's wildcard patterns, in file order.
+    wildcards: Vec<Wildcard>,
+}
+
+#[derive(Debug, Clone)]
+struct Wildcard {
+    composite: String,
+    /// The composite split at each `*`: at least two pieces.
+    pieces: Vec<String>,
 }
 
 #[derive(Debug, Clone, Default)]
 struct Node {
     rule: Option<Arc<Rule>>,
+    /// For a `share_threshold` wildcard: the value that names the shared
+    /// counter (the pattern itself, `files*`).
+    shared_value: Option<String>,
     children: Level,
 }
 
-/// Two rules claim the same descriptor pattern.
+/// Two patterns of one level have the same composite key.
 #[derive(Debug, thiserror::Error)]
-#[error("another rule already matches this descriptor")]
-pub struct DuplicatePattern;
+#[error("duplicate descriptor composite key '{0}'")]
+pub struct DuplicatePattern(pub String);
+
+/// The rule a request descriptor matched, and how to name its counter.
+#[derive(Debug)]
+pub struct TreeMatch<'a> {
+    /// The rule at the node the last entry reached.
+    pub rule: &'a Arc<Rule>,
+    /// Entries matched by a `share_threshold` wildcard, by index, with the
+    /// value that replaces theirs in the counter key.
+    pub shared: Vec<(usize, &'a str)>,
+}
 
 impl DescriptorTree {
-    /// Adds a node for `path` (creating the levels above it) and puts `rule`
+    /// Adds `path`'s node (creating the levels above it) and puts `rule`
     /// there. `rule: None` keeps a placeholder: it still wins over less
-    /// specific patterns at its level, as in envoyproxy/ratelimit.
+    /// specific patterns at its level, as in envoyproxy/ratelimit. A node that
+    /// already has a rule is a duplicate.
     pub fn insert(&mut self, path: &[EntryPattern], rule: Option<Arc<Rule>>) -> Result<(), DuplicatePattern> {
-        let mut level = &mut self.root;
         let Some((last, parents)) = path.split_last() else {
             return Ok(());
         };
+        let mut level = &mut self.root;
         for entry in parents {
             level = &mut level.node_mut(entry).children;
         }
         let node = level.node_mut(last);
         if rule.is_some() {
             if node.rule.is_some() {
-                return Err(DuplicatePattern);
+                return Err(DuplicatePattern(last.composite()));
             }
             node.rule = rule;
         }
+        Ok(())
+    }
+
+    /// Adds `other`'s top-level descriptors beside these (another file of
+    /// the same domain); one composite key at the top of both is an error.
+    pub fn merge(&mut self, other: &DescriptorTree) -> Result<(), DuplicatePattern> {
+        if let Some(dup) = other.root.nodes.keys().find(|k| self.root.nodes.contains_key(*k)) {
+            return Err(DuplicatePattern(dup.clone()));
+        }
+        for (composite, node) in &other.root.nodes {
+            self.root.nodes.insert(composite.clone(), node.clone());
+        }
+        self.root.wildcards.extend(other.root.wildcards.iter().cloned());
         Ok(())
     }
 
@@ -104,54 +156,135 @@ impl DescriptorTree {
     pub fn lookup<K: AsRef<str>, V: AsRef<str>>(
         &self,
         entries: impl IntoIterator<Item = (K, V)>,
-    ) -> Option<&Arc<Rule>> {
+    ) -> Option<TreeMatch<'_>> {
         let mut level = &self.root;
         let mut found: Option<&Node> = None;
-        for (key, value) in entries {
+        let mut shared = Vec::new();
+        let mut composite = String::new();
+        for (i, (key, value)) in entries.into_iter().enumerate() {
             if let Some(node) = found {
                 level = &node.children;
             }
-            found = Some(level.find(key.as_ref(), value.as_ref())?);
+            let key = key.as_ref();
+            composite.clear();
+            composite.push_str(key);
+            composite.push('_');
+            composite.push_str(value.as_ref());
+            let node = match level.nodes.get(composite.as_str()) {
+                Some(node) => node,
+                None => match level.wildcards.iter().find(|w| w.matches(&composite)) {
+                    Some(w) => {
+                        let node = level.nodes.get(&w.composite)?;
+                        if let Some(v) = &node.shared_value {
+                            shared.push((i, v.as_str()));
+                        }
+                        node
+                    }
+                    None => level.nodes.get(key)?,
+                },
+            };
+            found = Some(node);
         }
-        found.and_then(|n| n.rule.as_ref())
+        found
+            .and_then(|n| n.rule.as_ref())
+            .map(|rule| TreeMatch { rule, shared })
     }
 }
 
 impl Level {
     fn node_mut(&mut self, entry: &EntryPattern) -> &mut Node {
-        let key = entry.key.clone();
-        match &entry.value {
-            ValuePattern::Any => self.any.entry(key).or_default(),
-            ValuePattern::Exact(v) => self.exact.entry((key, v.clone())).or_default(),
-            ValuePattern::Prefix(p) => {
-                let i = match self.prefix.iter().position(|(k, q, _)| *k == key && q == p) {
-                    Some(i) => i,
-                    None => {
-                        self.prefix.push((key, p.clone(), Node::default()));
-                        // Longest prefix first, so the most specific wins.
-                        self.prefix.sort_by_key(|p| std::cmp::Reverse(p.1.len()));
-                        self.prefix
-                            .iter()
-                            .position(|(k, q, _)| *k == entry.key && q == p)
-                            .unwrap_or(0)
-                    }
-                };
-                &mut self.prefix[i].2
+        let composite = entry.composite();
+        if !self.nodes.contains_key(&composite) && composite.contains('*') {
+            self.wildcards.push(Wildcard {
+                pieces: composite.split('*').map(str::to_string).collect(),
+                composite: composite.clone(),
+            });
+        }
+        let node = self.nodes.entry(composite).or_default();
+        if entry.shared
+            && let ValuePattern::Wildcard(v) = &entry.value
+        {
+            node.shared_value = Some(v.clone());
+        }
+        node
+    }
+}
+
+impl Wildcard {
+    /// Whether `text` matches: it starts with the first piece, ends with
+    /// the last, and holds the middle pieces in order between them, without
+    /// overlaps.
+    fn matches(&self, text: &str) -> bool {
+        let Some((first, rest)) = self.pieces.split_first() else {
+            return false;
+        };
+        let Some((last, middle)) = rest.split_last() else {
+            return text == first;
+        };
+        let Some(mut between) = text
+            .strip_prefix(first.as_str())
+            .and_then(|t| t.strip_suffix(last.as_str()))
+        else {
+            return false;
+        };
+        for piece in middle {
+            match between.find(piece.as_str()) {
+                Some(at) => match between.get(at.saturating_add(piece.len())..) {
+                    Some(after) => between = after,
+                    None => return false,
+                },
+                None => return false,
             }
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn wildcard(pattern: &str) -> Wildcard {
+        Wildcard {
+            composite: pattern.to_string(),
+            pieces: pattern.split('*').map(str::to_string).collect(),
         }
     }
 
-    fn find(&self, key: &str, value: &str) -> Option<&Node> {
-        // Avoids allocating for the common exact-miss case only when the map is empty.
-        if !self.exact.is_empty()
-            && let Some(n) = self.exact.get(&(key.to_string(), value.to_string()))
-        {
-            return Some(n);
+    /// The plain definition: `*` matches any run of characters.
+    fn reference_match(pattern: &[u8], text: &[u8]) -> bool {
+        match pattern.split_first() {
+            None => text.is_empty(),
+            Some((b'*', rest)) => (0..=text.len()).any(|i| reference_match(rest, &text[i..])),
+            Some((c, rest)) => text.first() == Some(c) && reference_match(rest, &text[1..]),
         }
-        self.prefix
-            .iter()
-            .find(|(k, p, _)| k == key && value.starts_with(p.as_str()))
-            .map(|(_, _, n)| n)
-            .or_else(|| self.any.get(key))
+    }
+
+    #[test]
+    fn wildcards_match_anywhere_in_the_value() {
+        for (pattern, text, expected) in [
+            ("path_bar*b", "path_barfoob", true),
+            ("path_bar*b", "path_bar", false),
+            ("path_bar*b", "path_barb", true),
+            ("k_foo*bar*baz", "k_foo1bar2baz", true),
+            ("k_foo*bar*baz", "k_foobarbaz", true),
+            ("k_foo*bar*baz", "k_foobaz", false),
+            ("k_*suffix", "k_my-suffix", true),
+            ("k_*suffix", "k_suffixx", false),
+            ("k_ab*ba", "k_aba", false),
+            ("k_a*", "k_a", true),
+        ] {
+            assert_eq!(wildcard(pattern).matches(text), expected, "{pattern} ~ {text}");
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn wildcard_matching_agrees_with_its_definition(pattern in "[ab*]{0,8}", text in "[ab]{0,10}") {
+            let pattern = format!("k_{pattern}*");
+            let text = format!("k_{text}");
+            prop_assert_eq!(wildcard(&pattern).matches(&text), reference_match(pattern.as_bytes(), text.as_bytes()));
+        }
     }
 }

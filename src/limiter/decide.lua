@@ -23,8 +23,9 @@
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the number of decisions
 -- then per decision: its key count, dry run (0/1: check with the real costs
--- but charge nothing), and per key: cost, shadow (0/1), window count, and
--- (limit, period_ms) pairs
+-- but charge nothing), and per key: cost, role (bit 1: shadow, never
+-- refuses; bit 2: quota, refuses only when no quota key of the decision has
+-- room), window count, and (limit, period_ms) pairs
 --
 -- Reply, per decision: admitted (0/1), then per key: charged (0/1), then per
 -- window: used (before this request, with what earlier keys of the same
@@ -179,6 +180,7 @@ for _ = 1, num(ARGV[2]) do
   local dry = ARGV[a + 1] == '1'
   a = a + 2
   local admitted = 1
+  local quotas, quota_room = false, false
   local base = r + 1
   r = r + 1
   -- Units earlier keys of this decision take from a counter: a counter
@@ -187,7 +189,9 @@ for _ = 1, num(ARGV[2]) do
   for i = 1, nkeys do
     local key = KEYS[k + i]
     local cost = num(ARGV[a])
-    local shadow = ARGV[a + 1] == '1'
+    local role = num(ARGV[a + 1])
+    local shadow = role % 2 == 1
+    local quota = role >= 2
     local nwin = num(ARGV[a + 2])
     a = a + 3
     local s = counter(key)
@@ -221,11 +225,17 @@ for _ = 1, num(ARGV[2]) do
       reply[r + 3] = retry
       r = r + 3
     end
-    if not fits and not shadow then admitted = 0 end
+    if quota then
+      quotas = true
+      if fits or shadow then quota_room = true end
+    elseif not fits and not shadow then
+      admitted = 0
+    end
     if fits then claims[key] = claim + cost end
     keys[i] = { key, s, fits, cost, longest, r - 3 * nwin }
   end
 
+  if quotas and not quota_room then admitted = 0 end
   reply[base] = admitted
   for i = 1, nkeys do
     local key, s, fits, cost, longest, at = unpack(keys[i])

@@ -59,7 +59,13 @@ fn signature(hits: &[Hit]) -> String {
     let mut s = String::with_capacity(hits.len().saturating_mul(64));
     for h in hits {
         s.push_str(&h.key);
-        let _ = write!(s, "\u{0}{}\u{0}{}", h.cost, u8::from(h.rule.shadow));
+        let _ = write!(
+            s,
+            "\u{0}{}\u{0}{}{}",
+            h.cost,
+            u8::from(h.rule.shadow),
+            u8::from(h.rule.quota)
+        );
         for w in &h.rule.windows {
             let _ = write!(s, "\u{0}{}/{}", w.requests, w.period_ms);
         }

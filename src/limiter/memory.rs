@@ -177,6 +177,7 @@ impl MemoryStore {
             state.next_sweep_ms = now.saturating_add(SWEEP_EVERY_MS);
         }
         let mut admitted = true;
+        let (mut quotas, mut quota_room) = (false, false);
         let mut counts = Vec::with_capacity(checks.len());
         // Units earlier checks of this decision take from a key: a counter
         // named twice is checked against both costs, not twice against one.
@@ -201,7 +202,12 @@ impl MemoryStore {
                 })
                 .collect();
             let fits = windows.iter().all(|w| !w.over());
-            admitted &= fits || check.shadow;
+            if check.quota {
+                quotas = true;
+                quota_room |= fits || check.shadow;
+            } else {
+                admitted &= fits || check.shadow;
+            }
             if fits {
                 match claims.iter_mut().find(|c| c.0 == check.key) {
                     Some(c) => c.1 = c.1.saturating_add(check.cost),
@@ -210,6 +216,7 @@ impl MemoryStore {
             }
             counts.push(CheckCount { charged: fits, windows });
         }
+        admitted &= !quotas || quota_room;
         for (check, count) in checks.iter().zip(counts.iter_mut()) {
             count.charged &= admitted && check.cost > 0;
             if count.charged {
@@ -259,11 +266,17 @@ mod tests {
     use proptest::prelude::*;
 
     fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64, shadow: bool) -> Check<'a> {
+        with_role(key, windows, cost, u8::from(shadow))
+    }
+
+    /// A check whose role is bit 1: shadow, bit 2: quota.
+    fn with_role<'a>(key: &'a str, windows: &'a [Window], cost: u64, role: u8) -> Check<'a> {
         Check {
             key,
             windows,
             cost,
-            shadow,
+            shadow: role & 1 == 1,
+            quota: role & 2 == 2,
         }
     }
 
@@ -320,7 +333,7 @@ mod tests {
         fn decide(
             &mut self,
             now: u64,
-            checks: &[(usize, Vec<Window>, u64, bool)],
+            checks: &[(usize, Vec<Window>, u64, u8)],
         ) -> (bool, Vec<(bool, Vec<ModelWindow>)>) {
             let mut claims: HashMap<usize, u64> = HashMap::new();
             let mut out = Vec::new();
@@ -336,7 +349,13 @@ mod tests {
                 }
                 out.push((fits, ws));
             }
-            let admitted = checks.iter().zip(&out).all(|(c, o)| o.0 || c.3);
+            // Shadow checks never refuse; quota checks refuse only when none
+            // of them has room.
+            let room = |(c, o): (&(usize, Vec<Window>, u64, u8), &(bool, Vec<ModelWindow>))| o.0 || c.3 & 1 == 1;
+            let pairs = || checks.iter().zip(&out);
+            let enforced = pairs().filter(|(c, _)| c.3 & 2 == 0).all(room);
+            let quotas: Vec<_> = pairs().filter(|(c, _)| c.3 & 2 == 2).collect();
+            let admitted = enforced && (quotas.is_empty() || quotas.into_iter().any(room));
             for (c, o) in checks.iter().zip(out.iter_mut()) {
                 o.0 &= admitted && c.2 > 0;
                 if o.0 {
@@ -347,10 +366,11 @@ mod tests {
         }
     }
 
-    type Step = (u64, Vec<(usize, u64, bool)>);
+    type Step = (u64, Vec<(usize, u64, u8)>);
 
     fn steps() -> impl Strategy<Value = Vec<Step>> {
-        let check = (0usize..3, 0u64..6, prop::bool::weighted(0.2));
+        let role = prop_oneof![6 => Just(0u8), 1 => Just(1), 2 => Just(2), 1 => Just(3)];
+        let check = (0usize..3, 0u64..6, role);
         prop::collection::vec((0u64..700, prop::collection::vec(check, 1..4)), 1..120)
     }
 
@@ -395,10 +415,10 @@ mod tests {
                 clock.advance(dt);
                 let now = clock.now_ms();
                 // The same key may come more than once in one decision.
-                let specs: Vec<(usize, Vec<Window>, u64, bool)> =
-                    picks.iter().map(|&(k, cost, shadow)| (k, rule_windows(k), cost, shadow)).collect();
+                let specs: Vec<(usize, Vec<Window>, u64, u8)> =
+                    picks.iter().map(|&(k, cost, role)| (k, rule_windows(k), cost, role)).collect();
                 let checks: Vec<Check<'_>> =
-                    specs.iter().map(|(k, w, cost, shadow)| check(names[*k], w, *cost, *shadow)).collect();
+                    specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
                 let answer = store.decide_now(&checks);
                 let (admitted, expected) = model.decide(now, &specs);
                 prop_assert_eq!(answer.admitted, admitted);

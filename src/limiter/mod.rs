@@ -32,6 +32,9 @@ pub struct Check<'a> {
     pub cost: u64,
     /// A shadow counter never refuses the request.
     pub shadow: bool,
+    /// A quota counter refuses only when every quota counter of the request
+    /// lacks room (envoyproxy/ratelimit's `quota_mode`); a shadow one has room.
+    pub quota: bool,
 }
 
 /// What the store saw in one window, before this request.
@@ -68,7 +71,8 @@ pub struct CheckCount {
 /// The store's answer for a whole request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreAnswer {
-    /// True when every non-shadow counter had room in every window.
+    /// True when every enforcing counter had room in every window, and one
+    /// quota counter did (if there were any).
     pub admitted: bool,
     /// One entry per check, in the order given.
     pub checks: Vec<CheckCount>,
@@ -92,8 +96,9 @@ pub enum StoreError {
 }
 
 /// Where counters live. Implementations decide a whole request atomically:
-/// they charge every check that fits when all non-shadow checks fit, and
-/// charge nothing otherwise.
+/// they charge every check that fits when the request is admitted (every
+/// check that is neither shadow nor quota fits, and some quota check fits
+/// or is shadow, if there are quota checks), and charge nothing otherwise.
 pub trait CounterStore: Send + Sync {
     /// Checks every window of every counter and charges them together.
     fn decide(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
@@ -192,9 +197,13 @@ pub struct Decision {
 }
 
 impl Decision {
-    /// The enforcing rules that refused the request.
+    /// The enforcing rules that refused the request. Quota rules refuse
+    /// only together: when none of them had room.
     pub fn refusing(&self) -> impl Iterator<Item = &RuleOutcome> {
-        self.rules.iter().filter(|r| r.over && !r.rule.shadow)
+        let quotas_refuse = self.rules.iter().filter(|r| r.rule.quota).all(|r| r.over && !r.rule.shadow);
+        self.rules
+            .iter()
+            .filter(move |r| r.over && !r.rule.shadow && (quotas_refuse || !r.rule.quota))
     }
 
     /// Milliseconds until a retry of this request would be admitted: the
@@ -288,6 +297,7 @@ impl Limiter {
             windows: &windows,
             cost: 1,
             shadow: false,
+            quota: false,
         }];
         tokio::time::timeout(self.deadline, self.store.decide(&probe))
             .await
@@ -345,6 +355,7 @@ impl Limiter {
                 windows: &h.rule.windows,
                 cost: h.cost,
                 shadow: h.rule.shadow,
+                quota: h.rule.quota,
             })
             .collect();
         let asked = Instant::now();

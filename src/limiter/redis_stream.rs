@@ -134,6 +134,7 @@ struct OwnedCheck {
     windows: Vec<Window>,
     cost: u64,
     shadow: bool,
+    quota: bool,
 }
 
 /// Small pipelined writes must never wait for a delayed ACK (Nagle).
@@ -302,6 +303,7 @@ fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
             windows: c.windows.to_vec(),
             cost: c.cost,
             shadow: c.shadow,
+            quota: c.quota,
         })
         .collect()
 }
@@ -547,7 +549,7 @@ async fn call<C: ConnectionLike + Send>(
         for check in checks.iter() {
             call.key(&check.key);
             call.arg(check.cost)
-                .arg(u8::from(check.shadow))
+                .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
                 .arg(check.windows.len());
             for w in &check.windows {
                 call.arg(w.requests).arg(w.period_ms);

@@ -6,6 +6,7 @@
 //! so a refused request charges nothing. The answer carries one status per
 //! descriptor, in order, with the exact time until the window frees up.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -15,7 +16,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::rate_li
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{Code, DescriptorStatus, RateLimit};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
-use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use envoy_types::pb::google::protobuf::value::Kind;
+use envoy_types::pb::google::protobuf::{Duration as PbDuration, ListValue, Struct as PbStruct, Value as PbValue};
 use http::{HeaderMap, StatusCode};
 
 use crate::config::{Cost, FailureMode, Matcher, Rule, Window};
@@ -37,7 +39,15 @@ pub const MAX_ENTRIES: usize = 32;
 pub struct RlsService {
     limiter: Arc<Limiter>,
     catalog: Arc<Catalog>,
+    dynamic_metadata: bool,
     unknown_domain: AtomicU64,
+}
+
+/// The rule one descriptor matched, and the values its counter is named by
+/// where a `share_threshold` wildcard stands in for the request's own.
+struct Matched<'a> {
+    rule: Arc<Rule>,
+    shared: Vec<(usize, &'a str)>,
 }
 
 impl RlsService {
@@ -46,8 +56,17 @@ impl RlsService {
         RlsService {
             limiter,
             catalog,
+            dynamic_metadata: false,
             unknown_domain: AtomicU64::new(0),
         }
+    }
+
+    /// Also answer with dynamic metadata (the request's domain, descriptors,
+    /// and the `metadata` of every limit it passed), as envoyproxy/ratelimit
+    /// does with `RESPONSE_DYNAMIC_METADATA`.
+    pub fn with_dynamic_metadata(mut self, on: bool) -> Self {
+        self.dynamic_metadata = on;
+        self
     }
 
     /// Requests for a domain no file declares (answered OK).
@@ -63,37 +82,48 @@ impl RlsService {
             metrics::get().unknown_domain();
             metrics::get().request(Surface::Rls, metrics::Verdict::Allowed);
             tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
-            return ok_response(req.descriptors.len());
+            let mut response = ok_response(req.descriptors.len());
+            if self.dynamic_metadata {
+                response.dynamic_metadata = Some(request_metadata(req, std::iter::empty()));
+            }
+            return response;
         };
         let request_hits = u64::from(if req.hits_addend == 0 { 1 } else { req.hits_addend });
 
         // Which rule each descriptor matched (None: no limit applies).
-        let mut matched: Vec<Option<Arc<Rule>>> = req
+        let mut matched: Vec<Option<Matched<'_>>> = req
             .descriptors
             .iter()
             .map(|d| {
                 // An override with a unit Envoy does not define is ignored,
                 // and the configured limit applies.
-                d.limit
-                    .as_ref()
-                    .and_then(|o| override_rule(o.requests_per_unit, o.unit))
-                    .or_else(|| {
-                        limits
-                            .tree
-                            .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
-                            .cloned()
+                if let Some(rule) = d.limit.as_ref().and_then(|o| override_rule(o.requests_per_unit, o.unit)) {
+                    return Some(Matched {
+                        rule,
+                        shared: Vec::new(),
+                    });
+                }
+                limits
+                    .tree
+                    .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
+                    .map(|m| Matched {
+                        rule: m.rule.clone(),
+                        shared: m.shared,
                     })
             })
             .collect();
-        // A matched rule that `replaces` another drops it from this request.
+        // A matched limit that `replaces` others drops every named limit of
+        // that name from this request; unlimited ones stay unlimited.
         let replaced: Vec<String> = matched
             .iter()
             .flatten()
-            .flat_map(|r| r.replaces.iter().cloned())
+            .flat_map(|m| m.rule.replaces.iter().cloned())
             .collect();
         if !replaced.is_empty() {
             for m in matched.iter_mut() {
-                if m.as_ref().is_some_and(|r| replaced.contains(&r.name)) {
+                if m.as_ref().is_some_and(|m| {
+                    !m.rule.unlimited && !m.rule.limit_name.is_empty() && replaced.contains(&m.rule.limit_name)
+                }) {
                     *m = None;
                 }
             }
@@ -102,28 +132,31 @@ impl RlsService {
         // One hit per limited descriptor; `hit_of[i]` maps descriptor -> hit.
         let mut hits = Vec::new();
         let mut hit_of = vec![None; req.descriptors.len()];
-        for (i, (d, rule)) in req.descriptors.iter().zip(&matched).enumerate() {
-            let Some(rule) = rule.as_ref().filter(|r| !r.unlimited) else {
+        for (i, (d, m)) in req.descriptors.iter().zip(&matched).enumerate() {
+            let Some(m) = m.as_ref().filter(|m| !m.rule.unlimited) else {
                 continue;
             };
-            let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+            let entries = d.entries.iter().enumerate().map(|(j, e)| {
+                let value = m.shared.iter().find(|(at, _)| *at == j).map_or(e.value.as_str(), |s| s.1);
+                (e.key.as_str(), value)
+            });
             if let Some(slot) = hit_of.get_mut(i) {
                 *slot = Some(hits.len());
             }
             hits.push(Hit {
-                rule: rule.clone(),
-                key: descriptor_key(&limits.domain, rule, entries),
+                rule: m.rule.clone(),
+                key: descriptor_key(&limits.domain, &m.rule, entries),
                 cost: cost_of(d, request_hits),
             });
         }
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Rls, decision.verdict.into());
 
-        let statuses = matched
+        let statuses: Vec<DescriptorStatus> = matched
             .iter()
             .zip(&hit_of)
-            .map(|(rule, hit)| match (rule, hit) {
-                (Some(r), _) if r.unlimited => DescriptorStatus {
+            .map(|(m, hit)| match (m, hit) {
+                (Some(m), _) if m.rule.unlimited => DescriptorStatus {
                     code: Code::Ok as i32,
                     current_limit: None,
                     limit_remaining: u32::MAX,
@@ -154,12 +187,114 @@ impl RlsService {
         } else {
             headers::refusal_headers(&decision, &mut headers);
         }
+        let dynamic_metadata = self.dynamic_metadata.then(|| {
+            // The limits of the descriptors answered OK, as envoyproxy/ratelimit
+            // collects them; a shadow limit that was over counts as passed.
+            let passed = matched
+                .iter()
+                .zip(&statuses)
+                .filter(|(_, s)| s.code == Code::Ok as i32 && s.limit_remaining != u32::MAX)
+                .filter_map(|(m, _)| m.as_ref().and_then(|m| m.rule.metadata.as_ref()));
+            request_metadata(req, passed)
+        });
         RateLimitResponse {
             overall_code: overall as i32,
             statuses,
             response_headers_to_add: header_options(&headers),
+            dynamic_metadata,
             ..Default::default()
         }
+    }
+}
+
+/// The dynamic metadata of an answer: the request's domain, descriptors
+/// (`key=value` entries and their own `hitsAddend`), its `hitsAddend`, and
+/// the `metadata` of the passed limits merged (the first value of a key wins,
+/// maps merge).
+fn request_metadata<'a>(req: &RateLimitRequest, passed: impl Iterator<Item = &'a serde_json::Value>) -> PbStruct {
+    let mut fields = HashMap::new();
+    fields.insert("domain".to_string(), string_value(req.domain.clone()));
+    let descriptors = req
+        .descriptors
+        .iter()
+        .map(|d| {
+            let mut f = HashMap::new();
+            let entries = d
+                .entries
+                .iter()
+                .map(|e| string_value(format!("{}={}", e.key, e.value)))
+                .collect();
+            f.insert("entries".to_string(), list_value(entries));
+            if let Some(h) = &d.hits_addend {
+                f.insert("hitsAddend".to_string(), number_value(h.value as f64));
+            }
+            PbValue {
+                kind: Some(Kind::StructValue(PbStruct { fields: f })),
+            }
+        })
+        .collect();
+    fields.insert("descriptors".to_string(), list_value(descriptors));
+    if req.hits_addend != 0 {
+        fields.insert("hitsAddend".to_string(), number_value(f64::from(req.hits_addend)));
+    }
+    let mut merged = serde_json::Map::new();
+    for metadata in passed {
+        if let Some(m) = metadata.as_object() {
+            merge(&mut merged, m);
+        }
+    }
+    if !merged.is_empty() {
+        fields.insert("metadata".to_string(), to_pb(&serde_json::Value::Object(merged)));
+    }
+    PbStruct { fields }
+}
+
+/// Adds `from`'s keys to `into`; where both hold a map the maps merge,
+/// otherwise what `into` has stays.
+fn merge(into: &mut serde_json::Map<String, serde_json::Value>, from: &serde_json::Map<String, serde_json::Value>) {
+    for (k, v) in from {
+        match (into.get_mut(k), v) {
+            (Some(serde_json::Value::Object(a)), serde_json::Value::Object(b)) => merge(a, b),
+            (Some(_), _) => {}
+            (None, v) => {
+                into.insert(k.clone(), v.clone());
+            }
+        }
+    }
+}
+
+fn to_pb(v: &serde_json::Value) -> PbValue {
+    use serde_json::Value as J;
+    let kind = match v {
+        J::Null => Kind::NullValue(0),
+        J::Bool(b) => Kind::BoolValue(*b),
+        J::Number(n) => Kind::NumberValue(n.as_f64().unwrap_or(0.0)),
+        J::String(s) => Kind::StringValue(s.clone()),
+        J::Array(a) => Kind::ListValue(ListValue {
+            values: a.iter().map(to_pb).collect(),
+        }),
+        J::Object(o) => Kind::StructValue(PbStruct {
+            fields: o.iter().map(|(k, v)| (k.clone(), to_pb(v))).collect(),
+        }),
+    };
+    PbValue { kind: Some(kind) }
+}
+
+fn string_value(s: String) -> PbValue {
+    PbValue {
+        kind: Some(Kind::StringValue(s)),
+    }
+}
+
+fn number_value(n: f64) -> PbValue {
+    PbValue {
+        kind: Some(Kind::NumberValue(n)),
+    }
+}
+
+fn list_value(values: Vec<PbValue>) -> PbValue {
+    PbValue {
+        kind: Some(Kind::ListValue(ListValue { values })),
     }
 }
 
@@ -170,6 +305,15 @@ impl RateLimitService for RlsService {
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let req = request.get_ref();
+        // envoyproxy/ratelimit answers these with an error too.
+        if req.domain.is_empty() || req.descriptors.is_empty() {
+            metrics::get().request(Surface::Rls, metrics::Verdict::BadRequest);
+            return Err(tonic::Status::invalid_argument(if req.domain.is_empty() {
+                "rate limit domain must not be empty"
+            } else {
+                "rate limit descriptor list must not be empty"
+            }));
+        }
         if req.descriptors.len() > MAX_DESCRIPTORS || req.descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
             metrics::get().request(Surface::Rls, metrics::Verdict::BadRequest);
             return Err(tonic::Status::invalid_argument(format!(
@@ -205,6 +349,8 @@ fn override_rule(requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
     );
     Some(Arc::new(Rule {
         name: id.clone(),
+        // envoyproxy/ratelimit reports an override without a name.
+        limit_name: String::new(),
         id,
         descriptor: None,
         unlimited: false,
@@ -216,6 +362,8 @@ fn override_rule(requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
             period_ms,
         }],
         shadow: false,
+        quota: false,
+        metadata: None,
         status: StatusCode::TOO_MANY_REQUESTS,
         cost: Cost::Fixed(1),
         failure_mode: FailureMode::Open,
@@ -270,7 +418,7 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     DescriptorStatus {
         code: code as i32,
         current_limit: current.map(|w| RateLimit {
-            name: rule.name.clone(),
+            name: rule.limit_name.clone(),
             requests_per_unit: u32::try_from(w.requests).unwrap_or(u32::MAX),
             unit: unit_of(w.period_ms) as i32,
         }),
@@ -339,7 +487,7 @@ rules:
     fn service(dir: &tempfile::TempDir) -> RlsService {
         let path = dir.path().join("d.yaml");
         std::fs::write(&path, LIMITS).unwrap();
-        let catalog = Arc::new(Catalog::load(&[path]).unwrap());
+        let catalog = Arc::new(Catalog::load(&[path], false).unwrap());
         let clock = Arc::new(ManualClock::new(1_000_000));
         let limiter = Arc::new(Limiter::with_clock(
             Store::Memory(MemoryStore::new(clock.clone())),
