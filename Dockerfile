@@ -12,7 +12,8 @@ FROM debian:bookworm-slim
 RUN useradd --system --no-create-home tollgate
 COPY --from=build /src/target/release/tollgate /usr/local/bin/tollgate
 COPY conf /etc/tollgate
+# envoyproxy/ratelimit's manifests run /bin/ratelimit: the same binary.
+RUN ln -s /usr/local/bin/tollgate /bin/ratelimit
 USER tollgate
-EXPOSE 8080 9901
-ENTRYPOINT ["/usr/local/bin/tollgate"]
-CMD ["--config", "/etc/tollgate/limits.yaml"]
+EXPOSE 8080 8081 9901
+CMD ["tollgate", "--config", "/etc/tollgate/limits.yaml"]

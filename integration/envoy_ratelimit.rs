@@ -372,3 +372,429 @@ descriptors:
         assert_eq!(r.statuses[0].limit_remaining, 1);
     }
 }
+
+/// One answer as the scenarios state it, for one repetition of a step.
+#[derive(Debug, Clone, PartialEq)]
+struct Said {
+    overall: String,
+    statuses: Vec<SaidStatus>,
+}
+
+/// One descriptor's answer: code, (requests_per_unit, unit, name) or none,
+/// remaining.
+type SaidStatus = (String, Option<(u32, String, String)>, u32);
+
+fn code_name(code: i32) -> String {
+    Code::try_from(code).map_or("UNKNOWN".into(), |c| c.as_str_name().to_string())
+}
+
+fn said_of(r: &RateLimitResponse) -> Said {
+    Said {
+        overall: code_name(r.overall_code),
+        statuses: r
+            .statuses
+            .iter()
+            .map(|s| {
+                let limit = s.current_limit.as_ref().map(|l| {
+                    let unit = Unit::try_from(l.unit).map_or("UNKNOWN", |u| u.as_str_name());
+                    (l.requests_per_unit, unit.to_ascii_lowercase(), l.name.clone())
+                });
+                (code_name(s.code), limit, s.limit_remaining)
+            })
+            .collect(),
+    }
+}
+
+/// `v`, or its `i`-th element when it is a list (the compact `expect_each`).
+fn nth(v: &serde_json::Value, i: usize) -> &serde_json::Value {
+    match v {
+        serde_json::Value::Array(a) => a.get(i).unwrap_or(&serde_json::Value::Null),
+        v => v,
+    }
+}
+
+fn expected_status(s: &serde_json::Value, i: usize) -> SaidStatus {
+    let field = |name: &str| nth(&s[name], i).clone();
+    let limit = match s.get("limit") {
+        Some(serde_json::Value::Null) => None,
+        _ => Some((
+            field("requests_per_unit").as_u64().unwrap() as u32,
+            field("unit").as_str().unwrap().to_string(),
+            field("name").as_str().unwrap_or("").to_string(),
+        )),
+    };
+    (
+        field("code").as_str().unwrap().to_string(),
+        limit,
+        field("remaining").as_u64().unwrap() as u32,
+    )
+}
+
+/// What a step expects at repetition `i`: the answer, and the dynamic
+/// metadata when the step states it.
+fn expected(step: &serde_json::Value, i: usize) -> (Option<Said>, Option<serde_json::Value>) {
+    let e = match (&step["expect"], &step["expect_each"]) {
+        (e, serde_json::Value::Null) => e.clone(),
+        (_, serde_json::Value::Array(list)) => list[i].clone(),
+        (_, compact) => compact.clone(),
+    };
+    if e["grpc_error"] == serde_json::Value::Bool(true) {
+        return (None, None);
+    }
+    let statuses = match e.get("statuses") {
+        Some(serde_json::Value::Array(list)) => list.iter().map(|s| expected_status(s, i)).collect(),
+        _ => vec![expected_status(&e, i)],
+    };
+    let said = Said {
+        overall: nth(&e["overall"], i).as_str().unwrap().to_string(),
+        statuses,
+    };
+    (Some(said), e.get("dynamic_metadata").cloned())
+}
+
+/// A fresh random token (`RandomState` is seeded randomly each time).
+fn random_token() -> String {
+    use std::hash::BuildHasher;
+    format!("{:x}", std::collections::hash_map::RandomState::new().hash_one(0u8))
+}
+
+fn scenario_request(step: &serde_json::Value, rand: &str) -> RateLimitRequest {
+    let descriptors = step["descriptors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| {
+            let entries: Vec<(String, String)> = d["entries"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|e| {
+                    let value = e[1].as_str().map_or_else(|| e[1].to_string(), str::to_string);
+                    let value = value.replace("${rand}", rand).replace("${unique}", &random_token());
+                    (e[0].as_str().unwrap().to_string(), value)
+                })
+                .collect();
+            let mut d2 = descriptor(&entries);
+            d2.hits_addend = d["hits_addend"].as_u64().map(|value| UInt64Value { value });
+            d2
+        })
+        .collect();
+    RateLimitRequest {
+        domain: step["domain"].as_str().unwrap().to_string(),
+        descriptors,
+        hits_addend: step["hits_addend"].as_u64().unwrap_or(0) as u32,
+    }
+}
+
+/// Longest pause a scenario may take; the three that wait a minute for a
+/// fixed window to roll over stop there (their later steps only show a
+/// fresh window).
+const LONGEST_SLEEP_S: u64 = 3;
+
+/// Runs every scenario; returns (failures, documented differences).
+async fn scenario_suite(redis: Option<&RedisServer>) -> (Vec<String>, Vec<String>) {
+    let root = fixtures();
+    let text = std::fs::read_to_string(root.join("scenarios.yaml")).unwrap();
+    let scenarios: Vec<serde_json::Value> = yaml_serde::from_str(&text).unwrap();
+    let (mut failures, mut differences) = (Vec::new(), Vec::new());
+    for sc in &scenarios {
+        let name = sc["scenario"].as_str().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        for f in sc["files"].as_array().unwrap() {
+            let from = root.join(f.as_str().unwrap());
+            std::fs::copy(&from, dir.path().join(from.file_name().unwrap())).unwrap();
+        }
+        let settings = &sc["settings"];
+        let on = |k: &str| settings[k] == serde_json::Value::Bool(true);
+        let mut extra = vec![
+            "--rls-dynamic-metadata",
+            if on("RESPONSE_DYNAMIC_METADATA") {
+                "true"
+            } else {
+                "false"
+            },
+        ];
+        if on("SHADOW_MODE") {
+            extra.extend(["--rls-shadow-mode", "true"]);
+        }
+        if let Some(redis) = redis {
+            redis.cli(&["FLUSHALL"]);
+        }
+        let url = redis.map(RedisServer::url);
+        if let Some(url) = &url {
+            extra.extend(["--redis", url.as_str()]);
+        }
+        let tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &extra);
+        let mut client = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+            .await
+            .unwrap();
+        let rand = random_token();
+        let mut previous_reset: Vec<Option<i64>> = Vec::new();
+        'steps: for (n, step) in sc["steps"].as_array().unwrap().iter().enumerate() {
+            match step["action"].as_str() {
+                Some("install_config") | Some("remove_config") => {
+                    let (word, before) = if step["action"] == "install_config" {
+                        let from = root.join(step["from"].as_str().unwrap());
+                        std::fs::copy(from, dir.path().join(step["as"].as_str().unwrap())).unwrap();
+                        ("limits file added", tg.log_text().matches("limits file added").count())
+                    } else {
+                        std::fs::remove_file(dir.path().join(step["name"].as_str().unwrap())).unwrap();
+                        (
+                            "limits file removed",
+                            tg.log_text().matches("limits file removed").count(),
+                        )
+                    };
+                    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+                    while tg.log_text().matches(word).count() == before {
+                        if std::time::Instant::now() > deadline {
+                            failures.push(format!("{name} step {n}: no reload ({word}) within 10 s"));
+                            break 'steps;
+                        }
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                    }
+                    continue;
+                }
+                Some("sleep") => {
+                    let secs = step["seconds"].as_u64().unwrap();
+                    if secs > LONGEST_SLEEP_S {
+                        break 'steps;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+                    continue;
+                }
+                Some(other) => panic!("{name}: unknown action {other}"),
+                None => {}
+            }
+            let marked = ["after_refusal", "refused_charge", "fixed_window"]
+                .iter()
+                .filter(|m| step[**m] == serde_json::Value::Bool(true))
+                .copied()
+                .collect::<Vec<_>>();
+            let repeat = step["repeat"].as_u64().unwrap_or(1) as usize;
+            for i in 0..repeat {
+                let what = format!("{name} step {n} #{i}");
+                let req = scenario_request(step, &rand);
+                let (want, want_metadata) = expected(step, i);
+                let answer = client.should_rate_limit(req).await;
+                let mut wrong = Vec::new();
+                match (&want, answer) {
+                    (None, Err(_)) => {}
+                    (None, Ok(r)) => wrong.push(format!("a gRPC error, got {:?}", said_of(r.get_ref()))),
+                    (Some(w), Err(e)) => wrong.push(format!("{w:?}, got error {e}")),
+                    (Some(w), Ok(r)) => {
+                        let r = r.into_inner();
+                        let got = said_of(&r);
+                        if got != *w {
+                            wrong.push(format!("{w:?}, got {got:?}"));
+                        }
+                        if let Some(m) = &want_metadata {
+                            let got = r
+                                .dynamic_metadata
+                                .as_ref()
+                                .map(|s| {
+                                    pb_to_json(&PbValue {
+                                        kind: Some(Kind::StructValue(s.clone())),
+                                    })
+                                })
+                                .unwrap_or_default();
+                            if normalise(&got) != normalise(m) {
+                                wrong.push(format!("dynamic metadata {m}, got {got}"));
+                            }
+                        }
+                        let resets: Vec<Option<i64>> = r
+                            .statuses
+                            .iter()
+                            .map(|s| {
+                                s.duration_until_reset
+                                    .as_ref()
+                                    .map(|d| d.seconds * 1000 + i64::from(d.nanos) / 1_000_000)
+                            })
+                            .collect();
+                        if let Some(list) = step["expect"]["statuses"].as_array() {
+                            for (j, s) in list.iter().enumerate() {
+                                if s["duration_until_reset"]["less_than"] == "previous" {
+                                    let (now, before) = (
+                                        resets.get(j).copied().flatten(),
+                                        previous_reset.get(j).copied().flatten(),
+                                    );
+                                    if !matches!((now, before), (Some(a), Some(b)) if a < b) {
+                                        wrong.push(format!("duration_until_reset {now:?} not below {before:?}"));
+                                    }
+                                }
+                            }
+                        }
+                        previous_reset = resets;
+                    }
+                }
+                if wrong.is_empty() {
+                    continue;
+                }
+                let line = format!("{what}: expected {}", wrong.join("; "));
+                if marked.is_empty() {
+                    failures.push(line);
+                } else {
+                    differences.push(format!("{line} [{}]", marked.join(", ")));
+                }
+            }
+        }
+    }
+    (failures, differences)
+}
+
+/// Every scenario of the reference's integration tests, README and
+/// end-to-end scripts gives the same codes, limits, remaining counts and
+/// metadata, except on steps the reference answers from counts of refused
+/// requests (which tollgate does not charge) or from clock-aligned fixed
+/// windows; those scenarios are named, with both answers, in README's
+/// migration section.
+async fn run_scenarios(redis: Option<&RedisServer>) {
+    let (failures, differences) = scenario_suite(redis).await;
+    assert!(
+        failures.is_empty(),
+        "{} differences:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    let readme = std::fs::read_to_string(repo_file("README.md")).unwrap();
+    let unlisted: Vec<&String> = differences
+        .iter()
+        .filter(|d| !readme.contains(d.split(" step ").next().unwrap_or(d)))
+        .collect();
+    assert!(
+        unlisted.is_empty(),
+        "differences README's migration section does not name:\n{}",
+        unlisted.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_scenarios_with_memory_counters() {
+    run_scenarios(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reference_scenarios_with_redis_counters() {
+    let redis = RedisServer::start();
+    run_scenarios(Some(&redis)).await;
+}
+
+/// Its docker-compose environment, unchanged, with tollgate given no flags:
+/// the runtime directory, Redis, the gRPC port and the health check all
+/// come from its variables.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn its_environment_runs_tollgate_unchanged() {
+    let redis = RedisServer::start();
+    let root = tempfile::tempdir().unwrap();
+    let config = root.path().join("ratelimit").join("config");
+    std::fs::create_dir_all(&config).unwrap();
+    std::fs::copy(fixtures().join("examples/config.yaml"), config.join("config.yaml")).unwrap();
+    let (grpc, port) = (free_port().to_string(), free_port().to_string());
+    let redis_addr = redis
+        .url()
+        .trim_start_matches("redis://")
+        .trim_end_matches('/')
+        .to_string();
+    let env = [
+        ("USE_STATSD", "false"),
+        ("LOG_LEVEL", "debug"),
+        ("REDIS_SOCKET_TYPE", "tcp"),
+        ("REDIS_URL", redis_addr.as_str()),
+        ("RUNTIME_ROOT", root.path().to_str().unwrap()),
+        ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+        ("GRPC_HOST", "127.0.0.1"),
+        ("GRPC_PORT", grpc.as_str()),
+        ("HOST", "127.0.0.1"),
+        ("PORT", port.as_str()),
+    ];
+    let tg = Tollgate::spawn_with_env(&[], config.clone(), tempfile::tempdir().unwrap(), &env);
+    assert_eq!(tg.grpc.unwrap().port().to_string(), grpc);
+    assert_eq!(tg.admin.port().to_string(), port);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    // examples/ratelimit/config/config.yaml: mongo_cps, database=users 500/s.
+    let req = || single("mongo_cps", descriptor(&[("database".into(), "users".into())]), 1);
+    let first = rls.should_rate_limit(req()).await.unwrap().into_inner();
+    assert_eq!(first.statuses[0].limit_remaining, 499);
+    let second = rls.should_rate_limit(req()).await.unwrap().into_inner();
+    assert_eq!(second.statuses[0].limit_remaining, 498);
+    let keys = redis.cli(&["DBSIZE"]).unwrap();
+    assert!(keys.trim() != "0", "the counters are in its REDIS_URL");
+    let health = get(&client(), &format!("http://{}/healthcheck", tg.admin), &[]).await;
+    assert_eq!(health.status, http::StatusCode::OK);
+}
+
+/// A config directory, live: a bad file that appears is kept out with one
+/// clear line and served once fixed; a file that goes takes its domain
+/// with it; the other files keep serving throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_directory_follows_its_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let good = "domain: a\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, requests_per_unit: 3 }\n";
+    std::fs::write(dir.path().join("a.yaml"), good).unwrap();
+    std::fs::write(dir.path().join("notes.txt"), "not a limits file").unwrap();
+    let tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &[]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let remaining = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
+    let look = |domain: &str| single(domain, descriptor(&[("k".into(), "v".into())]), 0);
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("a")).await.unwrap().into_inner()),
+        Some(3)
+    );
+
+    let wait_for = |needle: &'static str, times: usize| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while tg.log_text().matches(needle).count() < times {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no \"{needle}\" in {}",
+                tg.log_text()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    };
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        good.replace("domain: a", "domain: b").replace("hour", "fortnight"),
+    )
+    .unwrap();
+    wait_for("not served until fixed", 1);
+    assert!(tg.log_text().contains("invalid rate limit unit 'fortnight'"));
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()),
+        None
+    );
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("a")).await.unwrap().into_inner()),
+        Some(3)
+    );
+
+    std::fs::write(
+        dir.path().join("b.yaml"),
+        good.replace("domain: a", "domain: b").replace(": 3", ": 7"),
+    )
+    .unwrap();
+    wait_for("limits file added", 1);
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()),
+        Some(7)
+    );
+    // A second file for domain a is refused while a.yaml holds it.
+    std::fs::write(dir.path().join("c.yaml"), good).unwrap();
+    wait_for("already declared by", 1);
+
+    std::fs::remove_file(dir.path().join("a.yaml")).unwrap();
+    wait_for("limits file removed", 1);
+    // Domain a is free again: c.yaml, waiting for it, takes it.
+    wait_for("limits file added", 2);
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("a")).await.unwrap().into_inner()),
+        Some(3)
+    );
+    assert_eq!(
+        remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()),
+        Some(7)
+    );
+}

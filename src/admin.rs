@@ -69,7 +69,7 @@ impl Admin {
                 "unknown host; list it in --admin-hosts\n",
             );
         }
-        let probe = matches!(req.uri().path(), "/healthz" | "/readyz");
+        let probe = matches!(req.uri().path(), "/healthz" | "/readyz" | "/healthcheck");
         if let Some(token) = &self.access.token
             && !probe
         {
@@ -90,7 +90,8 @@ impl Admin {
         }
         match req.uri().path() {
             "/healthz" => text(StatusCode::OK, "ok\n"),
-            "/readyz" => match self.limiter.ready().await {
+            // `/healthcheck` is envoyproxy/ratelimit's probe path.
+            "/readyz" | "/healthcheck" => match self.limiter.ready().await {
                 Ok(()) => text(StatusCode::OK, "ready\n"),
                 Err(e) => text(
                     StatusCode::SERVICE_UNAVAILABLE,

@@ -30,6 +30,7 @@ macro_rules! request_path {
 pub mod admin;
 pub mod config;
 pub mod metrics;
+pub mod ratelimit_env;
 pub mod reload;
 pub mod surfaces;
 

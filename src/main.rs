@@ -88,6 +88,10 @@ struct RunArgs {
     /// (envoyproxy/ratelimit's RESPONSE_DYNAMIC_METADATA).
     #[arg(long, env = "TOLLGATE_RLS_DYNAMIC_METADATA", default_value_t = false, action = ArgAction::Set)]
     rls_dynamic_metadata: bool,
+    /// Answer every RLS request OK while still reporting each descriptor's
+    /// status (envoyproxy/ratelimit's SHADOW_MODE): a dry run of new limits.
+    #[arg(long, env = "TOLLGATE_RLS_SHADOW_MODE", default_value_t = false, action = ArgAction::Set)]
+    rls_shadow_mode: bool,
     /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
@@ -171,7 +175,13 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.get(1).and_then(|a| a.to_str()) != Some("check") {
+        let extra = tollgate::ratelimit_env::flags(get, &argv);
+        argv.extend(extra.into_iter().map(Into::into));
+    }
+    let cli = Cli::parse_from(argv);
     match cli.command {
         Some(Command::Check {
             config,
@@ -200,7 +210,7 @@ fn main() -> ExitCode {
 fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
     match Catalog::load(paths, merge) {
         Ok(catalog) => {
-            for f in catalog.files() {
+            for f in catalog.files().iter() {
                 let limits = f.active().load();
                 println!(
                     "{}: ok (domain {}, {} rules)",
@@ -222,8 +232,10 @@ fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
 }
 
 fn init_logging(format: LogFormat) {
+    let fallback = tollgate::ratelimit_env::log_filter(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
+        .unwrap_or_else(|| "info".into());
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -251,7 +263,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     }
     let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
     let catalog = Arc::new(Catalog::load(&args.config, args.merge_domain_config).map_err(|e| anyhow::anyhow!("{e}"))?);
-    for f in catalog.files() {
+    for f in catalog.files().iter() {
         let limits = f.active().load();
         let status = f.status();
         tracing::info!(file = %status.file, domain = %limits.domain, format = ?limits.format, rules = limits.rules.len(), version = %status.version, "limits loaded");
@@ -346,7 +358,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             grpc_workers.push(conns);
             (
                 incoming,
-                RlsService::new(limiter.clone(), catalog.clone()).with_dynamic_metadata(args.rls_dynamic_metadata),
+                RlsService::new(limiter.clone(), catalog.clone())
+                    .with_dynamic_metadata(args.rls_dynamic_metadata)
+                    .with_shadow_mode(args.rls_shadow_mode),
             )
         });
         if proxy.is_none() && grpc.is_none() {

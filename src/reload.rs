@@ -75,11 +75,102 @@ pub enum Reloaded {
 /// A file, the domain it declares, and the limits it has in force.
 type DomainOf = (PathBuf, String, Arc<ArcSwap<Limits>>);
 
-#[derive(Default)]
 struct Domains {
     /// Each file's path, its domain, and its active limits, in file order.
     by_file: Mutex<Vec<DomainOf>>,
     merge: bool,
+    /// The limits in force per domain (files of one domain merged),
+    /// rebuilt whenever a file's limits change, so a lookup is one probe.
+    index: ArcSwap<HashMap<String, Arc<Limits>>>,
+    /// Rebuilds one at a time, each from the latest limits.
+    rebuilding: Mutex<()>,
+}
+
+impl Domains {
+    fn rebuild(&self) {
+        let _one = self.rebuilding.lock().unwrap_or_else(|e| e.into_inner());
+        let mut parts: Vec<(String, Vec<Arc<Limits>>)> = Vec::new();
+        for (_, _, active) in self.by_file.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let limits = active.load_full();
+            match parts.iter_mut().find(|(d, _)| *d == limits.domain) {
+                Some((_, list)) => list.push(limits),
+                None => parts.push((limits.domain.clone(), vec![limits])),
+            }
+        }
+        let index = parts
+            .into_iter()
+            .filter_map(|(domain, mut list)| {
+                let limits = if list.len() == 1 {
+                    list.pop()?
+                } else {
+                    match Limits::merge(&list) {
+                        Ok(merged) => Arc::new(merged),
+                        // Every change is checked against this first, so it
+                        // cannot happen; serve the first file rather than none.
+                        Err(e) => {
+                            tracing::error!(%domain, "{e}");
+                            list.into_iter().next()?
+                        }
+                    }
+                };
+                Some((domain, limits))
+            })
+            .collect();
+        self.index.store(Arc::new(index));
+    }
+
+    /// Why `limits` cannot be in force beside the other files: another file
+    /// declares its domain, or merging with them fails. `replacing` is the
+    /// file these limits are a new version of (on reload), if any.
+    fn conflict(taken: &[DomainOf], merge: bool, replacing: Option<&Path>, limits: &Limits) -> Option<String> {
+        if merge {
+            let mut parts: Vec<Arc<Limits>> = Vec::new();
+            let mut placed = false;
+            for (p, _, active) in taken {
+                if Some(p.as_path()) == replacing {
+                    parts.push(Arc::new(limits.clone()));
+                    placed = true;
+                } else {
+                    let a = active.load_full();
+                    if a.domain == limits.domain {
+                        parts.push(a);
+                    }
+                }
+            }
+            if !placed {
+                parts.push(Arc::new(limits.clone()));
+            }
+            return match parts.len() > 1 {
+                true => Limits::merge(&parts)
+                    .err()
+                    .map(|reason| format!("cannot merge with the other files of its domain: {reason}")),
+                false => None,
+            };
+        }
+        // Start-up validates the files as they are on disk; so does a
+        // reload: another file counts with the domain its file now declares
+        // (two files swapping domains in one deploy is fine), or its active
+        // one while that file is unreadable or invalid.
+        taken
+            .iter()
+            .filter(|(p, _, _)| Some(p.as_path()) != replacing)
+            .map(|(p, _, active)| {
+                let on_disk = std::fs::read_to_string(p)
+                    .ok()
+                    .and_then(|text| config::parse_str(&text, &p.display().to_string()).ok());
+                (
+                    p.clone(),
+                    on_disk.map_or_else(|| active.load().domain.clone(), |l| l.domain),
+                )
+            })
+            .find(|(_, d)| *d == limits.domain)
+            .map(|(other, domain)| {
+                format!(
+                    "domain \"{domain}\" is already declared by {}; use one file per domain",
+                    other.display()
+                )
+            })
+    }
 }
 
 /// One limits file and the limits it currently stands for.
@@ -206,60 +297,16 @@ impl LiveLimits {
         let mut taken = domains.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
         let mut clashed = false;
         let parsed = config::parse_str(&text, &name).and_then(|limits| {
-            if merge {
-                // Merged with the other files of its domain as they are in
-                // force, in file order: a clash refuses this version.
-                let parts: Vec<Arc<Limits>> = taken
-                    .iter()
-                    .flat_map(|t| t.iter())
-                    .filter_map(|(p, _, active)| {
-                        if *p == self.path {
-                            Some(Arc::new(limits.clone()))
-                        } else {
-                            Some(active.load_full()).filter(|a| a.domain == limits.domain)
-                        }
-                    })
-                    .collect();
-                if parts.len() > 1
-                    && let Err(reason) = Limits::merge(&parts)
-                {
-                    clashed = true;
-                    return Err(ConfigError {
-                        file: name.clone(),
-                        line: None,
-                        reason: format!("cannot merge with the other files of its domain: {reason}"),
-                    });
-                }
-                return Ok(limits);
-            }
-            // Start-up validates the files as they are on disk; so does a
-            // reload: another file counts with the domain its file now
-            // declares (two files swapping domains in one deploy is fine),
-            // or its active one while that file is unreadable or invalid.
-            let clash = taken.as_ref().and_then(|t| {
-                t.iter()
-                    .filter(|(p, _, _)| *p != self.path)
-                    .map(|(p, _, active)| {
-                        let on_disk = std::fs::read_to_string(p)
-                            .ok()
-                            .and_then(|text| config::parse_str(&text, &p.display().to_string()).ok());
-                        (
-                            p.clone(),
-                            on_disk.map_or_else(|| active.load().domain.clone(), |l| l.domain),
-                        )
-                    })
-                    .find(|(_, d)| *d == limits.domain)
-            });
-            match clash {
-                Some((other, domain)) => {
+            match taken
+                .as_ref()
+                .and_then(|t| Domains::conflict(t, merge, Some(&self.path), &limits))
+            {
+                Some(reason) => {
                     clashed = true;
                     Err(ConfigError {
                         file: name.clone(),
                         line: None,
-                        reason: format!(
-                            "domain \"{domain}\" is already declared by {}; use one file per domain",
-                            other.display()
-                        ),
+                        reason,
                     })
                 }
                 None => Ok(limits),
@@ -639,54 +686,21 @@ mod tests {
 }
 
 /// Every limits file tollgate serves, each live, and the limits in force
-/// for each domain.
+/// for each domain. A `--config` path may be a directory: every `.yaml`,
+/// `.yml` and `.json` file in it is served, and files added to or removed
+/// from it while running add or drop their domains (envoyproxy/ratelimit's
+/// runtime directory).
 pub struct Catalog {
-    files: Vec<Arc<LiveLimits>>,
-    by_domain: Arc<DomainIndex>,
+    /// What `--config` named, files and directories.
+    sources: Vec<PathBuf>,
+    files: ArcSwap<Vec<Arc<LiveLimits>>>,
+    domains: Arc<Domains>,
+    callbacks: Mutex<Vec<Callback>>,
+    /// Why each file of a directory is kept out, so it is said once.
+    refused: Mutex<HashMap<PathBuf, String>>,
 }
 
-/// The limits in force per domain (files of one domain merged), rebuilt
-/// whenever a file's limits change, so a lookup is one map probe.
-struct DomainIndex {
-    actives: Vec<Arc<ArcSwap<Limits>>>,
-    map: ArcSwap<HashMap<String, Arc<Limits>>>,
-    /// Rebuilds one at a time, each from the latest limits.
-    rebuild: Mutex<()>,
-}
-
-impl DomainIndex {
-    fn rebuild(&self) {
-        let _one = self.rebuild.lock().unwrap_or_else(|e| e.into_inner());
-        let mut parts: Vec<(String, Vec<Arc<Limits>>)> = Vec::new();
-        for active in &self.actives {
-            let limits = active.load_full();
-            match parts.iter_mut().find(|(d, _)| *d == limits.domain) {
-                Some((_, list)) => list.push(limits),
-                None => parts.push((limits.domain.clone(), vec![limits])),
-            }
-        }
-        let map = parts
-            .into_iter()
-            .filter_map(|(domain, mut list)| {
-                let limits = if list.len() == 1 {
-                    list.pop()?
-                } else {
-                    match Limits::merge(&list) {
-                        Ok(merged) => Arc::new(merged),
-                        // Reloads are checked against this, so it cannot
-                        // happen; keep the first file rather than none.
-                        Err(e) => {
-                            tracing::error!(%domain, "{e}");
-                            list.into_iter().next()?
-                        }
-                    }
-                };
-                Some((domain, limits))
-            })
-            .collect();
-        self.map.store(Arc::new(map));
-    }
-}
+type Callback = Arc<dyn Fn() + Send + Sync>;
 
 /// Why a set of limits files cannot be served together.
 #[derive(Debug, thiserror::Error)]
@@ -698,77 +712,198 @@ pub enum CatalogError {
     #[error("{0} and {1} both declare domain \"{2}\"; use one file per domain")]
     DuplicateDomain(String, String, String),
     /// Files of one domain cannot be merged.
-    #[error("{0}: cannot merge with the other files of domain \"{1}\": {2}")]
-    Merge(String, String, String),
+    #[error("{0}: {1}")]
+    Merge(String, String),
+    /// A directory named by `--config` cannot be listed.
+    #[error("{0}: cannot list: {1}")]
+    Dir(String, std::io::Error),
+}
+
+/// The limits files of a directory, in name order: `.yaml`, `.yml` and
+/// `.json`, not hidden ones (a Kubernetes volume's `..data` links).
+fn files_in(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| {
+            let name = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            !name.starts_with('.') && [".yaml", ".yml", ".json"].iter().any(|ext| name.ends_with(ext)) && p.is_file()
+        })
+        .collect();
+    files.sort();
+    Ok(files)
 }
 
 impl Catalog {
-    /// Loads every file; any invalid file or a repeated domain is fatal
-    /// here. With `merge`, envoyproxy/ratelimit files may share a domain and
-    /// are merged (their `MERGE_DOMAIN_CONFIG`).
-    pub fn load(paths: &[PathBuf], merge: bool) -> Result<Self, CatalogError> {
+    /// Loads every file (and every file of every directory); any invalid
+    /// file or a repeated domain is fatal here. With `merge`,
+    /// envoyproxy/ratelimit files may share a domain and are merged (their
+    /// `MERGE_DOMAIN_CONFIG`).
+    pub fn load(sources: &[PathBuf], merge: bool) -> Result<Self, CatalogError> {
+        let mut paths = Vec::new();
+        for source in sources {
+            if source.is_dir() {
+                paths.extend(files_in(source).map_err(|e| CatalogError::Dir(source.display().to_string(), e))?);
+            } else {
+                paths.push(source.clone());
+            }
+        }
         let mut files: Vec<Arc<LiveLimits>> = Vec::with_capacity(paths.len());
-        for path in paths {
+        let mut taken: Vec<DomainOf> = Vec::with_capacity(paths.len());
+        for path in &paths {
             let live = Arc::new(LiveLimits::load(path)?);
             let limits = live.active().load_full();
-            let same: Vec<Arc<Limits>> = files
-                .iter()
-                .map(|f| f.active().load_full())
-                .filter(|l| l.domain == limits.domain)
-                .collect();
-            if let Some(other) = files.iter().find(|f| f.active().load().domain == limits.domain) {
-                if !merge {
-                    return Err(CatalogError::DuplicateDomain(
+            if let Some(reason) = Domains::conflict(&taken, merge, None, &limits) {
+                return Err(match files.iter().find(|f| f.active().load().domain == limits.domain) {
+                    Some(other) if !merge => CatalogError::DuplicateDomain(
                         other.status().file.clone(),
                         live.status().file.clone(),
                         limits.domain.clone(),
-                    ));
-                }
-                let mut parts = same;
-                parts.push(limits.clone());
-                if let Err(reason) = Limits::merge(&parts) {
-                    return Err(CatalogError::Merge(
-                        live.status().file.clone(),
-                        limits.domain.clone(),
-                        reason,
-                    ));
-                }
+                    ),
+                    _ => CatalogError::Merge(live.status().file.clone(), reason),
+                });
             }
+            taken.push((path.clone(), limits.domain.clone(), live.active()));
             files.push(live);
         }
         let domains = Arc::new(Domains {
-            by_file: Mutex::new(
-                files
-                    .iter()
-                    .map(|f| (f.path.clone(), f.active().load().domain.clone(), f.active()))
-                    .collect(),
-            ),
+            by_file: Mutex::new(taken),
             merge,
+            index: ArcSwap::from_pointee(HashMap::new()),
+            rebuilding: Mutex::new(()),
         });
+        domains.rebuild();
         for f in &files {
-            let _ = f.domains.set(domains.clone());
+            Self::attach(f, &domains);
         }
-        let by_domain = Arc::new(DomainIndex {
-            actives: files.iter().map(|f| f.active()).collect(),
-            map: ArcSwap::from_pointee(HashMap::new()),
-            rebuild: Mutex::new(()),
-        });
-        by_domain.rebuild();
-        for f in &files {
-            let index = by_domain.clone();
-            f.on_change(move || index.rebuild());
-        }
-        Ok(Catalog { files, by_domain })
+        Ok(Catalog {
+            sources: sources.to_vec(),
+            files: ArcSwap::from_pointee(files),
+            domains,
+            callbacks: Mutex::new(Vec::new()),
+            refused: Mutex::new(HashMap::new()),
+        })
     }
 
-    /// The files, in command-line order.
-    pub fn files(&self) -> &[Arc<LiveLimits>] {
-        &self.files
+    /// Ties a file to the catalog's domain checks and index.
+    fn attach(file: &Arc<LiveLimits>, domains: &Arc<Domains>) {
+        let _ = file.domains.set(domains.clone());
+        let index = domains.clone();
+        file.on_change(move || index.rebuild());
+    }
+
+    /// The files served now, in `--config` order (a directory's by name).
+    pub fn files(&self) -> Arc<Vec<Arc<LiveLimits>>> {
+        self.files.load_full()
     }
 
     /// The limits in force for `domain`, for the Envoy RLS surface.
     pub fn domain(&self, domain: &str) -> Option<Arc<Limits>> {
-        self.by_domain.map.load().get(domain).cloned()
+        self.domains.index.load().get(domain).cloned()
+    }
+
+    /// Brings a directory's files in line with what it holds now: new ones
+    /// are loaded (a bad one is kept out, with its error said once), gone
+    /// ones dropped with their domain, the others reloaded.
+    fn rescan(&self, dir: &Path, cause: &str) {
+        let on_disk = match files_in(dir) {
+            Ok(list) => list,
+            // The directory is gone or unreadable for now: keep serving what
+            // it held (the file watcher's rule: a missing file changes nothing).
+            Err(e) => {
+                tracing::debug!(dir = %dir.display(), error = %e, "cannot list the limits directory");
+                return;
+            }
+        };
+        let current = self.files();
+        let mut changed = false;
+        let mut next: Vec<Arc<LiveLimits>> = Vec::with_capacity(on_disk.len());
+        for f in current.iter() {
+            let from_dir = f.path.parent() == Some(dir) && !self.sources.contains(&f.path);
+            if from_dir && !on_disk.contains(&f.path) {
+                let domain = f.active().load().domain.clone();
+                self.domains
+                    .by_file
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .retain(|(p, _, _)| *p != f.path);
+                tracing::info!(cause, file = %f.path.display(), %domain, "limits file removed; its limits no longer apply");
+                changed = true;
+            } else {
+                next.push(f.clone());
+            }
+        }
+        for path in &on_disk {
+            if next.iter().any(|f| f.path == *path) {
+                continue;
+            }
+            match self.admit(path) {
+                Ok(live) => {
+                    self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(path);
+                    let limits = live.active().load_full();
+                    tracing::info!(cause, file = %path.display(), domain = %limits.domain, rules = limits.rules.len(), "limits file added");
+                    next.push(live);
+                    changed = true;
+                }
+                Err(reason) => {
+                    let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+                    if refused.get(path) != Some(&reason) {
+                        tracing::error!(cause, "{reason}; not served until fixed");
+                        crate::metrics::get().reload(&path.display().to_string(), false);
+                        refused.insert(path.clone(), reason);
+                    }
+                }
+            }
+        }
+        self.refused
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|p, _| on_disk.contains(p));
+        if changed {
+            // Keep `--config` order: sources first, a directory's files by name.
+            let order = |f: &Arc<LiveLimits>| {
+                let i = self
+                    .sources
+                    .iter()
+                    .position(|s| *s == f.path || f.path.parent() == Some(s.as_path()))
+                    .unwrap_or(usize::MAX);
+                (i, f.path.clone())
+            };
+            next.sort_by_key(order);
+            self.files.store(Arc::new(next.clone()));
+            self.domains.rebuild();
+            for f in self.callbacks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                f();
+            }
+        }
+        for f in next
+            .iter()
+            .filter(|f| f.path.parent() == Some(dir) && on_disk.contains(&f.path))
+        {
+            f.reload_and_log(cause);
+        }
+    }
+
+    /// Loads a file that appeared in a directory and puts it in force,
+    /// unless it is invalid or its domain clashes.
+    fn admit(&self, path: &Path) -> Result<Arc<LiveLimits>, String> {
+        let live = Arc::new(LiveLimits::load(path).map_err(|e| e.to_string())?);
+        let limits = live.active().load_full();
+        let mut taken = self.domains.by_file.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(reason) = Domains::conflict(&taken, self.domains.merge, None, &limits) {
+            return Err(format!("{}: {reason}", path.display()));
+        }
+        taken.push((path.to_path_buf(), limits.domain.clone(), live.active()));
+        drop(taken);
+        Self::attach(&live, &self.domains);
+        for f in self.callbacks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            let f = f.clone();
+            live.on_change(move || f());
+        }
+        Ok(live)
     }
 
     /// The counters an HTTP request touches, across every file.
@@ -777,30 +912,84 @@ impl Catalog {
         req: &crate::descriptor::RequestInfo<'_>,
     ) -> Result<Vec<crate::limiter::Hit>, crate::descriptor::DescriptorError> {
         let mut hits = Vec::new();
-        for file in &self.files {
+        for file in self.files.load().iter() {
             hits.extend(crate::descriptor::hits(&file.active.load(), req)?);
         }
         Ok(hits)
     }
 
-    /// Runs `f` after any file's limits change.
+    /// Runs `f` after any file's limits change, and when files come or go.
     pub fn on_change(&self, f: impl Fn() + Send + Sync + 'static) {
-        let f = Arc::new(f);
-        for file in &self.files {
+        let f: Callback = Arc::new(f);
+        for file in self.files.load().iter() {
             let f = f.clone();
             file.on_change(move || f());
         }
+        self.callbacks.lock().unwrap_or_else(|e| e.into_inner()).push(f);
     }
 
-    /// Reloads every file (SIGHUP).
+    /// Reloads every file and rescans every directory (SIGHUP).
     pub fn reload_all(&self, cause: &str) {
-        for f in &self.files {
-            f.reload_and_log(cause);
+        for source in &self.sources {
+            if source.is_dir() {
+                self.rescan(source, cause);
+            } else if let Some(f) = self.files.load().iter().find(|f| f.path == *source) {
+                f.reload_and_log(cause);
+            }
         }
     }
 
-    /// Watches every file; see [`LiveLimits::watch`].
-    pub fn watch(&self) -> notify::Result<Vec<WatchGuard>> {
-        self.files.iter().map(|f| f.watch()).collect()
+    /// Watches every file (see [`LiveLimits::watch`]) and every directory
+    /// (rescanned on any change in it, and polled as a backstop).
+    pub fn watch(self: &Arc<Self>) -> notify::Result<Vec<WatchGuard>> {
+        let mut guards = Vec::new();
+        for source in &self.sources {
+            if source.is_dir() {
+                guards.push(self.watch_dir(source.clone())?);
+            } else if let Some(f) = self.files.load().iter().find(|f| f.path == *source) {
+                guards.push(f.watch()?);
+            }
+        }
+        Ok(guards)
+    }
+
+    fn watch_dir(self: &Arc<Self>, dir: PathBuf) -> notify::Result<WatchGuard> {
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if let Ok(event) = event
+                && changes_content(&event)
+            {
+                let _ = tx.send(());
+            }
+        })?;
+        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        let catalog = self.clone();
+        let task = tokio::spawn(async move {
+            // Owned by the task: dropping the guard stops both.
+            let _watcher = watcher;
+            let mut poll = tokio::time::interval(POLL);
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                let cause = tokio::select! {
+                    event = rx.recv() => {
+                        if event.is_none() {
+                            return;
+                        }
+                        loop {
+                            match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+                                Ok(Some(())) => continue,
+                                Ok(None) => return,
+                                Err(_) => break,
+                            }
+                        }
+                        "file changed"
+                    }
+                    _ = poll.tick() => "poll",
+                };
+                let (catalog, dir) = (catalog.clone(), dir.clone());
+                let _ = tokio::task::spawn_blocking(move || catalog.rescan(&dir, cause)).await;
+            }
+        });
+        Ok(WatchGuard { task })
     }
 }

@@ -209,7 +209,7 @@ impl Tollgate {
         Self::spawn_with_env(args, config, dir, &[])
     }
 
-    fn spawn_with_env(args: &[String], config: PathBuf, dir: tempfile::TempDir, env: &[(&str, &str)]) -> Tollgate {
+    pub fn spawn_with_env(args: &[String], config: PathBuf, dir: tempfile::TempDir, env: &[(&str, &str)]) -> Tollgate {
         let mut child = Command::new(binary())
             .args(args)
             .envs(env.iter().copied())

@@ -40,6 +40,7 @@ pub struct RlsService {
     limiter: Arc<Limiter>,
     catalog: Arc<Catalog>,
     dynamic_metadata: bool,
+    shadow_mode: bool,
     unknown_domain: AtomicU64,
 }
 
@@ -57,6 +58,7 @@ impl RlsService {
             limiter,
             catalog,
             dynamic_metadata: false,
+            shadow_mode: false,
             unknown_domain: AtomicU64::new(0),
         }
     }
@@ -66,6 +68,14 @@ impl RlsService {
     /// does with `RESPONSE_DYNAMIC_METADATA`.
     pub fn with_dynamic_metadata(mut self, on: bool) -> Self {
         self.dynamic_metadata = on;
+        self
+    }
+
+    /// Answer every request OK, whatever its descriptors' statuses say
+    /// (envoyproxy/ratelimit's global `SHADOW_MODE`): a dry run of new limits.
+    /// A request over a limit is still not counted.
+    pub fn with_shadow_mode(mut self, on: bool) -> Self {
+        self.shadow_mode = on;
         self
     }
 
@@ -176,13 +186,10 @@ impl RlsService {
                 },
             })
             .collect();
-        let overall = if decision.verdict.admits() {
-            Code::Ok
-        } else {
-            Code::OverLimit
-        };
+        let admitted = decision.verdict.admits() || self.shadow_mode;
+        let overall = if admitted { Code::Ok } else { Code::OverLimit };
         let mut headers = HeaderMap::new();
-        if decision.verdict.admits() {
+        if admitted {
             headers::admission_headers(&decision, &mut headers);
         } else {
             headers::refusal_headers(&decision, &mut headers);

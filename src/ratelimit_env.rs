@@ -1,0 +1,272 @@
+//! envoyproxy/ratelimit's environment variables, read as tollgate flags, so
+//! its deployment manifests work with only the image swapped.
+//!
+//! A variable counts only when neither the tollgate flag nor its
+//! `TOLLGATE_*` variable is given: tollgate's own settings always win.
+
+use std::ffi::OsString;
+
+/// The flags envoyproxy/ratelimit's variables stand for, given `get` to
+/// read the environment and `argv` to see which flags are already set.
+pub fn flags(get: impl Fn(&str) -> Option<String>, argv: &[OsString]) -> Vec<String> {
+    let given = |flag: &str, var: &str| {
+        get(var).is_some()
+            || argv.iter().any(|a| {
+                a.to_str()
+                    .is_some_and(|a| a == flag || a.starts_with(&format!("{flag}=")))
+            })
+    };
+    let mut out = Vec::new();
+    let mut add = |flag: &str, tollgate_var: &str, value: Option<String>| {
+        if let Some(value) = value
+            && !given(flag, tollgate_var)
+        {
+            out.push(flag.to_string());
+            out.push(value);
+        }
+    };
+    add("--config", "TOLLGATE_CONFIG", runtime_dir(&get));
+    add("--redis", "TOLLGATE_REDIS", redis_urls(&get));
+    add(
+        "--redis-mode",
+        "TOLLGATE_REDIS_MODE",
+        get("REDIS_URL").and(get("REDIS_TYPE")).and_then(|t| {
+            Some(
+                match t.to_ascii_lowercase().as_str() {
+                    "single" => "standalone",
+                    "cluster" => "cluster",
+                    "sentinel" => "sentinel",
+                    _ => return None,
+                }
+                .to_string(),
+            )
+        }),
+    );
+    add(
+        "--redis-master",
+        "TOLLGATE_REDIS_MASTER",
+        sentinel(&get).map(|(master, _)| master),
+    );
+    add(
+        "--grpc-listen",
+        "TOLLGATE_GRPC_LISTEN",
+        (get("GRPC_PORT").is_some() || get("GRPC_HOST").is_some()).then(|| {
+            format!(
+                "{}:{}",
+                get("GRPC_HOST").unwrap_or_else(|| "0.0.0.0".into()),
+                get("GRPC_PORT").unwrap_or_else(|| "8081".into())
+            )
+        }),
+    );
+    // Its health check (`/healthcheck`) lives on PORT; so does tollgate's
+    // admin listener then.
+    add(
+        "--admin-listen",
+        "TOLLGATE_ADMIN_LISTEN",
+        get("PORT").map(|port| format!("{}:{port}", get("HOST").unwrap_or_else(|| "0.0.0.0".into()))),
+    );
+    add(
+        "--log-format",
+        "TOLLGATE_LOG_FORMAT",
+        get("LOG_FORMAT").map(|f| {
+            if f.eq_ignore_ascii_case("json") {
+                "json"
+            } else {
+                "human"
+            }
+            .into()
+        }),
+    );
+    add(
+        "--merge-domain-config",
+        "TOLLGATE_MERGE_DOMAIN_CONFIG",
+        boolean(&get, "MERGE_DOMAIN_CONFIG"),
+    );
+    add(
+        "--rls-dynamic-metadata",
+        "TOLLGATE_RLS_DYNAMIC_METADATA",
+        boolean(&get, "RESPONSE_DYNAMIC_METADATA"),
+    );
+    add(
+        "--rls-shadow-mode",
+        "TOLLGATE_RLS_SHADOW_MODE",
+        boolean(&get, "SHADOW_MODE"),
+    );
+    out
+}
+
+/// `RUST_LOG` from its `LOG_LEVEL`, when `RUST_LOG` is not set.
+pub fn log_filter(get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    match get("RUST_LOG") {
+        Some(_) => None,
+        None => get("LOG_LEVEL").map(|l| l.to_ascii_lowercase()),
+    }
+}
+
+/// Its runtime directory: RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY.
+fn runtime_dir(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    let root = get("RUNTIME_ROOT")?;
+    let mut path = std::path::PathBuf::from(root);
+    if let Some(sub) = get("RUNTIME_SUBDIRECTORY") {
+        path.push(sub);
+    }
+    path.push(get("RUNTIME_APPDIRECTORY").unwrap_or_else(|| "config".into()));
+    Some(path.display().to_string())
+}
+
+fn boolean(get: &impl Fn(&str) -> Option<String>, var: &str) -> Option<String> {
+    get(var).map(|v| matches!(v.to_ascii_lowercase().as_str(), "true" | "1" | "t" | "yes").to_string())
+}
+
+/// The master name and addresses of `REDIS_URL` in Sentinel mode
+/// (`master,host:port,host:port`).
+fn sentinel(get: &impl Fn(&str) -> Option<String>) -> Option<(String, Vec<String>)> {
+    let kind = get("REDIS_TYPE")?;
+    if !kind.eq_ignore_ascii_case("sentinel") {
+        return None;
+    }
+    let url = get("REDIS_URL")?;
+    let mut parts = url.split(',').map(str::trim);
+    let master = parts.next()?.to_string();
+    Some((master, parts.map(str::to_string).collect()))
+}
+
+/// `REDIS_URL` (`host:port`, comma-separated for Cluster and Sentinel, or a
+/// socket path with `REDIS_SOCKET_TYPE=unix`) with `REDIS_AUTH`
+/// (`password` or `user:password`) and `REDIS_TLS`, as tollgate URLs.
+fn redis_urls(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
+    let url = get("REDIS_URL")?;
+    let hosts: Vec<String> = match sentinel(get) {
+        Some((_, hosts)) => hosts,
+        None => url.split(',').map(|h| h.trim().to_string()).collect(),
+    };
+    let auth = get("REDIS_AUTH")
+        .filter(|a| !a.is_empty())
+        .map(|a| match a.split_once(':') {
+            Some((user, password)) => format!("{user}:{password}@"),
+            None => format!(":{a}@"),
+        });
+    let auth = auth.unwrap_or_default();
+    // Its default socket type is unix; a path says so too.
+    let unix = match get("REDIS_SOCKET_TYPE") {
+        Some(t) => t.eq_ignore_ascii_case("unix"),
+        None => url.starts_with('/'),
+    };
+    let tls = boolean(get, "REDIS_TLS").as_deref() == Some("true");
+    let scheme = if tls { "rediss" } else { "redis" };
+    Some(
+        hosts
+            .iter()
+            .map(|h| match unix {
+                true => format!("unix://{h}"),
+                false => format!("{scheme}://{auth}{h}"),
+            })
+            .collect::<Vec<_>>()
+            .join(","),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn from(vars: &[(&str, &str)], argv: &[&str]) -> Vec<String> {
+        let vars: HashMap<String, String> = vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let argv: Vec<OsString> = argv.iter().map(OsString::from).collect();
+        flags(|k| vars.get(k).cloned(), &argv)
+    }
+
+    #[test]
+    fn its_deployment_variables_become_flags() {
+        let got = from(
+            &[
+                ("REDIS_SOCKET_TYPE", "tcp"),
+                ("REDIS_URL", "redis:6379"),
+                ("REDIS_AUTH", "s3cret"),
+                ("RUNTIME_ROOT", "/data"),
+                ("RUNTIME_SUBDIRECTORY", "ratelimit"),
+                ("GRPC_PORT", "9090"),
+                ("USE_STATSD", "false"),
+            ],
+            &["tollgate"],
+        );
+        assert_eq!(
+            got,
+            [
+                "--config",
+                "/data/ratelimit/config",
+                "--redis",
+                "redis://:s3cret@redis:6379",
+                "--grpc-listen",
+                "0.0.0.0:9090"
+            ]
+        );
+    }
+
+    #[test]
+    fn log_level_applies_unless_rust_log_is_set() {
+        let vars = |v: &'static [(&'static str, &'static str)]| {
+            move |k: &str| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
+        };
+        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG")])).as_deref(), Some("debug"));
+        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG"), ("RUST_LOG", "warn")])), None);
+        assert_eq!(log_filter(vars(&[])), None);
+    }
+
+    #[test]
+    fn tollgate_settings_win() {
+        let got = from(
+            &[("REDIS_URL", "redis:6379"), ("TOLLGATE_REDIS", "redis://other:1")],
+            &["tollgate", "--grpc-listen", "127.0.0.1:1"],
+        );
+        assert!(got.is_empty(), "{got:?}");
+        let got = from(
+            &[("GRPC_PORT", "9"), ("RUNTIME_ROOT", "/r")],
+            &["tollgate", "--config=/x", "--grpc-listen", "a"],
+        );
+        assert!(got.is_empty(), "{got:?}");
+    }
+
+    #[test]
+    fn cluster_sentinel_unix_and_tls() {
+        let cluster = from(
+            &[
+                ("REDIS_TYPE", "CLUSTER"),
+                ("REDIS_URL", "a:1,b:2"),
+                ("REDIS_TLS", "true"),
+                ("REDIS_AUTH", "u:p"),
+            ],
+            &[],
+        );
+        assert_eq!(
+            cluster,
+            [
+                "--redis",
+                "rediss://u:p@a:1,rediss://u:p@b:2",
+                "--redis-mode",
+                "cluster"
+            ]
+        );
+        let sentinel = from(
+            &[("REDIS_TYPE", "sentinel"), ("REDIS_URL", "mymaster,s1:26379,s2:26379")],
+            &[],
+        );
+        assert_eq!(
+            sentinel,
+            [
+                "--redis",
+                "redis://s1:26379,redis://s2:26379",
+                "--redis-mode",
+                "sentinel",
+                "--redis-master",
+                "mymaster"
+            ]
+        );
+        let unix = from(
+            &[("REDIS_SOCKET_TYPE", "unix"), ("REDIS_URL", "/var/run/redis.sock")],
+            &[],
+        );
+        assert_eq!(unix, ["--redis", "unix:///var/run/redis.sock"]);
+    }
+}
