@@ -422,13 +422,8 @@ impl LiveLimits {
                         if event.is_none() {
                             return;
                         }
-                        // Let a burst of events (an editor's save) settle first.
-                        loop {
-                            match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
-                                Ok(Some(())) => continue,
-                                Ok(None) => return,
-                                Err(_) => break,
-                            }
+                        if !settled(&mut rx).await {
+                            return;
                         }
                         let live = live.clone();
                         let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
@@ -460,6 +455,18 @@ impl LiveLimits {
             }
         });
         Ok(WatchGuard { task })
+    }
+}
+
+/// Lets a burst of events (an editor's save) settle: waits until none has
+/// come for [`DEBOUNCE`]. False when the watcher is gone.
+async fn settled(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    loop {
+        match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+            Ok(Some(())) => continue,
+            Ok(None) => return false,
+            Err(_) => return true,
+        }
     }
 }
 
@@ -975,12 +982,8 @@ impl Catalog {
                         if event.is_none() {
                             return;
                         }
-                        loop {
-                            match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
-                                Ok(Some(())) => continue,
-                                Ok(None) => return,
-                                Err(_) => break,
-                            }
+                        if !settled(&mut rx).await {
+                            return;
                         }
                         "file changed"
                     }
