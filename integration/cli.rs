@@ -126,7 +126,7 @@ fn only_the_proxy_listens_beyond_loopback_by_default() {
     assert_eq!(beside, "127.0.0.1:8081");
     // As a pure rate limit service (no --upstream) it is the service, and
     // listens where envoyproxy/ratelimit does.
-    assert_eq!(default_grpc_address(&[]), "0.0.0.0:8081");
+    assert_eq!(default_grpc_address(&["--listen", "127.0.0.1:0"]), "0.0.0.0:8081");
     let out = Command::new(binary()).arg("--help").output().unwrap();
     let help = String::from_utf8_lossy(&out.stdout);
     assert!(

@@ -441,7 +441,8 @@ async fn rls_on_redis_and_grpc_health() {
         .await
         .unwrap();
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
-    for service in ["", "envoy.service.ratelimit.v3.RateLimitService"] {
+    // "ratelimit" is the name envoyproxy/ratelimit's probes ask for.
+    for service in ["", "envoy.service.ratelimit.v3.RateLimitService", "ratelimit"] {
         let r = health
             .check(tonic_health::pb::HealthCheckRequest {
                 service: service.into(),

@@ -708,7 +708,6 @@ async fn its_environment_runs_tollgate_unchanged() {
     ];
     let tg = Tollgate::spawn_with_env(&[], config.clone(), tempfile::tempdir().unwrap(), &env);
     assert_eq!(tg.grpc.unwrap().port().to_string(), grpc);
-    assert_eq!(tg.admin.port().to_string(), port);
     let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
         .await
         .unwrap();
@@ -720,7 +719,14 @@ async fn its_environment_runs_tollgate_unchanged() {
     assert_eq!(second.statuses[0].limit_remaining, 498);
     let keys = redis.cli(&["DBSIZE"]).unwrap();
     assert!(keys.trim() != "0", "the counters are in its REDIS_URL");
-    let health = get(&client(), &format!("http://{}/healthcheck", tg.admin), &[]).await;
+    // Its probe: HOST:PORT/healthcheck, "OK", and it stays OK while Redis is
+    // away (liveness; a Redis outage must not get the pod restarted).
+    let probe = format!("http://127.0.0.1:{port}/healthcheck");
+    let health = get(&client(), &probe, &[]).await;
+    assert_eq!((health.status, &health.body[..]), (http::StatusCode::OK, &b"OK"[..]));
+    redis.signal("STOP");
+    let health = get(&client(), &probe, &[]).await;
+    redis.signal("CONT");
     assert_eq!(health.status, http::StatusCode::OK);
 }
 
@@ -732,7 +738,7 @@ async fn a_config_directory_follows_its_files() {
     let dir = tempfile::tempdir().unwrap();
     let good = "domain: a\ndescriptors:\n  - key: k\n    rate_limit: { unit: hour, requests_per_unit: 3 }\n";
     std::fs::write(dir.path().join("a.yaml"), good).unwrap();
-    std::fs::write(dir.path().join("notes.txt"), "not a limits file").unwrap();
+    std::fs::write(dir.path().join(".notes"), "hidden: not read").unwrap();
     let tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &[]);
     let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
         .await
@@ -797,4 +803,233 @@ async fn a_config_directory_follows_its_files() {
         remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()),
         Some(7)
     );
+}
+
+/// Found by an independent tester: with a Unix-socket Redis that needs a
+/// password, its REDIS_AUTH was dropped and every decision failed open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn its_redis_auth_reaches_a_unix_socket() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("r.sock");
+    let mut redis = Command::new("redis-server")
+        .args([
+            "--port",
+            "0",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            "s3cret/#",
+        ])
+        .arg("--unixsocket")
+        .arg(&sock)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while !sock.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "redis-server did not open its socket"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let file = dir.path().join("one.yaml");
+    std::fs::write(
+        &file,
+        "domain: one\ndescriptors:\n  - key: k\n    rate_limit: { unit: minute, requests_per_unit: 1 }\n",
+    )
+    .unwrap();
+    let env = [
+        ("REDIS_SOCKET_TYPE", "unix"),
+        ("REDIS_URL", sock.to_str().unwrap()),
+        ("REDIS_AUTH", "s3cret/#"),
+    ];
+    let (tg, mut rls) = with_its_env(&file, &env).await;
+    let req = || single("one", descriptor(&[("k".into(), "v".into())]), 1);
+    let first = rls.should_rate_limit(req()).await.unwrap().into_inner();
+    let second = rls.should_rate_limit(req()).await.unwrap().into_inner();
+    let _ = redis.kill();
+    let _ = redis.wait();
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    assert_eq!(
+        second.overall_code,
+        Code::OverLimit as i32,
+        "the limit holds: {:?}",
+        tg.log_text()
+    );
+}
+
+/// Found by an independent tester: an override's counter was named by its
+/// amount, so raising a tenant's override (or sending it on some requests
+/// only) started from zero. As in envoyproxy/ratelimit, it counts with the
+/// configured limit when the units agree, and per unit otherwise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limit_overrides_keep_counting_where_the_configured_limit_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("o.yaml");
+    std::fs::write(
+        &file,
+        "domain: o\ndescriptors:\n  - key: r\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n",
+    )
+    .unwrap();
+    for redis in [None, Some(RedisServer::start())] {
+        let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
+        let ask = |limit: Option<(u32, Unit)>| {
+            let mut d = descriptor(&[("r".into(), "t".into())]);
+            d.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
+                requests_per_unit,
+                unit: unit as i32,
+            });
+            single("o", d, 1)
+        };
+        let mut left = Vec::new();
+        for limit in [
+            None,
+            Some((2, Unit::Minute)),
+            Some((3, Unit::Minute)),
+            Some((100, Unit::Minute)),
+            Some((100, Unit::Hour)),
+            Some((50, Unit::Hour)),
+        ] {
+            let s = rls.status(ask(limit)).await;
+            left.push((code_name(s.code), s.limit_remaining));
+        }
+        let ok = |n| ("OK".to_string(), n);
+        assert_eq!(
+            left,
+            vec![ok(4), ok(0), ok(0), ok(96), ok(99), ok(48)],
+            "one count per unit, whatever the amount"
+        );
+    }
+}
+
+/// Its global QUOTA_MODE and LIMIT_RESPONSE_HEADERS_ENABLED: found ignored
+/// by an independent tester.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn global_quota_mode_and_response_headers_follow_its_variables() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("g.yaml");
+    std::fs::write(
+        &file,
+        "domain: g\ndescriptors:\n  - key: a\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n  - key: b\n    rate_limit: { unit: hour, requests_per_unit: 5 }\n",
+    )
+    .unwrap();
+    let env = [("QUOTA_MODE", "true"), ("LIMIT_RESPONSE_HEADERS_ENABLED", "false")];
+    let (_tg, mut rls) = with_its_env(&file, &env).await;
+    let both = || RateLimitRequest {
+        domain: "g".into(),
+        descriptors: vec![
+            descriptor(&[("a".into(), "x".into())]),
+            descriptor(&[("b".into(), "x".into())]),
+        ],
+        hits_addend: 0,
+    };
+    let first = rls.should_rate_limit(both()).await.unwrap().into_inner();
+    let second = rls.should_rate_limit(both()).await.unwrap().into_inner();
+    assert_eq!(first.overall_code, Code::Ok as i32);
+    // a is over, b is not: every limit is a quota, so the request passes.
+    assert_eq!(
+        (second.overall_code, second.statuses[0].code),
+        (Code::Ok as i32, Code::OverLimit as i32)
+    );
+    assert!(
+        second.response_headers_to_add.is_empty(),
+        "{:?}",
+        second.response_headers_to_add
+    );
+}
+
+/// Found by an independent tester: two files of a Kubernetes volume that
+/// exchange domains in one `..data` swap left a domain unserved for a
+/// moment. Every answer during twenty swaps must carry a limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_swapping_domains_in_one_volume_update_never_leave_a_gap() {
+    use std::os::unix::fs::symlink;
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path();
+    volume_version(root, 0);
+    for file in ["a.yaml", "x.yaml"] {
+        symlink(format!("..data/{file}"), root.join(file)).unwrap();
+    }
+    let tg = Tollgate::start_rls(&[root.to_path_buf()], &[]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let swapper = {
+        let stop = stop.clone();
+        let root = root.to_path_buf();
+        std::thread::spawn(move || {
+            for n in 1..=20 {
+                volume_version(&root, n);
+                std::thread::sleep(std::time::Duration::from_millis(60));
+            }
+            stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        })
+    };
+    let mut gaps = 0;
+    let mut asked = 0;
+    while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+        for domain in ["d1", "d3"] {
+            let s = rls
+                .should_rate_limit(single(domain, descriptor(&[("k".into(), "v".into())]), 0))
+                .await
+                .unwrap()
+                .into_inner()
+                .statuses
+                .remove(0);
+            asked += 1;
+            if s.current_limit.is_none() {
+                gaps += 1;
+            }
+        }
+    }
+    swapper.join().unwrap();
+    assert_eq!(gaps, 0, "{gaps} of {asked} answers had no limit");
+    assert!(!tg.logged("ERROR"), "no error for a valid swap: {}", tg.log_text());
+}
+
+/// Version `n` of a Kubernetes-style volume: `..v<n>` holds a.yaml and
+/// x.yaml with domains d1 and d3 (swapped on odd `n`), and `..data` is
+/// switched to it in one rename.
+fn volume_version(root: &Path, n: usize) {
+    let v = root.join(format!("..v{n}"));
+    std::fs::create_dir(&v).unwrap();
+    let (first, second) = if n.is_multiple_of(2) {
+        ("d1", "d3")
+    } else {
+        ("d3", "d1")
+    };
+    for (file, domain) in [("a.yaml", first), ("x.yaml", second)] {
+        let body = format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{ unit: hour, requests_per_unit: 1000000 }}\n"
+        );
+        std::fs::write(v.join(file), body).unwrap();
+    }
+    let tmp = root.join("..data_tmp");
+    std::os::unix::fs::symlink(format!("..v{n}"), &tmp).unwrap();
+    std::fs::rename(&tmp, root.join("..data")).unwrap();
+}
+
+/// tollgate over one file, given envoyproxy/ratelimit variables `env`, and
+/// an RLS client for it.
+async fn with_its_env(file: &Path, env: &[(&str, &str)]) -> (Tollgate, RateLimitServiceClient<Channel>) {
+    let mut args = vec!["--config".to_string(), file.display().to_string()];
+    for a in [
+        "--grpc-listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--listen",
+        "127.0.0.1:0",
+    ] {
+        args.push(a.to_string());
+    }
+    let tg = Tollgate::spawn_with_env(&args, file.to_path_buf(), tempfile::tempdir().unwrap(), env);
+    let rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    (tg, rls)
 }

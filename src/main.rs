@@ -92,6 +92,14 @@ struct RunArgs {
     /// status (envoyproxy/ratelimit's SHADOW_MODE): a dry run of new limits.
     #[arg(long, env = "TOLLGATE_RLS_SHADOW_MODE", default_value_t = false, action = ArgAction::Set)]
     rls_shadow_mode: bool,
+    /// Treat every RLS limit as quota_mode: a request is refused only when
+    /// all its limits are over (envoyproxy/ratelimit's QUOTA_MODE).
+    #[arg(long, env = "TOLLGATE_RLS_QUOTA_MODE", default_value_t = false, action = ArgAction::Set)]
+    rls_quota_mode: bool,
+    /// RLS answers carry the RateLimit headers for Envoy to add to the
+    /// response (envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED).
+    #[arg(long, env = "TOLLGATE_RLS_HEADERS", default_value_t = true, action = ArgAction::Set)]
+    rls_headers: bool,
     /// Address of the admin listener (/healthz, /readyz, /config).
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     admin_listen: SocketAddr,
@@ -301,9 +309,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         n => n,
     };
-    let proxy_listeners = match upstream {
-        Some(_) => bind_shared(args.listen, threads).await?,
-        None => Vec::new(),
+    // A pure rate limit service has no proxy: its --listen port answers
+    // health probes only, where envoyproxy/ratelimit's do.
+    let (proxy_listeners, health_listener) = match upstream {
+        Some(_) => (bind_shared(args.listen, threads).await?, None),
+        None => (Vec::new(), Some(bind(args.listen).await?)),
     };
     let admin_listener = bind(args.admin_listen).await?;
     let grpc_listener = match grpc_listen.0 {
@@ -323,6 +333,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         proxy = %proxy_listeners.first().and_then(|l| l.local_addr().ok()).map_or("off".to_string(), |a| a.to_string()),
         admin = %admin_listener.local_addr()?,
         grpc = %shown(&grpc_listener),
+        health = %shown(&health_listener),
         check = %shown(&check_listener),
         "listening"
     );
@@ -360,7 +371,9 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 incoming,
                 RlsService::new(limiter.clone(), catalog.clone())
                     .with_dynamic_metadata(args.rls_dynamic_metadata)
-                    .with_shadow_mode(args.rls_shadow_mode),
+                    .with_shadow_mode(args.rls_shadow_mode)
+                    .with_quota_mode(args.rls_quota_mode)
+                    .with_headers(args.rls_headers),
             )
         });
         if proxy.is_none() && grpc.is_none() {
@@ -405,6 +418,14 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
                 let check = check.clone();
                 async move { check.handle(req, peer).await }
             },
+        )));
+    }
+    if let Some(listener) = health_listener {
+        tasks.push(tokio::spawn(serve(
+            listener,
+            conn_limits,
+            stop_rx.clone(),
+            Admin::health_only,
         )));
     }
     if let Some(listener) = grpc_listener {
@@ -565,6 +586,10 @@ async fn serve_grpc(
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
     reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    // The service name envoyproxy/ratelimit reports health under.
+    reporter
+        .set_service_status("ratelimit", tonic_health::ServingStatus::Serving)
+        .await;
     let incoming = UnboundedReceiverStream::new(incoming).map(tokio::net::TcpStream::from_std);
     // A peer that stops answering HTTP/2 PINGs (a slow-loris that sent a
     // preface and never a whole request) is closed; Envoy answers them.

@@ -58,12 +58,15 @@ pub fn flags(get: impl Fn(&str) -> Option<String>, argv: &[OsString]) -> Vec<Str
             )
         }),
     );
-    // Its health check (`/healthcheck`) lives on PORT; so does tollgate's
-    // admin listener then.
+    // Its health check (`/healthcheck`) is on HOST:PORT; so is tollgate's
+    // when it runs as a pure rate limit service (no proxy on that port).
+    let proxying = given("--upstream", "TOLLGATE_UPSTREAM");
     add(
-        "--admin-listen",
-        "TOLLGATE_ADMIN_LISTEN",
-        get("PORT").map(|port| format!("{}:{port}", get("HOST").unwrap_or_else(|| "0.0.0.0".into()))),
+        "--listen",
+        "TOLLGATE_LISTEN",
+        get("PORT")
+            .filter(|_| !proxying)
+            .map(|port| format!("{}:{port}", get("HOST").unwrap_or_else(|| "0.0.0.0".into()))),
     );
     add(
         "--log-format",
@@ -77,21 +80,28 @@ pub fn flags(get: impl Fn(&str) -> Option<String>, argv: &[OsString]) -> Vec<Str
             .into()
         }),
     );
-    add(
-        "--merge-domain-config",
-        "TOLLGATE_MERGE_DOMAIN_CONFIG",
-        boolean(&get, "MERGE_DOMAIN_CONFIG"),
-    );
-    add(
-        "--rls-dynamic-metadata",
-        "TOLLGATE_RLS_DYNAMIC_METADATA",
-        boolean(&get, "RESPONSE_DYNAMIC_METADATA"),
-    );
-    add(
-        "--rls-shadow-mode",
-        "TOLLGATE_RLS_SHADOW_MODE",
-        boolean(&get, "SHADOW_MODE"),
-    );
+    // Its booleans, one flag each.
+    for (flag, tollgate_var, var) in [
+        (
+            "--merge-domain-config",
+            "TOLLGATE_MERGE_DOMAIN_CONFIG",
+            "MERGE_DOMAIN_CONFIG",
+        ),
+        (
+            "--rls-dynamic-metadata",
+            "TOLLGATE_RLS_DYNAMIC_METADATA",
+            "RESPONSE_DYNAMIC_METADATA",
+        ),
+        ("--rls-shadow-mode", "TOLLGATE_RLS_SHADOW_MODE", "SHADOW_MODE"),
+        ("--rls-quota-mode", "TOLLGATE_RLS_QUOTA_MODE", "QUOTA_MODE"),
+        (
+            "--rls-headers",
+            "TOLLGATE_RLS_HEADERS",
+            "LIMIT_RESPONSE_HEADERS_ENABLED",
+        ),
+    ] {
+        add(flag, tollgate_var, boolean(&get, var));
+    }
     out
 }
 
@@ -140,13 +150,23 @@ fn redis_urls(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
         Some((_, hosts)) => hosts,
         None => url.split(',').map(|h| h.trim().to_string()).collect(),
     };
-    let auth = get("REDIS_AUTH")
+    let credentials = get("REDIS_AUTH")
         .filter(|a| !a.is_empty())
         .map(|a| match a.split_once(':') {
-            Some((user, password)) => format!("{user}:{password}@"),
-            None => format!(":{a}@"),
+            Some((user, password)) => (Some(user.to_string()), password.to_string()),
+            None => (None, a),
         });
-    let auth = auth.unwrap_or_default();
+    let auth = match &credentials {
+        Some((Some(user), password)) => format!("{}:{}@", encode(user), encode(password)),
+        Some((None, password)) => format!(":{}@", encode(password)),
+        None => String::new(),
+    };
+    // A socket has no authority part: the credentials go in the query.
+    let socket_auth = match &credentials {
+        Some((Some(user), password)) => format!("?user={}&pass={}", encode(user), encode(password)),
+        Some((None, password)) => format!("?pass={}", encode(password)),
+        None => String::new(),
+    };
     // Its default socket type is unix; a path says so too.
     let unix = match get("REDIS_SOCKET_TYPE") {
         Some(t) => t.eq_ignore_ascii_case("unix"),
@@ -158,12 +178,22 @@ fn redis_urls(get: &impl Fn(&str) -> Option<String>) -> Option<String> {
         hosts
             .iter()
             .map(|h| match unix {
-                true => format!("unix://{h}"),
+                true => format!("unix://{h}{socket_auth}"),
                 false => format!("{scheme}://{auth}{h}"),
             })
             .collect::<Vec<_>>()
             .join(","),
     )
+}
+
+/// Percent-encodes what a URL's userinfo or query cannot hold as is.
+fn encode(text: &str) -> String {
+    text.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' => (b as char).to_string(),
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -268,5 +298,11 @@ mod tests {
             &[],
         );
         assert_eq!(unix, ["--redis", "unix:///var/run/redis.sock"]);
+        // A socket's password goes in the query (found by a tester: without
+        // it every decision failed open).
+        let unix = from(&[("REDIS_URL", "/r.sock"), ("REDIS_AUTH", "s3cret/#")], &[]);
+        assert_eq!(unix, ["--redis", "unix:///r.sock?pass=s3cret%2F%23"]);
+        let tcp = from(&[("REDIS_URL", "r:1"), ("REDIS_AUTH", "u@x:p@ss")], &[]);
+        assert_eq!(tcp, ["--redis", "redis://u%40x:p%40ss@r:1"]);
     }
 }

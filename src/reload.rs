@@ -84,10 +84,17 @@ struct Domains {
     index: ArcSwap<HashMap<String, Arc<Limits>>>,
     /// Rebuilds one at a time, each from the latest limits.
     rebuilding: Mutex<()>,
+    /// Set while a directory's files are reloaded one by one: the index is
+    /// rebuilt once they all are, so two files swapping domains in one
+    /// deploy never leave a domain unserved in between.
+    held: std::sync::atomic::AtomicBool,
 }
 
 impl Domains {
     fn rebuild(&self) {
+        if self.held.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
         let _one = self.rebuilding.lock().unwrap_or_else(|e| e.into_inner());
         let mut parts: Vec<(String, Vec<Arc<Limits>>)> = Vec::new();
         for (_, _, active) in self.by_file.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -726,22 +733,35 @@ pub enum CatalogError {
     Dir(String, std::io::Error),
 }
 
-/// The limits files of a directory, in name order: `.yaml`, `.yml` and
-/// `.json`, not hidden ones (a Kubernetes volume's `..data` links).
+/// The limits files of a directory and its sub-directories, in path order:
+/// every file, as envoyproxy/ratelimit reads them (`.json` ones as JSON, the
+/// rest as YAML), but no hidden ones (a Kubernetes volume's `..data`).
 fn files_in(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
-    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)?
-        .filter_map(Result::ok)
-        .map(|e| e.path())
-        .filter(|p| {
-            let name = p
-                .file_name()
-                .map(|n| n.to_string_lossy().into_owned())
-                .unwrap_or_default();
-            !name.starts_with('.') && [".yaml", ".yml", ".json"].iter().any(|ext| name.ends_with(ext)) && p.is_file()
-        })
-        .collect();
+    let mut files = Vec::new();
+    collect_files(dir, 0, &mut files)?;
     files.sort();
     Ok(files)
+}
+
+/// Deepest sub-directory read (a link loop must not recurse forever).
+const MAX_DEPTH: usize = 8;
+
+fn collect_files(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> std::io::Result<()> {
+    for entry in std::fs::read_dir(dir)?.filter_map(Result::ok) {
+        let path = entry.path();
+        if entry.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        // Links are followed; a dangling one is kept, so it is reported.
+        if path.is_dir() {
+            if depth < MAX_DEPTH {
+                let _ = collect_files(&path, depth.saturating_add(1), files);
+            }
+        } else {
+            files.push(path);
+        }
+    }
+    Ok(())
 }
 
 impl Catalog {
@@ -781,6 +801,7 @@ impl Catalog {
             merge,
             index: ArcSwap::from_pointee(HashMap::new()),
             rebuilding: Mutex::new(()),
+            held: std::sync::atomic::AtomicBool::new(false),
         });
         domains.rebuild();
         for f in &files {
@@ -829,7 +850,7 @@ impl Catalog {
         let mut changed = false;
         let mut next: Vec<Arc<LiveLimits>> = Vec::with_capacity(on_disk.len());
         for f in current.iter() {
-            let from_dir = f.path.parent() == Some(dir) && !self.sources.contains(&f.path);
+            let from_dir = f.path.starts_with(dir) && !self.sources.contains(&f.path);
             if from_dir && !on_disk.contains(&f.path) {
                 let domain = f.active().load().domain.clone();
                 self.domains
@@ -875,7 +896,7 @@ impl Catalog {
                 let i = self
                     .sources
                     .iter()
-                    .position(|s| *s == f.path || f.path.parent() == Some(s.as_path()))
+                    .position(|s| f.path.starts_with(s))
                     .unwrap_or(usize::MAX);
                 (i, f.path.clone())
             };
@@ -886,12 +907,12 @@ impl Catalog {
                 f();
             }
         }
-        for f in next
-            .iter()
-            .filter(|f| f.path.parent() == Some(dir) && on_disk.contains(&f.path))
-        {
+        self.domains.held.store(true, std::sync::atomic::Ordering::SeqCst);
+        for f in next.iter().filter(|f| on_disk.contains(&f.path)) {
             f.reload_and_log(cause);
         }
+        self.domains.held.store(false, std::sync::atomic::Ordering::SeqCst);
+        self.domains.rebuild();
     }
 
     /// Loads a file that appeared in a directory and puts it in force,
@@ -969,11 +990,12 @@ impl Catalog {
                 let _ = tx.send(());
             }
         })?;
-        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        watcher.watch(&dir, RecursiveMode::Recursive)?;
+        let mut watched = dir_identity(&dir);
         let catalog = self.clone();
         let task = tokio::spawn(async move {
             // Owned by the task: dropping the guard stops both.
-            let _watcher = watcher;
+            let mut watcher = watcher;
             let mut poll = tokio::time::interval(POLL);
             poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
@@ -987,7 +1009,19 @@ impl Catalog {
                         }
                         "file changed"
                     }
-                    _ = poll.tick() => "poll",
+                    _ = poll.tick() => {
+                        // A directory deleted and made again is a new one:
+                        // the old watch died with it.
+                        let now = dir_identity(&dir);
+                        if now != watched {
+                            let _ = watcher.unwatch(&dir);
+                            watched = now.filter(|_| watcher.watch(&dir, RecursiveMode::Recursive).is_ok());
+                            if watched.is_some() {
+                                tracing::info!(dir = %dir.display(), "watching the limits directory again");
+                            }
+                        }
+                        "poll"
+                    }
                 };
                 let (catalog, dir) = (catalog.clone(), dir.clone());
                 let _ = tokio::task::spawn_blocking(move || catalog.rescan(&dir, cause)).await;

@@ -196,7 +196,14 @@ impl Tollgate {
             args.push("--config".into());
             args.push(f.display().to_string());
         }
-        for a in ["--admin-listen", "127.0.0.1:0", "--grpc-listen", "127.0.0.1:0"] {
+        for a in [
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+        ] {
             args.push(a.into());
         }
         args.extend(extra.iter().map(|s| s.to_string()));

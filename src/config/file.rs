@@ -187,7 +187,22 @@ fn looks_like_envoy(text: &str, file: &str) -> bool {
     } else {
         yaml_serde::from_str(text).ok()
     };
-    shape.is_some_and(|s| s.contains_key("descriptors") && !s.contains_key("rules"))
+    match shape {
+        Some(s) => s.contains_key("descriptors") && !s.contains_key("rules"),
+        // Not parseable as a whole (a syntax error further down): judge by
+        // the top-level keys as written, so the error is reported in terms
+        // of the format the file is in.
+        None if !file.ends_with(".json") => {
+            let top = |key: &str| {
+                text.lines().any(|l| {
+                    l.strip_prefix(key)
+                        .is_some_and(|rest| rest.trim_start().starts_with(':'))
+                })
+            };
+            top("descriptors") && !top("rules")
+        }
+        None => false,
+    }
 }
 
 /// Both parsers append "at line N column M"; the line is reported separately.

@@ -41,6 +41,8 @@ pub struct RlsService {
     catalog: Arc<Catalog>,
     dynamic_metadata: bool,
     shadow_mode: bool,
+    quota_mode: bool,
+    headers: bool,
     unknown_domain: AtomicU64,
 }
 
@@ -59,6 +61,8 @@ impl RlsService {
             catalog,
             dynamic_metadata: false,
             shadow_mode: false,
+            quota_mode: false,
+            headers: true,
             unknown_domain: AtomicU64::new(0),
         }
     }
@@ -76,6 +80,20 @@ impl RlsService {
     /// A request over a limit is still not counted.
     pub fn with_shadow_mode(mut self, on: bool) -> Self {
         self.shadow_mode = on;
+        self
+    }
+
+    /// Treat every limit as `quota_mode` (envoyproxy/ratelimit's global
+    /// `QUOTA_MODE`): a request is refused only when all its limits are over.
+    pub fn with_quota_mode(mut self, on: bool) -> Self {
+        self.quota_mode = on;
+        self
+    }
+
+    /// Whether answers carry the RateLimit headers for Envoy to add to the
+    /// response (on by default).
+    pub fn with_headers(mut self, on: bool) -> Self {
+        self.headers = on;
         self
     }
 
@@ -105,21 +123,19 @@ impl RlsService {
             .descriptors
             .iter()
             .map(|d| {
-                // An override with a unit Envoy does not define is ignored,
-                // and the configured limit applies.
-                if let Some(rule) = d.limit.as_ref().and_then(|o| override_rule(o.requests_per_unit, o.unit)) {
-                    return Some(Matched {
-                        rule,
-                        shared: Vec::new(),
-                    });
-                }
-                limits
+                let configured = limits
                     .tree
                     .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
                     .map(|m| Matched {
                         rule: m.rule.clone(),
                         shared: m.shared,
-                    })
+                    });
+                // An override with a unit Envoy does not define is ignored,
+                // and the configured limit applies.
+                match d.limit.as_ref().and_then(|o| override_rule(o.requests_per_unit, o.unit)) {
+                    Some(rule) => Some(override_counter(rule, configured)),
+                    None => configured,
+                }
             })
             .collect();
         // A matched limit that `replaces` others drops every named limit of
@@ -153,8 +169,15 @@ impl RlsService {
             if let Some(slot) = hit_of.get_mut(i) {
                 *slot = Some(hits.len());
             }
+            let rule = match self.quota_mode && !m.rule.quota {
+                true => Arc::new(Rule {
+                    quota: true,
+                    ..(*m.rule).clone()
+                }),
+                false => m.rule.clone(),
+            };
             hits.push(Hit {
-                rule: m.rule.clone(),
+                rule,
                 key: descriptor_key(&limits.domain, &m.rule, entries),
                 cost: cost_of(d, request_hits),
             });
@@ -189,10 +212,10 @@ impl RlsService {
         let admitted = decision.verdict.admits() || self.shadow_mode;
         let overall = if admitted { Code::Ok } else { Code::OverLimit };
         let mut headers = HeaderMap::new();
-        if admitted {
-            headers::admission_headers(&decision, &mut headers);
-        } else {
-            headers::refusal_headers(&decision, &mut headers);
+        match (self.headers, admitted) {
+            (false, _) => {}
+            (true, true) => headers::admission_headers(&decision, &mut headers),
+            (true, false) => headers::refusal_headers(&decision, &mut headers),
         }
         let dynamic_metadata = self.dynamic_metadata.then(|| {
             // The limits of the descriptors answered OK, as envoyproxy/ratelimit
@@ -346,16 +369,38 @@ fn cost_of(d: &RateLimitDescriptor, request_hits: u64) -> u64 {
         .min(crate::config::MAX_UNITS.saturating_add(1))
 }
 
+/// An override counts on the configured limit's counter when that limit has
+/// one window of the same length (as envoyproxy/ratelimit, which keys by
+/// entries and unit), else on one counter per unit: changing the override's
+/// amount, or sending it on some requests only, never starts from zero.
+fn override_counter<'a>(mut rule: Arc<Rule>, configured: Option<Matched<'_>>) -> Matched<'a> {
+    let Some(configured) = configured else {
+        return Matched {
+            rule,
+            shared: Vec::new(),
+        };
+    };
+    let same_window = matches!(
+        (configured.rule.windows.as_slice(), rule.windows.as_slice()),
+        ([c], [o]) if c.period_ms == o.period_ms
+    );
+    if same_window {
+        Arc::make_mut(&mut rule).id = configured.rule.id.clone();
+    }
+    // An override counts the request's own values, wildcard or not.
+    Matched {
+        rule,
+        shared: Vec::new(),
+    }
+}
+
 /// The rule for a descriptor that brings its own `limit`.
 fn override_rule(requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
     let unit = Unit::try_from(unit).ok()?;
     let period_ms = unit_ms(unit)?;
-    let id = format!(
-        "override_{requests_per_unit}_per_{}",
-        unit.as_str_name().to_ascii_lowercase()
-    );
+    let id = format!("override_per_{}", unit.as_str_name().to_ascii_lowercase());
     Some(Arc::new(Rule {
-        name: id.clone(),
+        name: format!("override_{requests_per_unit}_per_{}", unit.as_str_name().to_ascii_lowercase()),
         // envoyproxy/ratelimit reports an override without a name.
         limit_name: String::new(),
         id,
