@@ -1033,3 +1033,65 @@ async fn with_its_env(file: &Path, env: &[(&str, &str)]) -> (Tollgate, RateLimit
         .unwrap();
     (tg, rls)
 }
+
+/// Found by an independent tester: a FIFO dropped into the config directory
+/// hung every later reload, `tollgate check` and shutdown; a link back up
+/// the tree made every file count twice; files kept out were missing from
+/// `/config`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn odd_entries_in_a_config_directory_are_refused_not_waited_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = |n: u32| {
+        format!("domain: a\ndescriptors:\n  - key: k\n    rate_limit: {{ unit: hour, requests_per_unit: {n} }}\n")
+    };
+    std::fs::write(dir.path().join("a.yaml"), limit(3)).unwrap();
+    std::os::unix::fs::symlink(".", dir.path().join("self")).unwrap();
+    let mut tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &[]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let look = || single("a", descriptor(&[("k".into(), "v".into())]), 0);
+    let rpu = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
+    assert_eq!(rpu(rls.should_rate_limit(look()).await.unwrap().into_inner()), Some(3));
+
+    let fifo = dir.path().join("f.yaml");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let (check_ok, check_out) = tokio::task::spawn_blocking({
+        let dir = dir.path().to_path_buf();
+        move || check(&[dir], false)
+    })
+    .await
+    .unwrap();
+    assert!(!check_ok && check_out.contains("not a regular file"), "{check_out}");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !tg.logged("not a regular file") {
+        assert!(std::time::Instant::now() < deadline, "{}", tg.log_text());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let config = get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json();
+    let refused = config["refused"].to_string();
+    assert!(
+        refused.contains("f.yaml") && refused.contains("not a regular file"),
+        "{config}"
+    );
+
+    // Reloads still happen.
+    std::fs::write(dir.path().join("a.yaml"), limit(4)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rpu(rls.should_rate_limit(look()).await.unwrap().into_inner()) != Some(4) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the edit was not applied: {}",
+            tg.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // And so does a clean stop.
+    tg.signal("TERM");
+    assert_eq!(
+        tg.wait_exit(std::time::Duration::from_secs(5)),
+        Some(true),
+        "{}",
+        tg.log_text()
+    );
+}

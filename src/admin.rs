@@ -124,7 +124,13 @@ impl Admin {
                     .iter()
                     .map(|f| serde_json::json!({ "status": &*f.status(), "limits": &**f.active().load() }))
                     .collect();
-                let body = serde_json::json!({ "files": files });
+                let refused: Vec<serde_json::Value> = self
+                    .catalog
+                    .refused()
+                    .into_iter()
+                    .map(|(file, error)| serde_json::json!({ "file": file, "last_error": error }))
+                    .collect();
+                let body = serde_json::json!({ "files": files, "refused": refused });
                 let mut r = text(StatusCode::OK, &format!("{body:#}\n"));
                 r.headers_mut()
                     .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -186,6 +186,10 @@ fn main() -> ExitCode {
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.get(1).and_then(|a| a.to_str()) != Some("check") {
+        if let Some(problem) = tollgate::ratelimit_env::unsupported(get) {
+            eprintln!("tollgate: {problem}");
+            return ExitCode::FAILURE;
+        }
         let extra = tollgate::ratelimit_env::flags(get, &argv);
         argv.extend(extra.into_iter().map(Into::into));
     }

@@ -105,6 +105,19 @@ pub fn flags(get: impl Fn(&str) -> Option<String>, argv: &[OsString]) -> Vec<Str
     out
 }
 
+/// A setting of its that tollgate cannot honour and must not ignore: a
+/// memcache backend would silently become per-instance counters, each
+/// replica allowing the whole limit.
+pub fn unsupported(get: impl Fn(&str) -> Option<String>) -> Option<String> {
+    let backend = get("BACKEND_TYPE")?;
+    (!backend.eq_ignore_ascii_case("redis")).then(|| {
+        format!(
+            "BACKEND_TYPE={backend} is not supported: tollgate shares its counters through Redis \
+             (REDIS_URL or --redis) or keeps them in memory for one instance; unset BACKEND_TYPE to choose"
+        )
+    })
+}
+
 /// `RUST_LOG` from its `LOG_LEVEL`, when `RUST_LOG` is not set.
 pub fn log_filter(get: impl Fn(&str) -> Option<String>) -> Option<String> {
     match get("RUST_LOG") {
@@ -242,6 +255,16 @@ mod tests {
         assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG")])).as_deref(), Some("debug"));
         assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG"), ("RUST_LOG", "warn")])), None);
         assert_eq!(log_filter(vars(&[])), None);
+    }
+
+    #[test]
+    fn a_memcache_backend_is_refused_not_ignored() {
+        let vars = |v: &'static [(&'static str, &'static str)]| {
+            move |k: &str| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
+        };
+        assert!(unsupported(vars(&[("BACKEND_TYPE", "memcache")])).is_some_and(|m| m.contains("memcache")));
+        assert_eq!(unsupported(vars(&[("BACKEND_TYPE", "redis")])), None);
+        assert_eq!(unsupported(vars(&[])), None);
     }
 
     #[test]

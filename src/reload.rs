@@ -752,9 +752,12 @@ fn collect_files(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> std::io:
         if entry.file_name().to_string_lossy().starts_with('.') {
             continue;
         }
-        // Links are followed; a dangling one is kept, so it is reported.
+        // A linked directory is not entered (as envoyproxy/ratelimit's walk
+        // does not): a link back up the tree would read files twice. Linked
+        // files are followed; a dangling link is kept, so it is reported.
+        let linked = entry.file_type().is_ok_and(|t| t.is_symlink());
         if path.is_dir() {
-            if depth < MAX_DEPTH {
+            if !linked && depth < MAX_DEPTH {
                 let _ = collect_files(&path, depth.saturating_add(1), files);
             }
         } else {
@@ -826,6 +829,15 @@ impl Catalog {
     /// The files served now, in `--config` order (a directory's by name).
     pub fn files(&self) -> Arc<Vec<Arc<LiveLimits>>> {
         self.files.load_full()
+    }
+
+    /// Files of a watched directory kept out (invalid, unreadable, or
+    /// declaring a domain another file holds), with why.
+    pub fn refused(&self) -> Vec<(PathBuf, String)> {
+        let refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        let mut list: Vec<(PathBuf, String)> = refused.iter().map(|(p, r)| (p.clone(), r.clone())).collect();
+        list.sort();
+        list
     }
 
     /// The limits in force for `domain`, for the Envoy RLS surface.

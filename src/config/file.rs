@@ -51,6 +51,14 @@ pub fn read_limits(path: &Path) -> std::io::Result<String> {
     use std::io::Read;
     let limit = u64::try_from(MAX_FILE_BYTES).unwrap_or(u64::MAX);
     let mut bytes = Vec::new();
+    // Opening a FIFO blocks until a writer comes, and a device never ends:
+    // only regular files (links followed) are read.
+    if !std::fs::metadata(path)?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
     std::fs::File::open(path)?
         .take(limit.saturating_add(1))
         .read_to_end(&mut bytes)?;
