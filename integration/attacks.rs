@@ -713,3 +713,44 @@ rules:
         }
     }
 }
+
+/// Issue 18: a caller who makes up a fresh key on every request cannot grow
+/// the memory store past `--max-counters`, and a caller at its limit that
+/// keeps asking is never the one forgotten.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_fresh_keys_stays_within_max_counters() {
+    let upstream = TestUpstream::start().await;
+    let limits =
+        "domain: flood\nrules:\n  - name: per-key\n    by: [header:x-key]\n    limits: [{ requests: 2, per: 1h }]\n";
+    let tg = Tollgate::start(limits, upstream.addr, &["--max-counters", "50"]);
+    let http = client();
+    let url = tg.url("/x");
+    for _ in 0..2 {
+        assert_eq!(get(&http, &url, &[("x-key", "busy")]).await.status, StatusCode::OK);
+    }
+    for i in 0..400 {
+        let key = format!("fresh-{i}");
+        assert_eq!(
+            get(&http, &url, &[("x-key", key.as_str())]).await.status,
+            StatusCode::OK
+        );
+        if i % 5 == 0 {
+            assert_eq!(
+                get(&http, &url, &[("x-key", "busy")]).await.status,
+                StatusCode::TOO_MANY_REQUESTS,
+                "the busy caller kept its counter (step {i})"
+            );
+        }
+    }
+    let metrics =
+        String::from_utf8_lossy(&get(&http, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    let value = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|rest| rest.trim().parse().ok()))
+            .unwrap_or_else(|| panic!("{name} in {metrics}"))
+    };
+    assert!(value("tollgate_memory_counters ") <= 50.0, "{metrics}");
+    assert!(value("tollgate_counters_evicted_total ") >= 350.0, "{metrics}");
+    assert!(tg.logged("memory store full"), "one line says eviction started");
+}

@@ -62,6 +62,11 @@ struct RunArgs {
     /// Repeat for several domains, one file each.
     #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
     config: Vec<PathBuf>,
+    /// Most counters the in-memory store holds (without --redis): beyond it,
+    /// the least recently used of a sample is forgotten and its caller
+    /// starts a fresh window. ~200 bytes each at worst.
+    #[arg(long, env = "TOLLGATE_MAX_COUNTERS", default_value_t = tollgate::limiter::DEFAULT_MAX_COUNTERS)]
+    max_counters: usize,
     /// Merge envoyproxy/ratelimit files that declare the same domain (their
     /// MERGE_DOMAIN_CONFIG); otherwise one domain, one file.
     #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
@@ -300,8 +305,11 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             Store::Redis(store)
         }
         true => {
-            tracing::info!("counters in memory (single instance; pass --redis to share them)");
-            Store::Memory(MemoryStore::new(Arc::new(SystemClock::default())))
+            tracing::info!(
+                max_counters = args.max_counters,
+                "counters in memory (single instance; pass --redis to share them)"
+            );
+            Store::Memory(MemoryStore::new(Arc::new(SystemClock::default())).with_max_counters(args.max_counters))
         }
     };
     let limiter = Arc::new(Limiter::new(store, args.redis_timeout));

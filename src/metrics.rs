@@ -168,6 +168,8 @@ pub struct Metrics {
     config: Family<ConfigLabels, Gauge>,
     config_error: Family<FileLabels, Gauge>,
     denial_cache_hits: Counter,
+    counters_evicted: Counter,
+    memory_counters: Gauge,
     unknown_domain: Counter,
     client_body_stalls: Counter,
     upstream_body_stalls: Counter,
@@ -213,6 +215,8 @@ impl Metrics {
             config: Family::default(),
             config_error: Family::default(),
             denial_cache_hits: Counter::default(),
+            counters_evicted: Counter::default(),
+            memory_counters: Gauge::default(),
             unknown_domain: Counter::default(),
             client_body_stalls: Counter::default(),
             upstream_body_stalls: Counter::default(),
@@ -272,6 +276,16 @@ impl Metrics {
             "tollgate_denial_cache_hits",
             "Requests refused from the exact local denial cache",
             m.denial_cache_hits.clone(),
+        );
+        registry.register(
+            "tollgate_counters_evicted",
+            "Live counters the memory store forgot to stay within --max-counters (least recently used of a sample)",
+            m.counters_evicted.clone(),
+        );
+        registry.register(
+            "tollgate_memory_counters",
+            "Counters the memory store holds",
+            m.memory_counters.clone(),
         );
         registry.register(
             "tollgate_client_body_stalls",
@@ -410,5 +424,15 @@ impl Metrics {
     /// Records an RLS request for an unknown domain.
     pub fn unknown_domain(&self) {
         self.unknown_domain.inc();
+    }
+
+    /// Records a live counter evicted from the memory store.
+    pub fn counter_evicted(&self) {
+        self.counters_evicted.inc();
+    }
+
+    /// Publishes how many counters the memory store holds.
+    pub fn memory_counters(&self, n: usize) {
+        self.memory_counters.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
 }

@@ -5,16 +5,33 @@
 //! search and a subtraction, and the exact retry time is a short walk from the
 //! window's oldest entry. One lock covers a whole decision, which is what
 //! makes "charge every counter or none" hold.
+//!
+//! The store holds at most `--max-counters` counters, whatever keys callers
+//! make up: expired counters are shed a few per decision (never a full
+//! scan under the lock), and when the store is full a new counter takes the
+//! place of the least recently used of a random sample, as NGINX's
+//! `limit_req` zone and Redis's `allkeys-lru` do. An evicted caller's
+//! history is forgotten: it starts a fresh window.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
+use indexmap::IndexMap;
+
 use super::{Check, CheckCount, CounterStore, StoreAnswer, StoreError, WindowCount};
 
-/// How often idle counters are swept out, in milliseconds.
-const SWEEP_EVERY_MS: u64 = 10_000;
+/// Counters each decision looks at for expiry: enough to shed them faster
+/// than decisions create them, never a scan of the whole store.
+const SWEEP_STEP: usize = 4;
+/// Counters sampled to choose the one to evict.
+const EVICTION_SAMPLES: usize = 8;
+/// The default bound on live counters (`--max-counters`): about 200 MB at
+/// worst for one-request counters on 64-bit targets.
+pub const DEFAULT_MAX_COUNTERS: usize = 1_000_000;
+/// Shortest pause between two "evicting" log lines.
+const EVICTION_LOG_EVERY_MS: u64 = 60_000;
 
 /// A millisecond clock that never goes backwards.
 pub trait Clock: Send + Sync {
@@ -74,12 +91,19 @@ impl Clock for ManualClock {
 pub struct MemoryStore {
     clock: Arc<dyn Clock>,
     state: Mutex<State>,
+    max_counters: usize,
 }
 
-#[derive(Default)]
 struct State {
-    counters: HashMap<String, Counter>,
-    next_sweep_ms: u64,
+    /// Indexed, so the sweep can walk it and eviction can sample it.
+    counters: IndexMap<String, Counter>,
+    /// Where the sweep looks next.
+    sweep_at: usize,
+    /// xorshift64 state for eviction samples.
+    rng: u64,
+    /// Live counters evicted since the last log line, and when that was.
+    evicted_unlogged: u64,
+    last_eviction_log_ms: Option<u64>,
 }
 
 /// One counter: entries oldest first, each with the running total after it.
@@ -92,6 +116,8 @@ struct Counter {
     base: u64,
     entries: VecDeque<(u64, u64)>,
     expires_at_ms: u64,
+    /// When a decision last read or charged it (the eviction order).
+    used_ms: u64,
 }
 
 impl Counter {
@@ -153,8 +179,21 @@ impl MemoryStore {
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         MemoryStore {
             clock,
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State {
+                counters: IndexMap::new(),
+                sweep_at: 0,
+                rng: 0x9E37_79B9_7F4A_7C15,
+                evicted_unlogged: 0,
+                last_eviction_log_ms: None,
+            }),
+            max_counters: DEFAULT_MAX_COUNTERS,
         }
+    }
+
+    /// The same store holding at most `max` counters (at least one).
+    pub fn with_max_counters(mut self, max: usize) -> Self {
+        self.max_counters = max.max(1);
+        self
     }
 
     /// How many counters are live (for tests and metrics).
@@ -172,10 +211,7 @@ impl MemoryStore {
         // A panic elsewhere cannot leave a half-charged decision behind (the
         // charge loop below does not panic), so a poisoned lock is still sound.
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        if now >= state.next_sweep_ms {
-            state.counters.retain(|_, c| c.expires_at_ms > now);
-            state.next_sweep_ms = now.saturating_add(SWEEP_EVERY_MS);
-        }
+        state.sweep(now);
         let mut admitted = true;
         let (mut quotas, mut quota_room) = (false, false);
         let mut counts = Vec::with_capacity(checks.len());
@@ -184,7 +220,14 @@ impl MemoryStore {
         let mut claims: Vec<(&str, u64)> = Vec::new();
         for check in checks {
             let claim = claims.iter().find(|c| c.0 == check.key).map_or(0, |c| c.1);
-            let counter = state.counters.get(check.key).filter(|c| c.expires_at_ms > now);
+            let counter = state
+                .counters
+                .get_mut(check.key)
+                .map(|c| {
+                    c.used_ms = now;
+                    &*c
+                })
+                .filter(|c| c.expires_at_ms > now);
             let windows: Vec<WindowCount> = check
                 .windows
                 .iter()
@@ -221,9 +264,10 @@ impl MemoryStore {
             count.charged &= admitted && check.cost > 0;
             if count.charged {
                 let longest = check.windows.iter().map(|w| w.period_ms).max().unwrap_or(0);
-                charge(&mut state.counters, check.key, now, longest, check.cost);
+                state.charge(check.key, now, longest, check.cost, self.max_counters);
             }
         }
+        crate::metrics::get().memory_counters(state.counters.len());
         StoreAnswer {
             admitted,
             checks: counts,
@@ -231,26 +275,110 @@ impl MemoryStore {
     }
 }
 
-fn charge(counters: &mut HashMap<String, Counter>, key: &str, now: u64, longest: u64, cost: u64) {
-    let counter = match counters.get_mut(key) {
-        Some(c) => c,
-        None => counters.entry(key.to_string()).or_insert(Counter {
-            base: 0,
-            entries: VecDeque::new(),
-            expires_at_ms: 0,
-        }),
-    };
-    if counter.expires_at_ms <= now {
-        counter.base = 0;
-        counter.entries.clear();
+impl State {
+    /// Sheds the expired counters among the next few.
+    fn sweep(&mut self, now: u64) {
+        for _ in 0..SWEEP_STEP {
+            if self.sweep_at >= self.counters.len() {
+                self.sweep_at = 0;
+            }
+            match self.counters.get_index(self.sweep_at) {
+                // The last counter moves into this slot: look at it next.
+                Some((_, c)) if c.expires_at_ms <= now => {
+                    self.counters.swap_remove_index(self.sweep_at);
+                }
+                Some(_) => self.sweep_at = self.sweep_at.saturating_add(1),
+                None => return,
+            }
+        }
     }
-    let oldest_kept = now.saturating_add(1).saturating_sub(longest);
-    while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
-        counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
+
+    fn random(&mut self) -> u64 {
+        let mut x = self.rng;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.rng = x;
+        x
     }
-    let total = counter.total().wrapping_add(cost);
-    counter.entries.push_back((now, total));
-    counter.expires_at_ms = now.saturating_add(longest);
+
+    /// Frees one slot: the expired or least recently used counter of a
+    /// random sample.
+    fn evict_one(&mut self, now: u64) {
+        let len = self.counters.len();
+        let Some(len_u64) = u64::try_from(len).ok().filter(|l| *l > 0) else {
+            return;
+        };
+        let mut victim: Option<(usize, u64)> = None;
+        for _ in 0..EVICTION_SAMPLES {
+            let i = usize::try_from(self.random().checked_rem(len_u64).unwrap_or(0)).unwrap_or(0);
+            let Some((_, c)) = self.counters.get_index(i) else {
+                continue;
+            };
+            // Expired counters go first; among live ones, the least recently used.
+            let age = if c.expires_at_ms <= now { 0 } else { c.used_ms.saturating_add(1) };
+            if victim.is_none_or(|(_, best)| age < best) {
+                victim = Some((i, age));
+            }
+        }
+        let Some((i, age)) = victim else {
+            return;
+        };
+        self.counters.swap_remove_index(i);
+        if age == 0 {
+            return;
+        }
+        crate::metrics::get().counter_evicted();
+        self.evicted_unlogged = self.evicted_unlogged.saturating_add(1);
+        let due = self
+            .last_eviction_log_ms
+            .is_none_or(|at| now.saturating_sub(at) >= EVICTION_LOG_EVERY_MS);
+        if due {
+            tracing::warn!(
+                counters = len,
+                evicted = self.evicted_unlogged,
+                "memory store full (--max-counters): evicting the least recently used counters; their callers start fresh windows"
+            );
+            self.last_eviction_log_ms = Some(now);
+            self.evicted_unlogged = 0;
+        }
+    }
+
+    fn charge(&mut self, key: &str, now: u64, longest: u64, cost: u64, max: usize) {
+        if !self.counters.contains_key(key) {
+            while self.counters.len() >= max {
+                let before = self.counters.len();
+                self.evict_one(now);
+                if self.counters.len() == before {
+                    break;
+                }
+            }
+            self.counters.insert(
+                key.to_string(),
+                Counter {
+                    base: 0,
+                    entries: VecDeque::new(),
+                    expires_at_ms: 0,
+                    used_ms: now,
+                },
+            );
+        }
+        let Some(counter) = self.counters.get_mut(key) else {
+            return;
+        };
+        counter.used_ms = now;
+        if counter.expires_at_ms <= now {
+            counter.base = 0;
+            counter.entries.clear();
+        }
+        let oldest_kept = now.saturating_add(1).saturating_sub(longest);
+        while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
+            counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
+        }
+        let total = counter.total().wrapping_add(cost);
+        counter.entries.push_back((now, total));
+        counter.expires_at_ms = now.saturating_add(longest);
+    }
 }
 
 impl CounterStore for MemoryStore {
@@ -264,6 +392,7 @@ mod tests {
     use super::*;
     use crate::config::Window;
     use proptest::prelude::*;
+    use std::collections::HashMap;
 
     fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64, shadow: bool) -> Check<'a> {
         with_role(key, windows, cost, u8::from(shadow))
@@ -288,11 +417,42 @@ mod tests {
             requests: 5,
             period_ms: 1_000,
         }];
-        store.decide_now(&[check("a", &w, 1, false)]);
-        assert_eq!(store.len(), 1);
-        clock.advance(SWEEP_EVERY_MS + 1);
-        store.decide_now(&[check("b", &w, 1, false)]);
-        assert_eq!(store.len(), 1, "a expired and was swept, b is live");
+        for i in 0..100 {
+            store.decide_now(&[check(&format!("k{i}"), &w, 1, false)]);
+        }
+        assert_eq!(store.len(), 100);
+        clock.advance(1_001);
+        // A few per decision, never all at once: gone after enough decisions.
+        for _ in 0..30 {
+            store.decide_now(&[check("live", &w, 1, false)]);
+        }
+        assert_eq!(store.len(), 1, "only the live counter is left");
+    }
+
+    #[test]
+    fn the_bound_holds_under_a_flood_of_fresh_keys_and_spares_busy_counters() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let store = MemoryStore::new(clock.clone()).with_max_counters(1_000);
+        let hour = [Window {
+            requests: 3,
+            period_ms: 3_600_000,
+        }];
+        // A caller at its limit, asking again and again while the flood runs.
+        for _ in 0..3 {
+            assert!(store.decide_now(&[check("busy", &hour, 1, false)]).admitted);
+        }
+        for i in 0..50_000 {
+            clock.advance(1);
+            store.decide_now(&[check(&format!("fresh{i}"), &hour, 1, false)]);
+            assert!(store.len() <= 1_000);
+            if i % 10 == 0 {
+                assert!(
+                    !store.decide_now(&[check("busy", &hour, 1, false)]).admitted,
+                    "a counter read every few ms is never the least recently used of a sample (flood step {i})"
+                );
+            }
+        }
+        assert_eq!(store.len(), 1_000);
     }
 
     /// The plainest possible sliding window: every admitted request kept with

@@ -10,7 +10,7 @@ mod denials;
 mod memory;
 mod redis_stream;
 
-pub use memory::{Clock, ManualClock, MemoryStore, SystemClock};
+pub use memory::{Clock, DEFAULT_MAX_COUNTERS, ManualClock, MemoryStore, SystemClock};
 pub use redis_stream::{RedisMode, RedisStore};
 
 use std::future::Future;
