@@ -150,4 +150,24 @@ fn check_warns_about_statuses_a_decision_surface_cannot_carry() {
     );
     assert!(err.contains("failing closed is 503 on the proxy"), "{err}");
     assert!(!err.contains("\"login\""), "a 429 rule carries everywhere: {err}");
+    // The per-key rules sit behind the api-client rule: no flood warning.
+    assert!(!err.contains("caller chooses"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let bare = dir.path().join("bare.yaml");
+    std::fs::write(
+        &bare,
+        "domain: d\nrules:\n  - name: per-key\n    by: [\"header:x-key\"]\n    limits: [{ requests: 100, per: 1h }]\n",
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .args(["check", "--config", bare.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success()
+            && err
+                .contains("rule \"per-key\" keys only on values the caller chooses (header:x-key) over a 3600s window"),
+        "{err}"
+    );
 }

@@ -331,8 +331,54 @@ pub fn surface_warnings(limits: &Limits) -> Vec<String> {
                 rule.name
             ));
         }
+        if let Some(warning) = unbounded_counters(limits, rule) {
+            out.push(warning);
+        }
     }
     out
+}
+
+/// Windows this long keep a made-up key's counter around long enough for a
+/// flood of them to matter.
+const LONG_WINDOW_MS: u64 = 60_000;
+
+/// A rule keyed only on values the caller makes up, over a long window, with
+/// no `client_ip` rule deciding the same requests: every invented value is a
+/// new counter, and nothing bounds how fast one client invents them. A
+/// `client_ip` rule decided together refuses the flood, and a refused
+/// request creates no counter.
+fn unbounded_counters(limits: &Limits, rule: &Rule) -> Option<String> {
+    let caller_chosen = !rule.by.is_empty() && rule.by.iter().all(|p| !matches!(p, Part::ClientIp { .. }));
+    let longest = rule.windows.iter().map(|w| w.period_ms).max().unwrap_or(0);
+    if rule.shadow || !caller_chosen || longest < LONG_WINDOW_MS {
+        return None;
+    }
+    let covers = |guard: &Rule| {
+        let m = &guard.matcher;
+        !guard.shadow
+            && guard.by.iter().any(|p| matches!(p, Part::ClientIp { .. }))
+            && m.methods.is_empty()
+            && m.host.is_none()
+            && m.headers.is_empty()
+            && match (&m.path, &rule.matcher.path) {
+                (None, _) => true,
+                (Some(PathPattern::Prefix(p)), Some(PathPattern::Prefix(q) | PathPattern::Exact(q))) => {
+                    q.starts_with(p.as_str())
+                }
+                (Some(g), Some(r)) => g == r,
+                (Some(_), None) => false,
+            }
+    };
+    if limits.http_rules().any(|r| covers(r)) {
+        return None;
+    }
+    let keys: Vec<String> = rule.by.iter().map(Part::key).collect();
+    Some(format!(
+        "rule \"{}\" keys only on values the caller chooses ({}) over a {}s window: every made-up value is a new counter; add a client_ip rule for the same requests (say 20 per 1s), so a flood is refused before it creates counters",
+        rule.name,
+        keys.join(", "),
+        longest / 1000
+    ))
 }
 
 fn ser_status<S: serde::Serializer>(status: &StatusCode, s: S) -> Result<S::Ok, S::Error> {
