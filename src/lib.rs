@@ -7,11 +7,12 @@
 //! `surfaces` speak each wire protocol, `serve` runs listeners and `admin`
 //! reports health.
 
-/// Declares the modules a request passes through. They never panic: clippy
-/// denies indexing that can fail, unwrap/expect and unchecked arithmetic in
-/// them (outside tests). `config` opts in for its request-time matching only.
+/// Marks items (modules, impl blocks) a request passes through. They never
+/// panic: clippy denies indexing that can fail, unwrap/expect and unchecked
+/// arithmetic in them (outside tests). `config` marks its request-time
+/// matching only.
 macro_rules! request_path {
-    ($(pub mod $name:ident;)*) => {
+    ($($item:item)*) => {
         $(
             #[cfg_attr(
                 not(test),
@@ -22,7 +23,7 @@ macro_rules! request_path {
                     clippy::arithmetic_side_effects
                 )
             )]
-            pub mod $name;
+            $item
         )*
     };
 }

@@ -249,57 +249,49 @@ impl Rule {
     }
 }
 
-// On the request path: never panics (see the surfaces' lint set).
-#[cfg_attr(
-    not(test),
-    deny(
-        clippy::indexing_slicing,
-        clippy::unwrap_used,
-        clippy::expect_used,
-        clippy::arithmetic_side_effects
-    )
-)]
-impl Matcher {
-    /// Whether a request with these attributes falls under the rule.
-    pub fn matches(&self, method: &Method, path: &str, host: Option<&str>, headers: &http::HeaderMap) -> bool {
-        // HEAD runs the GET handler in NGINX and in most frameworks, so a
-        // GET rule counts HEAD too.
-        let head_as_get = method == Method::HEAD && self.methods.contains(&Method::GET);
-        if !self.methods.is_empty() && !self.methods.contains(method) && !head_as_get {
-            return false;
-        }
-        if let Some(pattern) = &self.path {
-            let ok = match (pattern, self.ignore_case) {
-                // An exact path also matches its spelling with a trailing
-                // slash, which Express, Rails and Django route alike.
-                (PathPattern::Exact(p), false) => path == p || path.strip_suffix('/') == Some(p),
-                (PathPattern::Exact(p), true) => {
-                    path.eq_ignore_ascii_case(p) || path.strip_suffix('/').is_some_and(|q| q.eq_ignore_ascii_case(p))
-                }
-                (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
-                (PathPattern::Prefix(p), true) => path
-                    .as_bytes()
-                    .get(..p.len())
-                    .is_some_and(|head| head.eq_ignore_ascii_case(p.as_bytes())),
-            };
-            if !ok {
+request_path! {
+    impl Matcher {
+        /// Whether a request with these attributes falls under the rule.
+        pub fn matches(&self, method: &Method, path: &str, host: Option<&str>, headers: &http::HeaderMap) -> bool {
+            // HEAD runs the GET handler in NGINX and in most frameworks, so a
+            // GET rule counts HEAD too.
+            let head_as_get = method == Method::HEAD && self.methods.contains(&Method::GET);
+            if !self.methods.is_empty() && !self.methods.contains(method) && !head_as_get {
                 return false;
             }
-        }
-        if let Some(want) = &self.host {
-            match host {
-                Some(h) if h.eq_ignore_ascii_case(want) => {}
-                _ => return false,
+            if let Some(pattern) = &self.path {
+                let ok = match (pattern, self.ignore_case) {
+                    // An exact path also matches its spelling with a trailing
+                    // slash, which Express, Rails and Django route alike.
+                    (PathPattern::Exact(p), false) => path == p || path.strip_suffix('/') == Some(p),
+                    (PathPattern::Exact(p), true) => {
+                        path.eq_ignore_ascii_case(p) || path.strip_suffix('/').is_some_and(|q| q.eq_ignore_ascii_case(p))
+                    }
+                    (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
+                    (PathPattern::Prefix(p), true) => path
+                        .as_bytes()
+                        .get(..p.len())
+                        .is_some_and(|head| head.eq_ignore_ascii_case(p.as_bytes())),
+                };
+                if !ok {
+                    return false;
+                }
             }
-        }
-        self.headers.iter().all(|(name, want)| {
-            headers.get_all(name).iter().any(|v| match want {
-                HeaderValueMatch::Any => true,
-                // Around a value, spaces and tabs are not part of it (HTTP/2
-                // passes them through where HTTP/1 parsers strip them).
-                HeaderValueMatch::Exact(s) => v.as_bytes().trim_ascii() == s.as_bytes(),
+            if let Some(want) = &self.host {
+                match host {
+                    Some(h) if h.eq_ignore_ascii_case(want) => {}
+                    _ => return false,
+                }
+            }
+            self.headers.iter().all(|(name, want)| {
+                headers.get_all(name).iter().any(|v| match want {
+                    HeaderValueMatch::Any => true,
+                    // Around a value, spaces and tabs are not part of it (HTTP/2
+                    // passes them through where HTTP/1 parsers strip them).
+                    HeaderValueMatch::Exact(s) => v.as_bytes().trim_ascii() == s.as_bytes(),
+                })
             })
-        })
+        }
     }
 }
 
@@ -349,7 +341,7 @@ const LONG_WINDOW_MS: u64 = 60_000;
 /// request creates no counter.
 fn unbounded_counters(limits: &Limits, rule: &Rule) -> Option<String> {
     let caller_chosen = !rule.by.is_empty() && rule.by.iter().all(|p| !matches!(p, Part::ClientIp { .. }));
-    let longest = rule.windows.iter().map(|w| w.period_ms).max().unwrap_or(0);
+    let longest = rule.longest_period_ms();
     if rule.shadow || !caller_chosen || longest < LONG_WINDOW_MS {
         return None;
     }

@@ -107,87 +107,80 @@ pub struct TreeMatch<'a> {
     pub shared: Vec<(usize, &'a str)>,
 }
 
-impl DescriptorTree {
-    /// Adds `path`'s node (creating the levels above it) and puts `rule`
-    /// there. `rule: None` keeps a placeholder: it still wins over less
-    /// specific patterns at its level, as in envoyproxy/ratelimit. A node that
-    /// already has a rule is a duplicate.
-    pub fn insert(&mut self, path: &[EntryPattern], rule: Option<Arc<Rule>>) -> Result<(), DuplicatePattern> {
-        let Some((last, parents)) = path.split_last() else {
-            return Ok(());
-        };
-        let mut level = &mut self.root;
-        for entry in parents {
-            level = &mut level.node_mut(entry).children;
-        }
-        let node = level.node_mut(last);
-        if rule.is_some() {
-            if node.rule.is_some() {
-                return Err(DuplicatePattern(last.composite()));
-            }
-            node.rule = rule;
-        }
-        Ok(())
-    }
-
-    /// Adds `other`'s top-level descriptors beside these (another file of
-    /// the same domain); one composite key at the top of both is an error.
-    pub fn merge(&mut self, other: &DescriptorTree) -> Result<(), DuplicatePattern> {
-        if let Some(dup) = other.root.nodes.keys().find(|k| self.root.nodes.contains_key(*k)) {
-            return Err(DuplicatePattern(dup.clone()));
-        }
-        for (composite, node) in &other.root.nodes {
-            self.root.nodes.insert(composite.clone(), node.clone());
-        }
-        self.root.wildcards.extend(other.root.wildcards.iter().cloned());
-        Ok(())
-    }
-
-    /// The rule for a request descriptor, if any.
-    #[cfg_attr(
-        not(test),
-        deny(
-            clippy::indexing_slicing,
-            clippy::unwrap_used,
-            clippy::expect_used,
-            clippy::arithmetic_side_effects
-        )
-    )]
-    pub fn lookup<K: AsRef<str>, V: AsRef<str>>(
-        &self,
-        entries: impl IntoIterator<Item = (K, V)>,
-    ) -> Option<TreeMatch<'_>> {
-        let mut level = &self.root;
-        let mut found: Option<&Node> = None;
-        let mut shared = Vec::new();
-        let mut composite = String::new();
-        for (i, (key, value)) in entries.into_iter().enumerate() {
-            if let Some(node) = found {
-                level = &node.children;
-            }
-            let key = key.as_ref();
-            composite.clear();
-            composite.push_str(key);
-            composite.push('_');
-            composite.push_str(value.as_ref());
-            let node = match level.nodes.get(composite.as_str()) {
-                Some(node) => node,
-                None => match level.wildcards.iter().find(|w| w.matches(&composite)) {
-                    Some(w) => {
-                        let node = level.nodes.get(&w.composite)?;
-                        if let Some(v) = &node.shared_value {
-                            shared.push((i, v.as_str()));
-                        }
-                        node
-                    }
-                    None => level.nodes.get(key)?,
-                },
+request_path! {
+    impl DescriptorTree {
+        /// Adds `path`'s node (creating the levels above it) and puts `rule`
+        /// there. `rule: None` keeps a placeholder: it still wins over less
+        /// specific patterns at its level, as in envoyproxy/ratelimit. A node that
+        /// already has a rule is a duplicate.
+        pub fn insert(&mut self, path: &[EntryPattern], rule: Option<Arc<Rule>>) -> Result<(), DuplicatePattern> {
+            let Some((last, parents)) = path.split_last() else {
+                return Ok(());
             };
-            found = Some(node);
+            let mut level = &mut self.root;
+            for entry in parents {
+                level = &mut level.node_mut(entry).children;
+            }
+            let node = level.node_mut(last);
+            if rule.is_some() {
+                if node.rule.is_some() {
+                    return Err(DuplicatePattern(last.composite()));
+                }
+                node.rule = rule;
+            }
+            Ok(())
         }
-        found
-            .and_then(|n| n.rule.as_ref())
-            .map(|rule| TreeMatch { rule, shared })
+
+        /// Adds `other`'s top-level descriptors beside these (another file of
+        /// the same domain); one composite key at the top of both is an error.
+        pub fn merge(&mut self, other: &DescriptorTree) -> Result<(), DuplicatePattern> {
+            if let Some(dup) = other.root.nodes.keys().find(|k| self.root.nodes.contains_key(*k)) {
+                return Err(DuplicatePattern(dup.clone()));
+            }
+            for (composite, node) in &other.root.nodes {
+                self.root.nodes.insert(composite.clone(), node.clone());
+            }
+            self.root.wildcards.extend(other.root.wildcards.iter().cloned());
+            Ok(())
+        }
+
+        /// The rule for a request descriptor, if any.
+        pub fn lookup<K: AsRef<str>, V: AsRef<str>>(
+            &self,
+            entries: impl IntoIterator<Item = (K, V)>,
+        ) -> Option<TreeMatch<'_>> {
+            let mut level = &self.root;
+            let mut found: Option<&Node> = None;
+            let mut shared = Vec::new();
+            let mut composite = String::new();
+            for (i, (key, value)) in entries.into_iter().enumerate() {
+                if let Some(node) = found {
+                    level = &node.children;
+                }
+                let key = key.as_ref();
+                composite.clear();
+                composite.push_str(key);
+                composite.push('_');
+                composite.push_str(value.as_ref());
+                let node = match level.nodes.get(composite.as_str()) {
+                    Some(node) => node,
+                    None => match level.wildcards.iter().find(|w| w.matches(&composite)) {
+                        Some(w) => {
+                            let node = level.nodes.get(&w.composite)?;
+                            if let Some(v) = &node.shared_value {
+                                shared.push((i, v.as_str()));
+                            }
+                            node
+                        }
+                        None => level.nodes.get(key)?,
+                    },
+                };
+                found = Some(node);
+            }
+            found
+                .and_then(|n| n.rule.as_ref())
+                .map(|rule| TreeMatch { rule, shared })
+        }
     }
 }
 
@@ -210,33 +203,35 @@ impl Level {
     }
 }
 
-impl Wildcard {
-    /// Whether `text` matches: it starts with the first piece, ends with
-    /// the last, and holds the middle pieces in order between them, without
-    /// overlaps.
-    fn matches(&self, text: &str) -> bool {
-        let Some((first, rest)) = self.pieces.split_first() else {
-            return false;
-        };
-        let Some((last, middle)) = rest.split_last() else {
-            return text == first;
-        };
-        let Some(mut between) = text
-            .strip_prefix(first.as_str())
-            .and_then(|t| t.strip_suffix(last.as_str()))
-        else {
-            return false;
-        };
-        for piece in middle {
-            match between.find(piece.as_str()) {
-                Some(at) => match between.get(at.saturating_add(piece.len())..) {
-                    Some(after) => between = after,
+request_path! {
+    impl Wildcard {
+        /// Whether `text` matches: it starts with the first piece, ends with
+        /// the last, and holds the middle pieces in order between them, without
+        /// overlaps.
+        fn matches(&self, text: &str) -> bool {
+            let Some((first, rest)) = self.pieces.split_first() else {
+                return false;
+            };
+            let Some((last, middle)) = rest.split_last() else {
+                return text == first;
+            };
+            let Some(mut between) = text
+                .strip_prefix(first.as_str())
+                .and_then(|t| t.strip_suffix(last.as_str()))
+            else {
+                return false;
+            };
+            for piece in middle {
+                match between.find(piece.as_str()) {
+                    Some(at) => match between.get(at.saturating_add(piece.len())..) {
+                        Some(after) => between = after,
+                        None => return false,
+                    },
                     None => return false,
-                },
-                None => return false,
+                }
             }
+            true
         }
-        true
     }
 }
 
