@@ -6,9 +6,13 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use http::StatusCode;
 
 use crate::common::*;
+use crate::envoy::descriptor;
 
 static CALLER: AtomicUsize = AtomicUsize::new(0);
 
@@ -158,6 +162,42 @@ async fn redis_cluster_of_three_masters() {
     let a = get(&c, &tg.url("/k"), &other_ip).await;
     assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "the key holds exactly 4");
     assert_eq!(a.json()["rule"], "per-key");
+
+    // Quota mode is a rule about the whole request, and its counters sit in
+    // different slots here: decided across the slots, not per slot.
+    let dir = tempfile::tempdir().unwrap();
+    let quota = dir.path().join("q.yaml");
+    std::fs::write(
+        &quota,
+        "domain: q\ndescriptors:\n  - key: user\n    quota_mode: true\n    rate_limit: { unit: hour, requests_per_unit: 1 }\n  - key: org\n    quota_mode: true\n    rate_limit: { unit: hour, requests_per_unit: 2 }\n",
+    )
+    .unwrap();
+    let rls = Tollgate::start_rls(
+        std::slice::from_ref(&quota),
+        &["--redis-mode", "cluster", "--redis", &seeds, "--redis-timeout", "1s"],
+    );
+    let mut client = RateLimitServiceClient::connect(format!("http://{}", rls.grpc.unwrap()))
+        .await
+        .unwrap();
+    let mut overall = Vec::new();
+    for _ in 0..4 {
+        let r = client
+            .should_rate_limit(RateLimitRequest {
+                domain: "q".into(),
+                descriptors: vec![
+                    descriptor(&[("user", "u-cluster")]),
+                    descriptor(&[("org", "o-cluster")]),
+                ],
+                hits_addend: 0,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        overall.push(r.overall_code == Code::Ok as i32);
+    }
+    // The user quota is spent after one, the org quota after two: the
+    // second request passes on the org's room, the third finds neither.
+    assert_eq!(overall, [true, true, false, false], "{}", rls.log_text());
 }
 
 /// A Sentinel process watching `master`.

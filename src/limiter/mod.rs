@@ -207,22 +207,31 @@ impl Decision {
     }
 
     /// Milliseconds until a retry of this request would be admitted: the
-    /// latest of the refusing windows, since it needs room in all of them.
-    /// `None` when it was not refused, or when it can never be admitted as
-    /// sent (it costs more than a window's whole limit).
+    /// latest of the refusing windows, since it needs room in all of them,
+    /// but for quota rules the earliest of them, since one with room is
+    /// enough. `None` when it was not refused, or when it can never be
+    /// admitted as sent (it costs more than a window's whole limit).
     pub fn retry_after_ms(&self) -> Option<u64> {
         if self.never_fits() {
             return None;
         }
-        self.refusing()
-            .flat_map(|r| r.windows.iter())
-            .filter_map(|w| w.retry_ms)
-            .max()
+        let rule_retry = |r: &RuleOutcome| r.windows.iter().filter_map(|w| w.retry_ms).max();
+        let enforced = self.refusing().filter(|r| !r.rule.quota).filter_map(rule_retry).max();
+        let quota = self
+            .refusing()
+            .filter(|r| r.rule.quota && !r.windows.iter().any(|w| w.never))
+            .filter_map(rule_retry)
+            .min();
+        enforced.max(quota)
     }
 
-    /// Whether a refusing window could never hold this request's cost.
+    /// Whether waiting cannot help: a refusing window could never hold this
+    /// request's cost (for quota rules: every one of them has such a window).
     pub fn never_fits(&self) -> bool {
-        self.refusing().flat_map(|r| r.windows.iter()).any(|w| w.never)
+        let never = |r: &RuleOutcome| r.windows.iter().any(|w| w.never);
+        let mut quotas = self.refusing().filter(|r| r.rule.quota).peekable();
+        let quota_never = quotas.peek().is_some() && quotas.all(never);
+        quota_never || self.refusing().filter(|r| !r.rule.quota).any(never)
     }
 
     /// The window with the least room left among enforcing rules (ties go to
@@ -569,6 +578,33 @@ mod tests {
             Verdict::Allowed,
             "the cache must not refuse past the real retry time"
         );
+    }
+
+    #[tokio::test]
+    async fn quota_rules_are_waited_for_until_the_first_frees_up() {
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let l = Limiter::with_clock(
+            Store::Memory(MemoryStore::new(clock.clone())),
+            Duration::from_millis(50),
+            clock.clone(),
+        );
+        let mut h = hits(
+            "  - name: a\n    limits: [{requests: 1, per: 1s}]\n  - name: b\n    limits: [{requests: 1, per: 10s}]\n",
+        );
+        for hit in &mut h {
+            Arc::make_mut(&mut hit.rule).quota = true;
+        }
+        assert_eq!(l.decide(&h).await.verdict, Verdict::Allowed);
+        clock.advance(200);
+        let d = l.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Limited, "neither quota has room");
+        assert_eq!(d.retry_after_ms(), Some(800), "a frees up first, and one quota is enough");
+        // Asked again just before, and just when, a frees up: the cached
+        // refusal must not outlive it.
+        clock.advance(799);
+        assert_eq!(l.decide(&h).await.verdict, Verdict::Limited);
+        clock.advance(1);
+        assert_eq!(l.decide(&h).await.verdict, Verdict::Allowed);
     }
 
     #[tokio::test]

@@ -258,41 +258,67 @@ impl RedisStore {
         if groups.len() == 1 {
             return single(call(&self.script, &mut conn, pinned, &[(&checks, false)]).await?);
         }
+        // Each part is decided alone, but quota mode is a rule about the
+        // whole request: parts carry quota checks as shadow ones (charged
+        // when they fit, never refusing) and the quota rule is applied here.
+        let as_part = |c: &OwnedCheck| OwnedCheck {
+            shadow: c.shadow || c.quota,
+            quota: false,
+            ..c.clone()
+        };
         let parts: Vec<Vec<OwnedCheck>> = groups
             .values()
-            .map(|idx| idx.iter().filter_map(|&i| checks.get(i).cloned()).collect())
+            .map(|idx| idx.iter().filter_map(|&i| checks.get(i).map(as_part)).collect())
             .collect();
         let mut answers = Vec::with_capacity(parts.len());
         for part in &parts {
             answers.push(single(call(&self.script, &mut conn, pinned, &[(part, true)]).await?)?);
         }
-        if answers.iter().all(|a| a.admitted) {
-            answers.clear();
-            for part in &parts {
-                answers.push(single(call(&self.script, &mut conn, pinned, &[(part, false)]).await?)?);
-            }
-        }
-        // Back into the order the checks came in.
-        let mut merged: Vec<Option<CheckCount>> = vec![None; checks.len()];
-        let admitted = answers.iter().all(|a| a.admitted);
-        for (idx, answer) in groups.values().zip(answers) {
-            for (&i, count) in idx.iter().zip(answer.checks) {
-                if let Some(slot) = merged.get_mut(i) {
-                    *slot = Some(count);
-                }
-            }
-        }
-        let checks = merged
-            .into_iter()
-            .map(|c| {
-                c.unwrap_or(CheckCount {
-                    charged: false,
-                    windows: Vec::new(),
-                })
-            })
+        let enforced = answers.iter().all(|a| a.admitted);
+        let counts = in_order(&groups, answers, checks.len());
+        let quotas: Vec<bool> = checks
+            .iter()
+            .zip(&counts)
+            .filter(|(c, _)| c.quota)
+            .map(|(c, n)| c.shadow || n.windows.iter().all(|w| !w.over()))
             .collect();
-        Ok(StoreAnswer { admitted, checks })
+        if !enforced || !(quotas.is_empty() || quotas.contains(&true)) {
+            return Ok(StoreAnswer {
+                admitted: false,
+                checks: counts,
+            });
+        }
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in &parts {
+            answers.push(single(call(&self.script, &mut conn, pinned, &[(part, false)]).await?)?);
+        }
+        let admitted = answers.iter().all(|a| a.admitted);
+        Ok(StoreAnswer {
+            admitted,
+            checks: in_order(&groups, answers, checks.len()),
+        })
     }
+}
+
+/// The parts' answers back in the order the checks came in.
+fn in_order(groups: &BTreeMap<&str, Vec<usize>>, answers: Vec<StoreAnswer>, n: usize) -> Vec<CheckCount> {
+    let mut merged: Vec<Option<CheckCount>> = vec![None; n];
+    for (idx, answer) in groups.values().zip(answers) {
+        for (&i, count) in idx.iter().zip(answer.checks) {
+            if let Some(slot) = merged.get_mut(i) {
+                *slot = Some(count);
+            }
+        }
+    }
+    merged
+        .into_iter()
+        .map(|c| {
+            c.unwrap_or(CheckCount {
+                charged: false,
+                windows: Vec::new(),
+            })
+        })
+        .collect()
 }
 
 fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {

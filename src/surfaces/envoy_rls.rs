@@ -223,8 +223,9 @@ impl RlsService {
             let passed = matched
                 .iter()
                 .zip(&statuses)
-                .filter(|(_, s)| s.code == Code::Ok as i32 && s.limit_remaining != u32::MAX)
-                .filter_map(|(m, _)| m.as_ref().and_then(|m| m.rule.metadata.as_ref()));
+                .filter(|(_, s)| s.code == Code::Ok as i32)
+                .filter_map(|(m, _)| m.as_ref().filter(|m| !m.rule.unlimited))
+                .filter_map(|m| m.rule.metadata.as_ref());
             request_metadata(req, passed)
         });
         RateLimitResponse {
