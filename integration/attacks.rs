@@ -286,14 +286,7 @@ async fn ext_authz_over_http2_reads_the_authority() {
     let up = TestUpstream::start().await;
     let limits = "domain: d\nrules:\n  - name: api-host\n    match: { host: api.example.com }\n    limits: [{ requests: 1, per: 60s }]\n";
     let tg = Tollgate::start(limits, up.addr, &[]);
-    let stream = tokio::net::TcpStream::connect(tg.check.unwrap()).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(tg.check.unwrap()).await;
     let mut statuses = Vec::new();
     for _ in 0..2 {
         let req = http::Request::builder()
@@ -511,14 +504,7 @@ rules:
     let tg = Tollgate::start(limits, up.addr, &[]);
     // HTTP/2 passes the spaces around a value through (HTTP/1 strips them);
     // the upstream's own parser strips them, so they must not make a new key.
-    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
-    let (mut h2, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut h2 = h2_sender(tg.addr).await;
     let mut send = |path: &'static str, name: &'static str, value: &'static str| {
         let req = http::Request::builder()
             .uri(format!("http://x{path}"))

@@ -483,14 +483,7 @@ rules:
 async fn http2_cleartext_clients_are_served() {
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
-    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        hyper_util::rt::TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(conn);
+    let mut sender = h2_sender(tg.addr).await;
     let req = http::Request::builder()
         .uri(format!("http://{}/echo", tg.addr))
         .body(http_body_util::Full::new(bytes::Bytes::from_static(b"h2 body")))
