@@ -1095,3 +1095,103 @@ async fn odd_entries_in_a_config_directory_are_refused_not_waited_on() {
         tg.log_text()
     );
 }
+
+/// README's promises about the config directory that the other tests do
+/// not reach: files in sub-directories are read (live too), merged files of
+/// one domain are checked again on every change, and a bad file stops the
+/// start-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_directory_subdirectories_merges_and_start_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = |domain: &str, key: &str| {
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: {key}\n    rate_limit: {{ unit: hour, requests_per_unit: 9 }}\n"
+        )
+    };
+    std::fs::write(dir.path().join("a.yaml"), limit("m", "k1")).unwrap();
+    std::fs::create_dir(dir.path().join("team")).unwrap();
+    std::fs::write(dir.path().join("team").join("b.yaml"), limit("m", "k2")).unwrap();
+    let tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &["--merge-domain-config", "true"]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let rpu = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
+    let look = |key: &str| single("m", descriptor(&[(key.into(), "v".into())]), 0);
+    for key in ["k1", "k2"] {
+        assert_eq!(
+            rpu(rls.should_rate_limit(look(key)).await.unwrap().into_inner()),
+            Some(9),
+            "{key}"
+        );
+    }
+    // A new file in a new sub-directory merges in live...
+    std::fs::create_dir(dir.path().join("more")).unwrap();
+    std::fs::write(dir.path().join("more").join("c.yaml"), limit("m", "k3")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rpu(rls.should_rate_limit(look("k3")).await.unwrap().into_inner()).is_none() {
+        assert!(std::time::Instant::now() < deadline, "{}", tg.log_text());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // ...and one that repeats a merged key is refused, the others serving.
+    std::fs::write(dir.path().join("more").join("d.yaml"), limit("m", "k1")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !tg.logged("duplicate descriptor composite key 'k1'") {
+        assert!(std::time::Instant::now() < deadline, "{}", tg.log_text());
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    for key in ["k1", "k2", "k3"] {
+        assert_eq!(
+            rpu(rls.should_rate_limit(look(key)).await.unwrap().into_inner()),
+            Some(9),
+            "{key}"
+        );
+    }
+
+    // At start-up the same bad file stops tollgate, with its name.
+    let out = Command::new(binary())
+        .arg("--config")
+        .arg(dir.path())
+        .args([
+            "--merge-domain-config",
+            "true",
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("d.yaml"), "{err}");
+}
+
+/// A memcache deployment of envoyproxy/ratelimit would silently become one
+/// set of counters per replica: refused at start, saying why.
+#[test]
+fn its_memcache_backend_is_refused_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("m.yaml");
+    std::fs::write(&file, "domain: m\ndescriptors: []\n").unwrap();
+    let out = Command::new(binary())
+        .arg("--config")
+        .arg(&file)
+        .args([
+            "--grpc-listen",
+            "127.0.0.1:0",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .env("BACKEND_TYPE", "memcache")
+        .env("MEMCACHE_HOST_PORT", "memcached:11211")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("BACKEND_TYPE=memcache is not supported"),
+        "{err}"
+    );
+}
