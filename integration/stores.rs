@@ -182,12 +182,86 @@ async fn shadow_counters_never_refuse() {
 async fn redis_keys_expire_after_the_longest_window() {
     let redis = RedisServer::start();
     let store = RedisStore::connect(&[redis.url()], &RedisMode::Standalone, None).unwrap();
-    let ws = [w(5, 1_000), w(10, 3_000)];
-    store.decide(&[check("tg:exp", &ws, 1)]).await.unwrap();
-    let ttl: i64 = redis.cli(&["PTTL", "tg:exp"]).unwrap().trim().parse().unwrap();
-    assert!((2_000..=3_000).contains(&ttl), "pttl {ttl}");
-    let entry = redis.cli(&["XRANGE", "tg:exp", "-", "+"]).unwrap();
-    assert!(entry.contains("n\n1\nc\n1"), "{entry}");
+    let ws = [w(50, 1_000), w(100, 3_000)];
+    for key in ["tg:exp", "tg:exp-stream"] {
+        if key == "tg:exp-stream" {
+            // Nine requests at nine different instants make a stream.
+            for _ in 0..9 {
+                store.decide(&[check(key, &ws, 1)]).await.unwrap();
+                tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+            }
+            assert_eq!(redis.cli(&["TYPE", key]).unwrap().trim(), "stream");
+        } else {
+            store.decide(&[check(key, &ws, 1)]).await.unwrap();
+            assert_eq!(redis.cli(&["TYPE", key]).unwrap().trim(), "string");
+        }
+        let ttl: i64 = redis.cli(&["PTTL", key]).unwrap().trim().parse().unwrap();
+        assert!((2_000..=3_000).contains(&ttl), "{key}: pttl {ttl}");
+    }
+    // The compact form's one entry is Redis's own time, in ms.
+    let time = redis.cli(&["TIME"]).unwrap();
+    let now_s: u64 = time.lines().next().unwrap().trim().parse().unwrap();
+    let entry: u64 = redis.cli(&["GET", "tg:exp"]).unwrap().trim().parse().unwrap();
+    assert!(entry / 1000 <= now_s && now_s - entry / 1000 <= 2, "{entry} vs {now_s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_counter_is_a_small_string_until_it_grows_into_a_stream() {
+    let redis = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())).unwrap();
+    let ws = [w(100, 60_000)];
+    let key = "tg:grow";
+    let get = || redis.cli(&["GET", key]).unwrap().trim().to_string();
+    let encoding = || redis.cli(&["OBJECT", "ENCODING", key]).unwrap().trim().to_string();
+    let used = |a: &StoreAnswer| a.checks[0].windows[0].used;
+
+    // One and two requests of one unit: an integer, as a fixed-window counter.
+    store.decide(&[check(key, &ws, 1)]).await.unwrap();
+    assert_eq!((get(), encoding()), (T0.to_string(), "int".to_string()));
+    clock.advance(52);
+    store.decide(&[check(key, &ws, 1)]).await.unwrap();
+    assert_eq!((get(), encoding()), (format!("{T0}52"), "int".to_string()));
+    // A larger cost and a request in the same ms write the general form.
+    clock.advance(8);
+    store.decide(&[check(key, &ws, 3)]).await.unwrap();
+    store.decide(&[check(key, &ws, 1)]).await.unwrap();
+    assert_eq!(get(), format!("{T0}*1,52*1,8*4"));
+    let a = store.decide(&[check(key, &ws, 0)]).await.unwrap();
+    assert_eq!(used(&a), 6);
+
+    // Up to COMPACT_ENTRIES entries it stays a string; one more, a stream
+    // holding the same entries, still counted exactly.
+    let mut total = 6;
+    for _ in 3..tollgate::limiter::COMPACT_ENTRIES {
+        clock.advance(1_000);
+        store.decide(&[check(key, &ws, 2)]).await.unwrap();
+        total += 2;
+    }
+    assert_eq!(redis.cli(&["TYPE", key]).unwrap().trim(), "string");
+    clock.advance(1_000);
+    let a = store.decide(&[check(key, &ws, 1)]).await.unwrap();
+    assert_eq!(used(&a), total, "counted before the switch");
+    total += 1;
+    assert_eq!(redis.cli(&["TYPE", key]).unwrap().trim(), "stream");
+    let len: usize = redis.cli(&["XLEN", key]).unwrap().trim().parse().unwrap();
+    assert_eq!(len, tollgate::limiter::COMPACT_ENTRIES + 1);
+    let a = store.decide(&[check(key, &ws, 0)]).await.unwrap();
+    assert_eq!(used(&a), total, "counted after the switch");
+    // The first entries leave the window as they would have as a string.
+    clock.advance(54_500);
+    let a = store.decide(&[check(key, &ws, 0)]).await.unwrap();
+    assert_eq!(used(&a), total - 6);
+
+    // Entries older than the longest window are dropped at the next write.
+    let quiet = "tg:quiet";
+    store.decide(&[check(quiet, &ws, 1)]).await.unwrap();
+    clock.advance(60_000);
+    store.decide(&[check(quiet, &ws, 1)]).await.unwrap();
+    assert_eq!(
+        redis.cli(&["GET", quiet]).unwrap().trim(),
+        (T0 + 60_560 + 60_000).to_string()
+    );
 }
 
 type Step = (u64, Vec<(usize, u64, u8)>);
@@ -234,17 +308,39 @@ impl StorePair {
         }
     }
 
-    fn case(&self, prefix: &str) -> (Arc<ManualClock>, MemoryStore, RedisStore, Vec<String>) {
+    /// A fresh case starting at `start` ms, whose Redis counters keep at
+    /// most `compact` entries before they become streams.
+    fn case(&self, prefix: &str, (start, compact): Form) -> (Arc<ManualClock>, MemoryStore, RedisStore, Vec<String>) {
         let n = self.case.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let clock = Arc::new(ManualClock::new(T0));
+        let clock = Arc::new(ManualClock::new(start));
         let memory = MemoryStore::new(clock.clone());
         let redis = self
             .runtime
             .block_on(async { RedisStore::connect(&[self.redis.url()], &RedisMode::Standalone, Some(clock.clone())) })
-            .unwrap();
+            .unwrap()
+            .with_compact_entries(compact);
         let keys = (0..3).map(|k| format!("{prefix}:{n}:{k}")).collect();
         (clock, memory, redis, keys)
     }
+}
+
+/// Where a case's clock starts and how many entries a compact counter keeps.
+type Form = (u64, usize);
+
+/// Counters that are streams from the start, that switch after 1, 2, 3 or
+/// the shipped number of entries, and clocks whose ms the compact form
+/// spells as an integer (13 digits) or not.
+fn form() -> impl Strategy<Value = Form> {
+    (
+        prop_oneof![3 => Just(T0), 1 => Just(5_000u64)],
+        prop_oneof![
+            Just(0usize),
+            Just(1),
+            Just(2),
+            Just(3),
+            Just(tollgate::limiter::COMPACT_ENTRIES)
+        ],
+    )
 }
 
 fn property_cases() -> ProptestConfig {
@@ -261,8 +357,8 @@ fn redis_script_answers_exactly_like_the_memory_store() {
     // field, for random sequences of time steps, costs and counter sets.
     let pair = StorePair::new();
     let runtime = &pair.runtime;
-    proptest!(property_cases(), |(steps in steps())| {
-        let (clock, memory, redis_store, keys) = pair.case("prop");
+    proptest!(property_cases(), |(steps in steps(), form in form())| {
+        let (clock, memory, redis_store, keys) = pair.case("prop", form);
         for (dt, picks) in steps {
             clock.advance(dt);
             let specs: Vec<(usize, Vec<Window>, u64, u8)> =
@@ -302,8 +398,8 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
     // requests one at a time at the same instant.
     let pair = StorePair::new();
     let runtime = &pair.runtime;
-    proptest!(property_cases(), |(batches in batches())| {
-        let (clock, memory, redis_store, keys) = pair.case("batch");
+    proptest!(property_cases(), |(batches in batches(), form in form())| {
+        let (clock, memory, redis_store, keys) = pair.case("batch", form);
         // The second set keeps the longest window (how long entries are kept
         // may differ between the stores otherwise) and changes the others.
         let windows: Vec<[Vec<Window>; 2]> = vec![
@@ -406,4 +502,44 @@ async fn a_refused_large_cost_finds_its_retry_time_in_a_few_seeks() {
     // Reading 150k entries one by one takes Redis tens of milliseconds; a
     // search reads ~20 entries. Generous: this is about work, not speed.
     assert!(stat("usec=") < 5_000, "no entry-by-entry read\n{stats}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_fresh_counters_stays_within_redis_maxmemory() {
+    // README's bound for Redis: maxmemory with volatile-lru (every counter
+    // carries a TTL). A flood of fresh keys then evicts the least recently
+    // used counters; no decision fails for want of memory.
+    let redis = RedisServer::start_with(&["--maxmemory", "3mb", "--maxmemory-policy", "volatile-lru"]);
+    let store = Arc::new(RedisStore::connect(&[redis.url()], &RedisMode::Standalone, None).unwrap());
+    let ws = [w(100, 3_600_000)];
+    let info = |section: &str, field: &str| -> u64 {
+        let text = redis.cli(&["INFO", section]).unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("{field} in {text}"))
+    };
+    let before = info("memory", "used_memory");
+    for round in 0..60u32 {
+        let tasks: Vec<_> = (0..1_000u32)
+            .map(|i| {
+                let store = store.clone();
+                tokio::spawn(async move {
+                    let key = format!("tg:2{{5=flood|}}{round}-{i}");
+                    store.decide(&[check(&key, &ws, 1)]).await
+                })
+            })
+            .collect();
+        for t in tasks {
+            let answer = t.await.unwrap().expect("no decision fails while Redis evicts");
+            assert!(answer.admitted);
+        }
+    }
+    let (used, evicted) = (info("memory", "used_memory"), info("stats", "evicted_keys"));
+    eprintln!("60k fresh counters: used_memory {before} -> {used}, {evicted} evicted");
+    assert!(evicted > 0, "the flood outgrew 3 MB and Redis evicted counters");
+    assert!(
+        used <= 3 * 1024 * 1024 + 256 * 1024,
+        "used_memory {used} stays near maxmemory"
+    );
 }

@@ -181,20 +181,24 @@ fn counter_key(
         }
         values.push(value);
     }
-    let mut key = key_start(domain, values.first().map_or(&rule.id, |v| v), &rule.id);
-    for value in &values {
+    // The first value is in the hash tag already; the body carries the rest.
+    let (first, rest) = values.split_first().map_or((rule.id.as_str(), &[][..]), |(f, r)| (f.as_str(), r));
+    let mut key = key_start(domain, first, &rule.id);
+    for value in rest {
         push_component(&mut key, value);
     }
     Ok(Some(key))
 }
 
-/// `tg:{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
+/// `tg:2{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
 /// tag, so counters of one domain keyed first on the same value (say the
 /// client address) share a slot and are decided in one atomic call. A `}`
-/// inside a value only shortens the tag; the key itself stays unique.
+/// inside a value only shortens the tag; the key itself stays unique. The
+/// `2` is the key layout: counters of the first layout (`tg:{`, the first
+/// value written twice, streams only) are never read as ones of this one.
 fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
     let mut key = String::with_capacity(64);
-    key.push_str("tg:{");
+    key.push_str("tg:2{");
     push_component(&mut key, domain);
     push_component(&mut key, first);
     key.push('}');
@@ -204,10 +208,14 @@ fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
 
 /// The counter of an Envoy descriptor matched to `rule`: the request's own
 /// values, so a bare `key` or a `value*` pattern counts each value apart.
+/// The first entry's value is in the hash tag; the body keeps its key.
 pub fn descriptor_key<'a>(domain: &str, rule: &Rule, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut entries = entries.into_iter().peekable();
-    let first = entries.peek().map_or(rule.id.as_str(), |&(_, v)| v);
-    let mut key = key_start(domain, first, &rule.id);
+    let mut entries = entries.into_iter();
+    let Some((k1, v1)) = entries.next() else {
+        return key_start(domain, &rule.id, &rule.id);
+    };
+    let mut key = key_start(domain, v1, &rule.id);
+    push_component(&mut key, k1);
     for (k, v) in entries {
         push_component(&mut key, k);
         push_component(&mut key, v);
@@ -393,9 +401,9 @@ rules:
         assert_eq!(
             keys,
             vec![
-                "tg:{3=api|8=10.0.0.7|}5=login|8=10.0.0.7|",
-                "tg:{3=api|2=k1|}7=per-key|2=k1|3=a b|",
-                "tg:{3=api|15=api.example.com|}5=hosts|15=api.example.com|4=POST|6=/login|",
+                "tg:2{3=api|8=10.0.0.7|}5=login|",
+                "tg:2{3=api|2=k1|}7=per-key|3=a b|",
+                "tg:2{3=api|15=api.example.com|}5=hosts|4=POST|6=/login|",
             ]
         );
         assert_eq!(hits[1].cost, 3);

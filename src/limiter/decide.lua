@@ -4,10 +4,21 @@
 -- decided one after the other, each atomically, so later ones see earlier
 -- charges exactly as if they had come in separate calls.
 --
--- Each counter is a stream whose entries carry n (the cost of one admitted
--- request) and c (the running total of n). The count inside a window is
+-- A busy counter is a stream whose entries carry n (the cost of one
+-- admitted request) and c (the running total of n). The count inside a
+-- window is
 --   c(last entry) - c(first entry in the window) + n(that entry)
 -- so a window costs two COUNT 1 seeks however many entries it holds.
+--
+-- A stream costs Redis ~500 B however little it holds, and most counters
+-- hold one or two requests (a caller's few requests per window; a flood
+-- of fresh keys). So a counter starts compact: a string of its entries,
+-- read whole, and becomes a stream only when a write would leave it more
+-- than ARGV[2] entries. The string is `ms*n` for the first entry and
+-- `delta_ms*n` for the next ones, comma-separated; one entry of one unit
+-- is just its 13-digit ms, and two of one unit each less than 100 s apart
+-- the first's ms followed by the delta: Redis keeps such a value as an
+-- integer, in no more memory than a fixed-window counter's.
 --
 -- Redis's own work per command is small next to what a redis.call() costs
 -- a script (argument objects, the reply turned into Lua tables), so a
@@ -21,7 +32,8 @@
 --
 -- KEYS     every decision's counters, decision after decision
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
--- ARGV[2]  the number of decisions
+-- ARGV[2]  the most entries a compact counter keeps (0: streams only)
+-- ARGV[3]  the number of decisions
 -- then per decision: its key count, dry run (0/1: check with the real costs
 -- but charge nothing), and per key: cost, role (bit 1: shadow, never
 -- refuses; bit 2: quota, refuses only when no quota key of the decision has
@@ -40,7 +52,7 @@
 local call = redis.call
 local M = 1125899906842624 -- 2^50
 local tonumber = tonumber
-local find, sub = string.find, string.sub
+local find, sub, gmatch = string.find, string.sub, string.gmatch
 
 -- Decisions in one call repeat the same few argument strings (limits,
 -- periods, costs), and converting a string costs Lua two strtod calls:
@@ -91,6 +103,43 @@ local function id_parts(id)
   return tonumber(sub(id, 1, dash - 1)), tonumber(sub(id, dash + 1))
 end
 
+local compact_max = tonumber(ARGV[2])
+
+-- A compact counter's entries: times, costs and running totals.
+local function parse(v)
+  local ms, n, c = {}, {}, {}
+  if not find(v, '*', 1, true) then
+    local t = tonumber(sub(v, 1, 13))
+    ms[1], n[1], c[1] = t, 1, 1
+    if #v > 13 then ms[2], n[2], c[2] = t + tonumber(sub(v, 14)), 1, 2 end
+  else
+    local t, total, i = 0, 0, 0
+    for entry in gmatch(v, '[^,]+') do
+      local star = find(entry, '*', 1, true)
+      i = i + 1
+      t = t + tonumber(sub(entry, 1, star - 1))
+      total = total + tonumber(sub(entry, star + 1))
+      ms[i], n[i], c[i] = t, tonumber(sub(entry, star + 1)), total
+    end
+  end
+  return { ms = ms, n = n, c = c }
+end
+
+local function encode(ms, n)
+  local count = #ms
+  if n[1] == 1 and ms[1] >= 1e12 and ms[1] < 1e13 then
+    if count == 1 then return int(ms[1]) end
+    if count == 2 and n[2] == 1 and ms[2] - ms[1] < 100000 then
+      return int(ms[1]) .. int(ms[2] - ms[1])
+    end
+  end
+  local parts = { int(ms[1]) .. '*' .. int(n[1]) }
+  for i = 2, count do
+    parts[i] = int(ms[i] - ms[i - 1]) .. '*' .. int(n[i])
+  end
+  return table.concat(parts, ',')
+end
+
 -- What this call knows of each counter: the running total, the running
 -- total and time of its last written entry, per period the first entry inside the window ({ c, n, ms }, or
 -- false when none), the entry this call will append (pend_n units, 0 while
@@ -101,15 +150,28 @@ local touched = {}
 local function counter(key)
   local s = counters[key]
   if s then return s end
-  local total, last_ms, last_seq = 0, -1, 0
-  local last = call('XREVRANGE', key, '+', '-', 'COUNT', '1')[1]
-  if last then
-    local _, c = amounts(last)
-    total = c
-    last_ms, last_seq = id_parts(last[1])
+  local total, last_ms, last_seq, compact = 0, -1, 0, nil
+  -- TYPE, not a failing XREVRANGE: errors inside a script count in the
+  -- server's error statistics, which operators alert on.
+  local kind = call('TYPE', key).ok
+  if kind == 'stream' then
+    local last = call('XREVRANGE', key, '+', '-', 'COUNT', '1')[1]
+    if last then
+      local _, c = amounts(last)
+      total = c
+      last_ms, last_seq = id_parts(last[1])
+    end
+  elseif kind == 'string' then
+    compact = parse(call('GET', key))
+    local count = #compact.ms
+    total, last_ms = compact.c[count], compact.ms[count]
+  elseif kind == 'none' then
+    if compact_max > 0 then compact = { ms = {}, n = {}, c = {} } end
+  else
+    return error('counter ' .. key .. ' holds a ' .. kind)
   end
   s = { total = total, written = total, last_ms = last_ms, last_seq = last_seq, first = {},
-        pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0 }
+        pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0, compact = compact }
   counters[key] = s
   return s
 end
@@ -118,21 +180,28 @@ local function first_in_window(key, s, period)
   local f = s.first[period]
   if f ~= nil then return f end
   f = false
-  local e = nil
-  if s.last_ms >= 0 then
+  if s.compact then
+    local cm, start = s.compact, now - period + 1
+    for i = 1, #cm.ms do
+      if cm.ms[i] >= start then
+        -- The fourth field, the entry's index, marks a compact counter's.
+        f = { cm.c[i], cm.n[i], cm.ms[i], i }
+        break
+      end
+    end
+  elseif s.last_ms >= 0 then
     local start = now - period + 1
     if start < 0 then start = 0 end
-    e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
-  end
-  if e then
-    local n, c = amounts(e)
-    f = { c, n, (id_parts(e[1])) }
-  else
-    if s.pend_n > 0 then
-      -- Only what this call admitted, not written yet: c - n is the total
-      -- before it, however much more the call goes on to admit.
-      f = { s.total, s.pend_n, s.pend_ms }
+    local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
+    if e then
+      local n, c = amounts(e)
+      f = { c, n, (id_parts(e[1])) }
     end
+  end
+  if not f and s.pend_n > 0 then
+    -- Only what this call admitted, not written yet: c - n is the total
+    -- before it, however much more the call goes on to admit.
+    f = { s.total, s.pend_n, s.pend_ms }
   end
   s.first[period] = f
   return f
@@ -147,9 +216,18 @@ local function retry_after(key, s, f, period, excess)
   local at
   if f[2] >= excess then
     at = f[3]
-  elseif s.last_ms < 0 or (s.written - base) % M < excess then
+  elseif s.last_ms < 0 or (s.written - base) % M < excess or (s.compact and not f[4]) then
     -- Only what this call admitted is left to leave; it is the newest.
     at = s.pend_ms
+  elseif s.compact then
+    local cm = s.compact
+    at = s.pend_ms
+    for i = f[4], #cm.ms do
+      if cm.c[i] - base >= excess then
+        at = cm.ms[i]
+        break
+      end
+    end
   else
     -- Invariant: the entries up to lo free less than excess; the one at hi
     -- frees enough.
@@ -173,9 +251,9 @@ end
 local reply = {}
 local r = 0
 local k = 0
-local a = 3
+local a = 4
 local keys = {}
-for _ = 1, num(ARGV[2]) do
+for _ = 1, num(ARGV[3]) do
   local nkeys = num(ARGV[a])
   local dry = ARGV[a + 1] == '1'
   a = a + 2
@@ -270,11 +348,48 @@ for _ = 1, num(ARGV[2]) do
   k = k + nkeys
 end
 
+-- A pinned clock runs apart from real time; its keys are the test's to delete.
+local function expire(key, s)
+  if pinned == 0 then call('PEXPIRE', key, int(s.longest)) end
+end
+
 for _, key in ipairs(touched) do
   local s = counters[key]
-  call('XADD', key, 'MINID', '~', int(now - s.longest + 1), format('%d-%d', s.pend_ms, s.pend_seq),
-       'n', int(s.pend_n), 'c', int(s.total))
-  -- A pinned clock runs apart from real time; its keys are the test's to delete.
-  if pinned == 0 then call('PEXPIRE', key, int(s.longest)) end
+  local cm = s.compact
+  if cm then
+    -- Entries no window of this call can see again are dropped, as the
+    -- stream's MINID trim drops them.
+    local keep, ms, n = now - s.longest + 1, {}, {}
+    for i = 1, #cm.ms do
+      if cm.ms[i] >= keep then
+        ms[#ms + 1], n[#n + 1] = cm.ms[i], cm.n[i]
+      end
+    end
+    if ms[#ms] == s.pend_ms then
+      n[#n] = n[#n] + s.pend_n
+    else
+      ms[#ms + 1], n[#n + 1] = s.pend_ms, s.pend_n
+    end
+    if #ms <= compact_max then
+      if pinned == 0 then
+        call('SET', key, encode(ms, n), 'PX', int(s.longest))
+      else
+        call('SET', key, encode(ms, n))
+      end
+    else
+      -- Grown past the compact form: the same entries, as a stream.
+      call('DEL', key)
+      local c = 0
+      for i = 1, #ms do
+        c = c + n[i]
+        call('XADD', key, format('%d-0', ms[i]), 'n', int(n[i]), 'c', int(c))
+      end
+      expire(key, s)
+    end
+  else
+    call('XADD', key, 'MINID', '~', int(now - s.longest + 1), format('%d-%d', s.pend_ms, s.pend_seq),
+         'n', int(s.pend_n), 'c', int(s.total))
+    expire(key, s)
+  end
 end
 return reply

@@ -11,7 +11,7 @@ mod memory;
 mod redis_stream;
 
 pub use memory::{Clock, DEFAULT_MAX_COUNTERS, ManualClock, MemoryStore, SystemClock};
-pub use redis_stream::{RedisMode, RedisStore};
+pub use redis_stream::{COMPACT_ENTRIES, RedisMode, RedisStore};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -302,7 +302,7 @@ impl Limiter {
             period_ms: 1_000,
         }];
         let probe = [Check {
-            key: "tg:{readyz}probe",
+            key: "tg:2{readyz}probe",
             windows: &windows,
             cost: 1,
             shadow: false,

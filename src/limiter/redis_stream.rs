@@ -1,9 +1,12 @@
-//! Counters in Redis streams, shared by every tollgate instance.
+//! Counters in Redis, shared by every tollgate instance.
 //!
 //! A decision is one `EVALSHA` of `decide.lua` with every key of the request:
 //! atomic on the server, and its cost does not grow with the number of
-//! entries in a window (see the script for the prefix-sum layout). Time is
-//! Redis's own `TIME`, so instances with skewed clocks agree.
+//! entries in a window (see the script for the prefix-sum layout). A counter
+//! is a short string while it holds few entries (most counters: a caller's
+//! few requests, a flood of fresh keys) and a stream once it grows past
+//! [`COMPACT_ENTRIES`]. Time is Redis's own `TIME`, so instances with skewed
+//! clocks agree.
 //!
 //! On one node (standalone, or the master Sentinel names), decisions waiting
 //! for Redis are sent together in one `EVALSHA` (up to [`MAX_BATCH`], a few
@@ -68,11 +71,15 @@ pub enum RedisMode {
     },
 }
 
+/// Most entries a counter keeps in its compact form (a string) before it
+/// becomes a stream: below this a string is smaller, and reading it whole
+/// costs the script about what a stream's two seeks do.
+pub const COMPACT_ENTRIES: usize = 8;
+
 /// Counters kept in Redis.
 pub struct RedisStore {
     conn: Conn,
-    script: Arc<Script>,
-    pinned_clock: Option<Arc<dyn Clock>>,
+    script: DecideScript,
     /// Per thread, its way to the node (unused on Cluster). Boxed: the
     /// table of threads is large and lives as long as the store.
     lanes: Box<ThreadLocal<Lane>>,
@@ -137,6 +144,14 @@ struct OwnedCheck {
     quota: bool,
 }
 
+/// The decision script and what every call of it carries.
+#[derive(Clone)]
+struct DecideScript {
+    script: Arc<Script>,
+    pinned_clock: Option<Arc<dyn Clock>>,
+    compact_entries: usize,
+}
+
 /// Small pipelined writes must never wait for a delayed ACK (Nagle).
 fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
@@ -171,7 +186,11 @@ impl RedisStore {
             .map(|u| Client::open(u.as_str()).map(|c| c.get_connection_info().addr().to_string()))
             .collect::<Result<Vec<_>, _>>()?
             .join(",");
-        let script = Arc::new(Script::new(DECIDE_LUA));
+        let script = DecideScript {
+            script: Arc::new(Script::new(DECIDE_LUA)),
+            pinned_clock,
+            compact_entries: COMPACT_ENTRIES,
+        };
         let conn = match mode {
             RedisMode::Standalone => {
                 let [url] = urls else {
@@ -208,10 +227,18 @@ impl RedisStore {
         Ok(RedisStore {
             conn,
             script,
-            pinned_clock,
             lanes: Box::new(ThreadLocal::new()),
             display,
         })
+    }
+
+    /// Keeps at most `entries` entries in a counter's compact form (0: every
+    /// counter is a stream from its first request). For tests that cross
+    /// the switch at every point; call before the first decision.
+    #[must_use]
+    pub fn with_compact_entries(mut self, entries: usize) -> Self {
+        self.script.compact_entries = entries;
+        self
     }
 
     /// Decides several requests in one script call, in order, each as if it
@@ -221,10 +248,9 @@ impl RedisStore {
         let owned: Vec<Vec<OwnedCheck>> = requests.iter().map(|checks| owned_checks(checks)).collect();
         match &self.conn {
             Conn::Node(node) => {
-                let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
                 let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
                 let mut conn = self.lane(node).link.get()?;
-                call(&self.script, &mut conn, pinned, &decisions).await
+                self.script.call(&mut conn, &decisions).await
             }
             Conn::Cluster(cluster) => {
                 let mut answers = Vec::with_capacity(owned.len());
@@ -239,7 +265,7 @@ impl RedisStore {
     /// This thread's lane to `node`, started on first use.
     fn lane(&self, node: &Arc<NodeConn>) -> &Lane {
         self.lanes
-            .get_or(|| Lane::start(node.clone(), self.script.clone(), self.pinned_clock.clone()))
+            .get_or(|| Lane::start(node.clone(), self.script.clone()))
     }
 
     /// The servers, safe to log (never carries credentials).
@@ -249,14 +275,13 @@ impl RedisStore {
 
     async fn decide_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
         let mut conn = cluster.get().await?;
-        let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         // Keys with one hash tag share a slot and can be decided in one call.
         let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
         for (i, c) in checks.iter().enumerate() {
             groups.entry(hash_tag(&c.key)).or_default().push(i);
         }
         if groups.len() == 1 {
-            return single(call(&self.script, &mut conn, pinned, &[(&checks, false)]).await?);
+            return single(self.script.call(&mut conn, &[(&checks, false)]).await?);
         }
         // Each part is decided alone, but quota mode is a rule about the
         // whole request: parts carry quota checks as shadow ones (charged
@@ -272,7 +297,7 @@ impl RedisStore {
             .collect();
         let mut answers = Vec::with_capacity(parts.len());
         for part in &parts {
-            answers.push(single(call(&self.script, &mut conn, pinned, &[(part, true)]).await?)?);
+            answers.push(single(self.script.call(&mut conn, &[(part, true)]).await?)?);
         }
         let enforced = answers.iter().all(|a| a.admitted);
         let counts = in_order(&groups, answers, checks.len());
@@ -290,7 +315,7 @@ impl RedisStore {
         }
         let mut answers = Vec::with_capacity(parts.len());
         for part in &parts {
-            answers.push(single(call(&self.script, &mut conn, pinned, &[(part, false)]).await?)?);
+            answers.push(single(self.script.call(&mut conn, &[(part, false)]).await?)?);
         }
         let admitted = answers.iter().all(|a| a.admitted);
         Ok(StoreAnswer {
@@ -384,7 +409,7 @@ impl LaneLink {
 }
 
 impl Lane {
-    fn start(node: Arc<NodeConn>, script: Arc<Script>, pinned_clock: Option<Arc<dyn Clock>>) -> Lane {
+    fn start(node: Arc<NodeConn>, script: DecideScript) -> Lane {
         let link = Arc::new(LaneLink {
             node,
             conn: Mutex::new(None),
@@ -396,7 +421,6 @@ impl Lane {
             rx,
             link.clone(),
             script,
-            pinned_clock,
             queued.clone(),
             slots.clone(),
         ));
@@ -456,9 +480,8 @@ impl CounterStore for RedisStore {
                 if lane.queued.load(Ordering::Acquire) == 0
                     && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
-                    let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
                     let result = match lane.link.get() {
-                        Ok(mut conn) => call(&self.script, &mut conn, pinned, &[(&checks, false)])
+                        Ok(mut conn) => self.script.call(&mut conn, &[(&checks, false)])
                             .await
                             .and_then(single),
                         Err(e) => Err(e),
@@ -494,8 +517,7 @@ impl CounterStore for RedisStore {
 async fn send_batches(
     mut rx: mpsc::UnboundedReceiver<Pending>,
     link: Arc<LaneLink>,
-    script: Arc<Script>,
-    pinned_clock: Option<Arc<dyn Clock>>,
+    script: DecideScript,
     queued: Arc<AtomicUsize>,
     slots: Arc<Semaphore>,
 ) {
@@ -528,12 +550,11 @@ async fn send_batches(
         if batch.is_empty() {
             continue;
         }
-        let pinned = pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], p.dry_run)).collect();
             let result = match link.get() {
-                Ok(mut conn) => call(&script, &mut conn, pinned, &decisions).await,
+                Ok(mut conn) => script.call(&mut conn, &decisions).await,
                 Err(e) => Err(e),
             };
             drop(decisions);
@@ -560,16 +581,17 @@ async fn send_batches(
     }
 }
 
-/// One script call deciding `decisions` (each: its checks, and whether it is
-/// a dry run that charges nothing).
-async fn call<C: ConnectionLike + Send>(
-    script: &Script,
-    conn: &mut C,
-    pinned: u64,
-    decisions: &[(&[OwnedCheck], bool)],
-) -> Result<Vec<StoreAnswer>, StoreError> {
-    let mut call = script.prepare_invoke();
-    call.arg(pinned).arg(decisions.len());
+impl DecideScript {
+    /// One script call deciding `decisions` (each: its checks, and whether
+    /// it is a dry run that charges nothing).
+    async fn call<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        decisions: &[(&[OwnedCheck], bool)],
+    ) -> Result<Vec<StoreAnswer>, StoreError> {
+        let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+        let mut call = self.script.prepare_invoke();
+        call.arg(pinned).arg(self.compact_entries).arg(decisions.len());
     for (checks, dry_run) in decisions {
         call.arg(checks.len()).arg(u8::from(*dry_run));
         for check in checks.iter() {
@@ -584,6 +606,7 @@ async fn call<C: ConnectionLike + Send>(
     }
     let reply: Vec<i64> = call.invoke_async(conn).await?;
     parse_reply(&reply, decisions)
+    }
 }
 
 fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec<StoreAnswer>, StoreError> {
