@@ -264,7 +264,7 @@ impl MemoryStore {
             count.charged &= admitted && check.cost > 0;
             if count.charged {
                 let longest = check.windows.iter().map(|w| w.period_ms).max().unwrap_or(0);
-                state.charge(check.key, now, longest, check.cost, self.max_counters);
+                state.charge(check.key, now, longest, check.cost, self.max_counters, checks);
             }
         }
         crate::metrics::get().memory_counters(state.counters.len());
@@ -303,23 +303,36 @@ impl State {
     }
 
     /// Frees one slot: the expired or least recently used counter of a
-    /// random sample.
-    fn evict_one(&mut self, now: u64) {
+    /// random sample, never one of `spared`'s. Nothing when every counter
+    /// is spared (a bound smaller than one request's counters).
+    fn evict_one(&mut self, now: u64, spared: &[Check<'_>]) {
         let len = self.counters.len();
         let Some(len_u64) = u64::try_from(len).ok().filter(|l| *l > 0) else {
             return;
         };
+        let is_spared = |key: &str| spared.iter().any(|c| c.key == key);
         let mut victim: Option<(usize, u64)> = None;
         for _ in 0..EVICTION_SAMPLES {
             let i = usize::try_from(self.random().checked_rem(len_u64).unwrap_or(0)).unwrap_or(0);
-            let Some((_, c)) = self.counters.get_index(i) else {
+            let Some((key, c)) = self.counters.get_index(i) else {
                 continue;
             };
+            if is_spared(key) {
+                continue;
+            }
             // Expired counters go first; among live ones, the least recently used.
             let age = if c.expires_at_ms <= now { 0 } else { c.used_ms.saturating_add(1) };
             if victim.is_none_or(|(_, best)| age < best) {
                 victim = Some((i, age));
             }
+        }
+        if victim.is_none() {
+            // Every sample was spared: the first counter that is not, within
+            // one more step than there are spared counters.
+            victim = (0..len)
+                .take(spared.len().saturating_add(1))
+                .find(|&i| self.counters.get_index(i).is_some_and(|(key, _)| !is_spared(key)))
+                .and_then(|i| self.counters.get_index(i).map(|(_, c)| (i, c.used_ms.saturating_add(1))));
         }
         let Some((i, age)) = victim else {
             return;
@@ -344,11 +357,15 @@ impl State {
         }
     }
 
-    fn charge(&mut self, key: &str, now: u64, longest: u64, cost: u64, max: usize) {
+    /// Charges `cost` to `key`, making room first when it is new. `decision`
+    /// is every check of the request being charged: none of its counters is
+    /// evicted to make room for another, or the request would lose a charge
+    /// it was admitted with.
+    fn charge(&mut self, key: &str, now: u64, longest: u64, cost: u64, max: usize, decision: &[Check<'_>]) {
         if !self.counters.contains_key(key) {
             while self.counters.len() >= max {
                 let before = self.counters.len();
-                self.evict_one(now);
+                self.evict_one(now, decision);
                 if self.counters.len() == before {
                     break;
                 }
@@ -586,6 +603,62 @@ mod tests {
                     prop_assert_eq!(count.charged, *charged);
                     let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
                     prop_assert_eq!(&got, windows);
+                }
+            }
+        }
+    }
+
+    fn eviction_steps() -> impl Strategy<Value = Vec<Step>> {
+        let role = prop_oneof![6 => Just(0u8), 1 => Just(1), 2 => Just(2), 1 => Just(3)];
+        let check = (0usize..6, 0u64..4, role);
+        prop::collection::vec((0u64..400, prop::collection::vec(check, 1..4)), 1..150)
+    }
+
+    proptest! {
+        /// Bounded, the store answers as the reference model would if it
+        /// forgot exactly the counters the store no longer holds: eviction
+        /// forgets whole counters (never one the request being charged
+        /// uses) and touches nothing else, the bound holds, and while every
+        /// key fits nothing live is forgotten.
+        #[test]
+        fn eviction_only_forgets_whole_counters(steps in eviction_steps(), max in 1usize..=7) {
+            let clock = Arc::new(ManualClock::new(1_000_000));
+            let store = MemoryStore::new(clock.clone()).with_max_counters(max);
+            let mut model = Model::default();
+            let names = ["k0", "k1", "k2", "k3", "k4", "k5"];
+            // The most counters one request has named so far.
+            let mut widest = 0;
+            for (dt, picks) in steps {
+                clock.advance(dt);
+                let now = clock.now_ms();
+                let specs: Vec<(usize, Vec<Window>, u64, u8)> =
+                    picks.iter().map(|&(k, cost, role)| (k, rule_windows(k % 3), cost, role)).collect();
+                let checks: Vec<Check<'_>> =
+                    specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
+                let answer = store.decide_now(&checks);
+                let (admitted, expected) = model.decide(now, &specs);
+                prop_assert_eq!(answer.admitted, admitted);
+                for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
+                    prop_assert_eq!(count.charged, *charged);
+                    let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
+                    prop_assert_eq!(&got, windows);
+                }
+                // A bound smaller than one request's counters gives way to
+                // them: a request never loses a charge it was admitted with.
+                let mut own: Vec<usize> = picks.iter().map(|p| p.0).collect();
+                own.sort_unstable();
+                own.dedup();
+                widest = widest.max(own.len());
+                prop_assert!(store.len() <= max.max(widest), "{} counters held, bound {}", store.len(), max);
+                let state = store.state.lock().unwrap();
+                for (k, name) in names.iter().enumerate() {
+                    if state.counters.contains_key(*name) {
+                        continue;
+                    }
+                    let longest = rule_windows(k % 3).iter().map(|w| w.period_ms).max().unwrap_or(0);
+                    let live = model.used(k, now, longest) > 0;
+                    prop_assert!(!(live && max >= names.len()), "{} forgot live counter {}", max, name);
+                    model.log.remove(&k);
                 }
             }
         }
