@@ -71,17 +71,6 @@ pub fn read_limits(path: &Path) -> std::io::Result<String> {
     String::from_utf8(bytes).map_err(|_| std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8 text"))
 }
 
-/// Reads and validates the limits file at `path`.
-pub fn load_file(path: &Path) -> Result<Limits, ConfigError> {
-    let name = path.display().to_string();
-    let text = read_limits(path).map_err(|e| ConfigError {
-        file: name.clone(),
-        line: None,
-        reason: format!("cannot read: {e}"),
-    })?;
-    parse_str(&text, &name)
-}
-
 /// Validates limits from text; `file` names it in errors and picks the format
 /// (`.json` is JSON, anything else YAML).
 pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {

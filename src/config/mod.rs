@@ -9,7 +9,7 @@ mod envoy;
 mod file;
 mod tree;
 
-pub use file::{ConfigError, MAX_FILE_BYTES, load_file, parse_str, read_limits};
+pub use file::{ConfigError, MAX_FILE_BYTES, parse_str, read_limits};
 pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 
 use std::sync::Arc;

@@ -131,7 +131,6 @@ struct ClusterConn {
 /// One decision waiting for a call.
 struct Pending {
     checks: Vec<OwnedCheck>,
-    dry_run: bool,
     reply: oneshot::Sender<Result<StoreAnswer, StoreError>>,
 }
 
@@ -496,7 +495,6 @@ impl CounterStore for RedisStore {
                 let (reply, answer) = oneshot::channel();
                 let pending = Pending {
                     checks,
-                    dry_run: false,
                     reply,
                 };
                 if lane.queue.send(pending).is_err() {
@@ -552,7 +550,7 @@ async fn send_batches(
         }
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
-            let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], p.dry_run)).collect();
+            let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
             let result = match link.get() {
                 Ok(mut conn) => script.call(&mut conn, &decisions).await,
                 Err(e) => Err(e),

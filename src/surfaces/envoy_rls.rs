@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
@@ -43,7 +42,6 @@ pub struct RlsService {
     shadow_mode: bool,
     quota_mode: bool,
     headers: bool,
-    unknown_domain: AtomicU64,
 }
 
 /// The rule one descriptor matched, and the values its counter is named by
@@ -63,7 +61,6 @@ impl RlsService {
             shadow_mode: false,
             quota_mode: false,
             headers: true,
-            unknown_domain: AtomicU64::new(0),
         }
     }
 
@@ -97,16 +94,10 @@ impl RlsService {
         self
     }
 
-    /// Requests for a domain no file declares (answered OK).
-    pub fn unknown_domain_requests(&self) -> u64 {
-        self.unknown_domain.load(Ordering::Relaxed)
-    }
-
     /// Decides one RLS request.
     pub async fn decide(&self, req: &RateLimitRequest) -> RateLimitResponse {
         let Some(limits) = self.catalog.domain(&req.domain) else {
             // envoyproxy/ratelimit answers OK for domains it does not know.
-            self.unknown_domain.fetch_add(1, Ordering::Relaxed);
             metrics::get().unknown_domain();
             metrics::get().request(Surface::Rls, metrics::Verdict::Allowed);
             tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
