@@ -2,7 +2,7 @@
 //! through Redis streams.
 //!
 //! The binary (`main.rs`) only wires these together: `config` reads the
-//! limits file, `reload` keeps it live, `descriptor` turns a request into counters, `limiter` decides
+//! limits file, `reload` keeps it live, `limits` turns a request into counters, `limiter` decides
 //! (with its memory and Redis stream stores), `headers` renders decisions,
 //! `surfaces` speak each wire protocol, `serve` runs listeners and `admin`
 //! reports health.
@@ -37,9 +37,9 @@ pub mod surfaces;
 
 request_path! {
     pub mod client_ip;
-    pub mod descriptor;
     pub mod headers;
     pub mod limiter;
+    pub mod limits;
     pub mod path;
     pub mod serve;
 }

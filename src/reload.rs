@@ -949,11 +949,11 @@ impl Catalog {
     /// The counters an HTTP request touches, across every file.
     pub fn http_hits(
         &self,
-        req: &crate::descriptor::RequestInfo<'_>,
-    ) -> Result<Vec<crate::limiter::Hit>, crate::descriptor::DescriptorError> {
+        req: &crate::limits::RequestInfo<'_>,
+    ) -> Result<Vec<crate::limiter::Hit>, crate::limits::RequestError> {
         let mut hits = Vec::new();
         for file in self.files.load().iter() {
-            hits.extend(crate::descriptor::hits(&file.active.load(), req)?);
+            hits.extend(crate::limits::hits(&file.active.load(), req)?);
         }
         Ok(hits)
     }

@@ -10,12 +10,11 @@ use std::collections::HashSet;
 use std::fmt;
 use std::sync::Arc;
 
-use http::StatusCode;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 
 use super::file::{Domain, validated_map};
-use super::{Cost, DescriptorTree, EntryPattern, FailureMode, Format, Limits, Matcher, Rule, ValuePattern, Window};
+use super::{DescriptorTree, EntryPattern, Format, Limits, Rule, ValuePattern, Window};
 
 /// A whole envoyproxy/ratelimit file.
 #[derive(Deserialize)]
@@ -307,26 +306,22 @@ fn rule_for(
         _ => Vec::new(),
     };
     let limit_name = rl.name.unwrap_or_default();
+    let base = Rule::envoy_limit(id);
     Rule {
         name: if limit_name.is_empty() {
-            id.clone()
+            base.id.clone()
         } else {
             limit_name.clone()
         },
         limit_name,
-        id,
         descriptor: Some(path.to_vec()),
         unlimited: rl.unlimited,
         replaces: rl.replaces.into_iter().filter_map(|r| r.name).collect(),
-        matcher: Matcher::default(),
-        by: Vec::new(),
         windows,
         shadow,
         quota,
         metadata,
-        status: StatusCode::TOO_MANY_REQUESTS,
-        cost: Cost::Fixed(1),
-        failure_mode: FailureMode::Open,
+        ..base
     }
 }
 

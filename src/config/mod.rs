@@ -9,6 +9,7 @@ mod envoy;
 mod file;
 mod tree;
 
+pub use envoy::unit_ms as envoy_unit_ms;
 pub use file::{ConfigError, MAX_FILE_BYTES, parse_str, read_limits};
 pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 
@@ -243,6 +244,28 @@ pub enum FailureMode {
 }
 
 impl Rule {
+    /// An envoyproxy/ratelimit limit named `id` (and shown by it), with no
+    /// windows yet and the reference's defaults: 429, cost 1, fail open.
+    pub fn envoy_limit(id: String) -> Rule {
+        Rule {
+            name: id.clone(),
+            limit_name: String::new(),
+            id,
+            descriptor: None,
+            unlimited: false,
+            replaces: Vec::new(),
+            matcher: Matcher::default(),
+            by: Vec::new(),
+            windows: Vec::new(),
+            shadow: false,
+            quota: false,
+            metadata: None,
+            status: StatusCode::TOO_MANY_REQUESTS,
+            cost: Cost::Fixed(1),
+            failure_mode: FailureMode::Open,
+        }
+    }
+
     /// The longest window, which bounds how long counter entries matter.
     pub fn longest_period_ms(&self) -> u64 {
         self.windows.iter().map(|w| w.period_ms).max().unwrap_or(0)

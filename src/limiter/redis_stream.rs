@@ -19,7 +19,7 @@
 //! thread and waits to be woken back.
 //!
 //! On Redis Cluster a decision's keys are grouped by hash tag (see
-//! `descriptor.rs`). One group is one atomic call. Several groups are
+//! `limits/keys.rs`). One group is one atomic call. Several groups are
 //! decided in two steps: a dry run of every group (checks with the real
 //! costs, charges nothing), then, only if all have room, the charging calls.
 //! Between the two steps another instance may fill a group; then the groups

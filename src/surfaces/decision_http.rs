@@ -16,7 +16,7 @@ use http::{Method, Request, Response, StatusCode, Uri};
 use http_body_util::Full;
 
 use crate::client_ip::TrustedProxies;
-use crate::descriptor::RequestInfo;
+use crate::limits::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter, Verdict};
 use crate::metrics::{self, Surface};
@@ -91,7 +91,7 @@ impl DecisionHttp {
         let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
         let path = if original.is_empty() { "/" } else { original };
         // Envoy over HTTP/2 sends the original host as :authority.
-        let host = match crate::descriptor::request_host(req.version(), req.uri(), req.headers()) {
+        let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
             Ok(host) => host,
             Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
         };
@@ -149,7 +149,7 @@ impl DecisionHttp {
             Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
             None => Method::GET,
         };
-        let host = match crate::descriptor::request_host(req.version(), req.uri(), headers) {
+        let host = match crate::limits::request_host(req.version(), req.uri(), headers) {
             Ok(host) => host,
             Err(e) => return denied(StatusCode::BAD_REQUEST, &e.to_string()),
         };

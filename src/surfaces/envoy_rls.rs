@@ -1,9 +1,9 @@
 //! Envoy's global rate limit service (RLS v3, gRPC): `ShouldRateLimit`.
 //!
-//! Translation only: the request's domain picks a limits file, each
-//! descriptor is looked up in that file's descriptor tree (or takes its own
-//! `limit` override), and all of them are decided together by the limiter,
-//! so a refused request charges nothing. The answer carries one status per
+//! Translation only: the request's domain picks a limits file, whose
+//! descriptor tree resolves the descriptors (`limits::descriptors`), and all
+//! of them are decided together by the limiter, so a refused request charges
+//! nothing. The answer carries one status per
 //! descriptor, in order, with the exact time until the window frees up.
 
 use std::collections::HashMap;
@@ -17,12 +17,12 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::value::Kind;
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, ListValue, Struct as PbStruct, Value as PbValue};
-use http::{HeaderMap, StatusCode};
+use http::HeaderMap;
 
-use crate::config::{Cost, FailureMode, Matcher, Rule, Window};
-use crate::descriptor::descriptor_key;
+use crate::config::FailureMode;
 use crate::headers;
-use crate::limiter::{Decision, Hit, Limiter, RuleOutcome, Verdict};
+use crate::limiter::{Decision, Limiter, RuleOutcome, Verdict};
+use crate::limits::{self, Descriptor, Override, Resolved};
 use crate::metrics::{self, Surface};
 use crate::reload::Catalog;
 
@@ -42,13 +42,6 @@ pub struct RlsService {
     shadow_mode: bool,
     quota_mode: bool,
     headers: bool,
-}
-
-/// The rule one descriptor matched, and the values its counter is named by
-/// where a `share_threshold` wildcard stands in for the request's own.
-struct Matched<'a> {
-    rule: Arc<Rule>,
-    shared: Vec<(usize, &'a str)>,
 }
 
 impl RlsService {
@@ -108,79 +101,16 @@ impl RlsService {
             return response;
         };
         let request_hits = u64::from(if req.hits_addend == 0 { 1 } else { req.hits_addend });
-
-        // Which rule each descriptor matched (None: no limit applies).
-        let mut matched: Vec<Option<Matched<'_>>> = req
-            .descriptors
-            .iter()
-            .map(|d| {
-                let configured = limits
-                    .tree
-                    .lookup(d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())))
-                    .map(|m| Matched {
-                        rule: m.rule.clone(),
-                        shared: m.shared,
-                    });
-                // An override with a unit Envoy does not define is ignored,
-                // and the configured limit applies.
-                match d.limit.as_ref().and_then(|o| override_rule(o.requests_per_unit, o.unit)) {
-                    Some(rule) => Some(override_counter(rule, configured)),
-                    None => configured,
-                }
-            })
-            .collect();
-        // A matched limit that `replaces` others drops every named limit of
-        // that name from this request; unlimited ones stay unlimited.
-        let replaced: Vec<String> = matched
-            .iter()
-            .flatten()
-            .flat_map(|m| m.rule.replaces.iter().cloned())
-            .collect();
-        if !replaced.is_empty() {
-            for m in matched.iter_mut() {
-                if m.as_ref().is_some_and(|m| {
-                    !m.rule.unlimited && !m.rule.limit_name.is_empty() && replaced.contains(&m.rule.limit_name)
-                }) {
-                    *m = None;
-                }
-            }
-        }
-
-        // One hit per limited descriptor; `hit_of[i]` maps descriptor -> hit.
-        let mut hits = Vec::new();
-        let mut hit_of = vec![None; req.descriptors.len()];
-        for (i, (d, m)) in req.descriptors.iter().zip(&matched).enumerate() {
-            let Some(m) = m.as_ref().filter(|m| !m.rule.unlimited) else {
-                continue;
-            };
-            let entries = d.entries.iter().enumerate().map(|(j, e)| {
-                let value = m.shared.iter().find(|(at, _)| *at == j).map_or(e.value.as_str(), |s| s.1);
-                (e.key.as_str(), value)
-            });
-            if let Some(slot) = hit_of.get_mut(i) {
-                *slot = Some(hits.len());
-            }
-            let rule = match self.quota_mode && !m.rule.quota {
-                true => Arc::new(Rule {
-                    quota: true,
-                    ..(*m.rule).clone()
-                }),
-                false => m.rule.clone(),
-            };
-            hits.push(Hit {
-                rule,
-                key: descriptor_key(&limits.domain, &m.rule, entries),
-                cost: cost_of(d, request_hits),
-            });
-        }
+        let descriptors: Vec<Descriptor<'_>> = req.descriptors.iter().map(|d| descriptor(d, request_hits)).collect();
+        let Resolved { rules, hits, hit_of } = limits::resolve(&limits, &descriptors, self.quota_mode);
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Rls, decision.verdict.into());
 
-        let statuses: Vec<DescriptorStatus> = matched
+        let statuses: Vec<DescriptorStatus> = rules
             .iter()
             .zip(&hit_of)
-            .map(|(m, hit)| match (m, hit) {
-                (Some(m), _) if m.rule.unlimited => DescriptorStatus {
+            .map(|(rule, hit)| match (rule, hit) {
+                (Some(rule), _) if rule.unlimited => DescriptorStatus {
                     code: Code::Ok as i32,
                     current_limit: None,
                     limit_remaining: u32::MAX,
@@ -211,12 +141,12 @@ impl RlsService {
         let dynamic_metadata = self.dynamic_metadata.then(|| {
             // The limits of the descriptors answered OK, as envoyproxy/ratelimit
             // collects them; a shadow limit that was over counts as passed.
-            let passed = matched
+            let passed = rules
                 .iter()
                 .zip(&statuses)
                 .filter(|(_, s)| s.code == Code::Ok as i32)
-                .filter_map(|(m, _)| m.as_ref().filter(|m| !m.rule.unlimited))
-                .filter_map(|m| m.rule.metadata.as_ref());
+                .filter_map(|(rule, _)| rule.as_ref().filter(|rule| !rule.unlimited))
+                .filter_map(|rule| rule.metadata.as_ref());
             request_metadata(req, passed)
         });
         RateLimitResponse {
@@ -346,6 +276,19 @@ impl RateLimitService for RlsService {
     }
 }
 
+/// What the limits need of one descriptor: its entries, its own `limit`,
+/// and its cost.
+fn descriptor(d: &RateLimitDescriptor, request_hits: u64) -> Descriptor<'_> {
+    Descriptor {
+        entries: d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect(),
+        limit: d.limit.as_ref().map(|o| Override {
+            requests: o.requests_per_unit,
+            unit: Unit::try_from(o.unit).map_or("UNKNOWN", |u| u.as_str_name()),
+        }),
+        cost: cost_of(d, request_hits),
+    }
+}
+
 /// A descriptor's own `hits_addend` wins over the request's; 0 there means
 /// "check, do not charge". Refunds (`is_negative_hits`) are only checked:
 /// units in a sliding window are never taken back.
@@ -361,72 +304,6 @@ fn cost_of(d: &RateLimitDescriptor, request_hits: u64) -> u64 {
         .min(crate::config::MAX_UNITS.saturating_add(1))
 }
 
-/// An override counts on the configured limit's counter when that limit has
-/// one window of the same length (as envoyproxy/ratelimit, which keys by
-/// entries and unit), else on one counter per unit: changing the override's
-/// amount, or sending it on some requests only, never starts from zero.
-fn override_counter<'a>(mut rule: Arc<Rule>, configured: Option<Matched<'_>>) -> Matched<'a> {
-    let Some(configured) = configured else {
-        return Matched {
-            rule,
-            shared: Vec::new(),
-        };
-    };
-    let same_window = matches!(
-        (configured.rule.windows.as_slice(), rule.windows.as_slice()),
-        ([c], [o]) if c.period_ms == o.period_ms
-    );
-    if same_window {
-        Arc::make_mut(&mut rule).id = configured.rule.id.clone();
-    }
-    // An override counts the request's own values, wildcard or not.
-    Matched {
-        rule,
-        shared: Vec::new(),
-    }
-}
-
-/// The rule for a descriptor that brings its own `limit`.
-fn override_rule(requests_per_unit: u32, unit: i32) -> Option<Arc<Rule>> {
-    let unit = Unit::try_from(unit).ok()?;
-    let period_ms = unit_ms(unit)?;
-    let id = format!("override_per_{}", unit.as_str_name().to_ascii_lowercase());
-    Some(Arc::new(Rule {
-        name: format!("override_{requests_per_unit}_per_{}", unit.as_str_name().to_ascii_lowercase()),
-        // envoyproxy/ratelimit reports an override without a name.
-        limit_name: String::new(),
-        id,
-        descriptor: None,
-        unlimited: false,
-        replaces: Vec::new(),
-        matcher: Matcher::default(),
-        by: Vec::new(),
-        windows: vec![Window {
-            requests: u64::from(requests_per_unit),
-            period_ms,
-        }],
-        shadow: false,
-        quota: false,
-        metadata: None,
-        status: StatusCode::TOO_MANY_REQUESTS,
-        cost: Cost::Fixed(1),
-        failure_mode: FailureMode::Open,
-    }))
-}
-
-fn unit_ms(unit: Unit) -> Option<u64> {
-    Some(match unit {
-        Unit::Second => 1_000,
-        Unit::Minute => 60_000,
-        Unit::Hour => 3_600_000,
-        Unit::Day => 86_400_000,
-        Unit::Week => 7 * 86_400_000,
-        Unit::Month => 30 * 86_400_000,
-        Unit::Year => 365 * 86_400_000,
-        Unit::Unknown => return None,
-    })
-}
-
 /// The Envoy unit of a window, when the window is exactly one unit long.
 fn unit_of(period_ms: u64) -> Unit {
     [
@@ -439,7 +316,7 @@ fn unit_of(period_ms: u64) -> Unit {
         Unit::Year,
     ]
     .into_iter()
-    .find(|u| unit_ms(*u) == Some(period_ms))
+    .find(|u| crate::config::envoy_unit_ms(u.as_str_name()) == Some(period_ms))
     .unwrap_or(Unit::Unknown)
 }
 

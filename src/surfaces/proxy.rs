@@ -20,7 +20,7 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
-use crate::descriptor::RequestInfo;
+use crate::limits::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
@@ -136,7 +136,7 @@ impl Proxy {
     /// Handles one client request.
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
-        let host = match crate::descriptor::request_host(req.version(), req.uri(), req.headers()) {
+        let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
             Ok(host) => host.map(str::to_owned),
             Err(e) => {
                 metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);

@@ -2,22 +2,16 @@
 //!
 //! The proxy, ext_authz and auth_request surfaces describe a request as a
 //! [`RequestInfo`]; [`hits`] finds the rules that match it and, per rule, the
-//! descriptor (the `by` values) that names its counter. Counter keys are
-//! length-prefixed so caller-controlled values can never collide with each
-//! other or with another domain, and long values are hashed to bound keys.
+//! `by` values that name its counter (see [`keys`]).
 
-use std::fmt::Write;
 use std::net::IpAddr;
 
 use http::{HeaderMap, Method};
 use percent_encoding::percent_decode;
-use sha2::{Digest, Sha256};
 
+use super::keys;
 use crate::config::{Cost, Limits, Part, Rule};
 use crate::limiter::Hit;
-
-/// Values longer than this are stored as a hash.
-const MAX_VALUE_LEN: usize = 64;
 
 /// The parts of a request that rules look at.
 #[derive(Debug, Clone, Copy)]
@@ -43,7 +37,7 @@ pub struct RequestInfo<'a> {
 /// the first or the last of a repeated query parameter, PHP the last), and
 /// counting either would let a caller pick a fresh counter. So it refuses.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum DescriptorError {
+pub enum RequestError {
     /// The header a rule takes its cost from is not a positive integer.
     #[error("header {header} must be one positive integer up to 10^12 (rule {rule})")]
     BadCost {
@@ -88,24 +82,24 @@ pub fn request_host<'a>(
     version: http::Version,
     uri: &'a http::Uri,
     headers: &'a HeaderMap,
-) -> Result<Option<&'a str>, DescriptorError> {
+) -> Result<Option<&'a str>, RequestError> {
     let mut hosts = headers.get_all(http::header::HOST).iter();
     let host = hosts.next();
     if hosts.next().is_some() {
-        return Err(DescriptorError::HostRepeated);
+        return Err(RequestError::HostRepeated);
     }
     if let Some(authority) = uri.authority() {
         let differs = host
             .and_then(|h| h.to_str().ok().map(canonical_host))
             .is_some_and(|h| h != canonical_host(authority.as_str()));
         if differs || host.is_some_and(|h| h.to_str().is_err()) {
-            return Err(DescriptorError::HostConflict);
+            return Err(RequestError::HostConflict);
         }
         return Ok(Some(authority.as_str()));
     }
     match host {
         Some(h) => Ok(h.to_str().ok()),
-        None if version == http::Version::HTTP_11 => Err(DescriptorError::HostMissing),
+        None if version == http::Version::HTTP_11 => Err(RequestError::HostMissing),
         None => Ok(None),
     }
 }
@@ -113,14 +107,14 @@ pub fn request_host<'a>(
 /// The counters of every rule that matches the request.
 /// Paths are matched normalised (see [`crate::path`]), whatever the surface
 /// passed in.
-pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, DescriptorError> {
+pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
     let host = req.host.map(canonical_host);
     let host = host.as_deref();
     if crate::path::is_ambiguous(req.path) {
-        return Err(DescriptorError::AmbiguousPath);
+        return Err(RequestError::AmbiguousPath);
     }
     if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
-        return Err(DescriptorError::MethodCase);
+        return Err(RequestError::MethodCase);
     }
     let path = crate::path::matching_form(req.path);
     let req = &RequestInfo { path: &path, ..*req };
@@ -143,13 +137,13 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, Descript
     Ok(hits)
 }
 
-fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, DescriptorError> {
+fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, RequestError> {
     match &rule.cost {
         Cost::Fixed(n) => Ok(*n),
         Cost::Header(name) => {
             let mut values = headers.get_all(name).iter();
             let Some(v) = values.next() else { return Ok(1) };
-            let bad = || DescriptorError::BadCost {
+            let bad = || RequestError::BadCost {
                 rule: rule.name.clone(),
                 header: name.to_string(),
             };
@@ -170,7 +164,7 @@ fn counter_key(
     rule: &Rule,
     req: &RequestInfo<'_>,
     host: Option<&str>,
-) -> Result<Option<String>, DescriptorError> {
+) -> Result<Option<String>, RequestError> {
     let mut values = Vec::with_capacity(rule.by.len());
     for part in &rule.by {
         let Some(value) = part_value(part, rule, req, host)? else {
@@ -181,65 +175,7 @@ fn counter_key(
         }
         values.push(value);
     }
-    // The first value is in the hash tag already; the body carries the rest.
-    let (first, rest) = values.split_first().map_or((rule.id.as_str(), &[][..]), |(f, r)| (f.as_str(), r));
-    let mut key = key_start(domain, first, &rule.id);
-    for value in rest {
-        push_component(&mut key, value);
-    }
-    Ok(Some(key))
-}
-
-/// `tg:2{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
-/// tag, so counters of one domain keyed first on the same value (say the
-/// client address) share a slot and are decided in one atomic call. A `}`
-/// inside a value only shortens the tag; the key itself stays unique. The
-/// `2` is the key layout: counters of the first layout (`tg:{`, the first
-/// value written twice, streams only) are never read as ones of this one.
-fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
-    let mut key = String::with_capacity(64);
-    key.push_str("tg:2{");
-    push_component(&mut key, domain);
-    push_component(&mut key, first);
-    key.push('}');
-    push_component(&mut key, rule_id);
-    key
-}
-
-/// The counter of an Envoy descriptor matched to `rule`: the request's own
-/// values, so a bare `key` or a `value*` pattern counts each value apart.
-/// The first entry's value is in the hash tag; the body keeps its key.
-pub fn descriptor_key<'a>(domain: &str, rule: &Rule, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
-    let mut entries = entries.into_iter();
-    let Some((k1, v1)) = entries.next() else {
-        return key_start(domain, &rule.id, &rule.id);
-    };
-    let mut key = key_start(domain, v1, &rule.id);
-    push_component(&mut key, k1);
-    for (k, v) in entries {
-        push_component(&mut key, k);
-        push_component(&mut key, v);
-    }
-    key
-}
-
-/// Appends `<len>=<value>` (or `<len>#<sha256>` for long values) and a
-/// separator, so no value can be mistaken for another or for a boundary.
-fn push_component(key: &mut String, value: &str) {
-    if value.len() <= MAX_VALUE_LEN {
-        // On every request: push_str, not the formatting machinery.
-        key.push_str(itoa::Buffer::new().format(value.len()));
-        key.push('=');
-        key.push_str(value);
-        key.push('|');
-    } else {
-        let digest = Sha256::digest(value.as_bytes());
-        let _ = write!(key, "{}#", value.len());
-        for byte in digest.iter().take(16) {
-            let _ = write!(key, "{byte:02x}");
-        }
-        key.push('|');
-    }
+    Ok(Some(keys::http_key(domain, &rule.id, &values)))
 }
 
 fn part_value(
@@ -247,8 +183,8 @@ fn part_value(
     rule: &Rule,
     req: &RequestInfo<'_>,
     host: Option<&str>,
-) -> Result<Option<String>, DescriptorError> {
-    let repeated = |what: String| DescriptorError::Repeated {
+) -> Result<Option<String>, RequestError> {
+    let repeated = |what: String| RequestError::Repeated {
         rule: rule.name.clone(),
         what,
     };
@@ -427,23 +363,6 @@ rules:
     }
 
     #[test]
-    fn values_cannot_collide_or_grow_keys() {
-        let mut a = String::new();
-        push_component(&mut a, "a|1=b");
-        let mut b = String::new();
-        push_component(&mut b, "a");
-        push_component(&mut b, "b");
-        assert_ne!(a, b);
-        let long = "x".repeat(10_000);
-        let mut k = String::new();
-        push_component(&mut k, &long);
-        assert!(k.len() < 50, "{k}");
-        let mut fake = String::new();
-        push_component(&mut fake, &k[..k.len() - 1]);
-        assert_ne!(fake, k, "a literal value cannot pose as a hashed one");
-    }
-
-    #[test]
     fn bad_cost_header_is_an_error() {
         let limits = parse_str(LIMITS, "l.yaml").unwrap();
         let mut h = HeaderMap::new();
@@ -452,7 +371,7 @@ rules:
         let err = hits(&limits, &request(&Method::GET, "/", Some("tenant=t"), &h)).unwrap_err();
         assert_eq!(
             err,
-            DescriptorError::BadCost {
+            RequestError::BadCost {
                 rule: "per-key".into(),
                 header: "x-cost".into()
             }

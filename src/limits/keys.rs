@@ -1,0 +1,98 @@
+//! Counter keys: the same for every surface and both stores.
+//!
+//! `tg:2{<domain><first value>}<rule><other values>`, each part
+//! length-prefixed so caller-controlled values can never collide with each
+//! other, a rule or another domain, and long values hashed to bound keys.
+
+use std::fmt::Write;
+
+use sha2::{Digest, Sha256};
+
+/// Values longer than this are stored as a hash.
+const MAX_VALUE_LEN: usize = 64;
+
+/// The counter of an HTTP rule (`rule_id`) for the request's `by` values.
+pub fn http_key(domain: &str, rule_id: &str, values: &[String]) -> String {
+    // The first value is in the hash tag already; the body carries the rest.
+    let (first, rest) = values.split_first().map_or((rule_id, &[][..]), |(f, r)| (f.as_str(), r));
+    let mut key = key_start(domain, first, rule_id);
+    for value in rest {
+        push_component(&mut key, value);
+    }
+    key
+}
+
+/// `tg:2{<domain><first value>}<rule>`: the braces are a Redis Cluster hash
+/// tag, so counters of one domain keyed first on the same value (say the
+/// client address) share a slot and are decided in one atomic call. A `}`
+/// inside a value only shortens the tag; the key itself stays unique. The
+/// `2` is the key layout: counters of the first layout (`tg:{`, the first
+/// value written twice, streams only) are never read as ones of this one.
+fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
+    let mut key = String::with_capacity(64);
+    key.push_str("tg:2{");
+    push_component(&mut key, domain);
+    push_component(&mut key, first);
+    key.push('}');
+    push_component(&mut key, rule_id);
+    key
+}
+
+/// The counter of an Envoy descriptor matched to rule `rule_id`: the request's own
+/// values, so a bare `key` or a `value*` pattern counts each value apart.
+/// The first entry's value is in the hash tag; the body keeps its key.
+pub fn descriptor_key<'a>(domain: &str, rule_id: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
+    let mut entries = entries.into_iter();
+    let Some((k1, v1)) = entries.next() else {
+        return key_start(domain, rule_id, rule_id);
+    };
+    let mut key = key_start(domain, v1, rule_id);
+    push_component(&mut key, k1);
+    for (k, v) in entries {
+        push_component(&mut key, k);
+        push_component(&mut key, v);
+    }
+    key
+}
+
+/// Appends `<len>=<value>` (or `<len>#<sha256>` for long values) and a
+/// separator, so no value can be mistaken for another or for a boundary.
+fn push_component(key: &mut String, value: &str) {
+    if value.len() <= MAX_VALUE_LEN {
+        // On every request: push_str, not the formatting machinery.
+        key.push_str(itoa::Buffer::new().format(value.len()));
+        key.push('=');
+        key.push_str(value);
+        key.push('|');
+    } else {
+        let digest = Sha256::digest(value.as_bytes());
+        let _ = write!(key, "{}#", value.len());
+        for byte in digest.iter().take(16) {
+            let _ = write!(key, "{byte:02x}");
+        }
+        key.push('|');
+    }
+}
+
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_cannot_collide_or_grow_keys() {
+        let mut a = String::new();
+        push_component(&mut a, "a|1=b");
+        let mut b = String::new();
+        push_component(&mut b, "a");
+        push_component(&mut b, "b");
+        assert_ne!(a, b);
+        let long = "x".repeat(10_000);
+        let mut k = String::new();
+        push_component(&mut k, &long);
+        assert!(k.len() < 50, "{k}");
+        let mut fake = String::new();
+        push_component(&mut fake, &k[..k.len() - 1]);
+        assert_ne!(fake, k, "a literal value cannot pose as a hashed one");
+    }
+}
