@@ -8,10 +8,10 @@
 
 mod denials;
 mod memory;
-mod redis_stream;
+mod redis;
 
 pub use memory::{Clock, DEFAULT_MAX_COUNTERS, ManualClock, MemoryStore, SystemClock};
-pub use redis_stream::{COMPACT_ENTRIES, RedisMode, RedisStore};
+pub use redis::{COMPACT_ENTRIES, RedisMode, RedisStore};
 
 use std::future::Future;
 use std::sync::Arc;
@@ -86,7 +86,7 @@ pub enum StoreError {
     Timeout(Duration),
     /// Redis answered with an error or the connection failed.
     #[error("redis: {0}")]
-    Redis(#[from] redis::RedisError),
+    Redis(#[from] ::redis::RedisError),
     /// The call carrying this decision among others failed.
     #[error("redis: {0}")]
     Batch(String),

@@ -1,0 +1,129 @@
+//! Redis Cluster: a decision's keys grouped by hash tag, each group one
+//! atomic call, several groups a dry run everywhere first (see the module
+//! above for what that leaves open).
+
+use std::collections::BTreeMap;
+
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use tokio::sync::OnceCell;
+
+use super::RedisStore;
+use super::script::{OwnedCheck, single};
+use crate::limiter::{CheckCount, StoreAnswer, StoreError};
+
+/// The Cluster client and its one multiplexed connection.
+pub(super) struct ClusterConn {
+    pub(super) client: ClusterClient,
+    pub(super) conn: OnceCell<ClusterConnection>,
+}
+
+impl ClusterConn {
+    async fn get(&self) -> Result<ClusterConnection, StoreError> {
+        Ok(self
+            .conn
+            .get_or_try_init(|| self.client.get_async_connection())
+            .await?
+            .clone())
+    }
+}
+
+impl RedisStore {
+    /// Decides one request's checks over the slots they fall in.
+    pub(super) async fn decide_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
+        let mut conn = cluster.get().await?;
+        // Keys with one hash tag share a slot and can be decided in one call.
+        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+        for (i, c) in checks.iter().enumerate() {
+            groups.entry(hash_tag(&c.key)).or_default().push(i);
+        }
+        if groups.len() == 1 {
+            return single(self.script.call(&mut conn, &[(&checks, false)]).await?);
+        }
+        // Each part is decided alone, but quota mode is a rule about the
+        // whole request: parts carry quota checks as shadow ones (charged
+        // when they fit, never refusing) and the quota rule is applied here.
+        let as_part = |c: &OwnedCheck| OwnedCheck {
+            shadow: c.shadow || c.quota,
+            quota: false,
+            ..c.clone()
+        };
+        let parts: Vec<Vec<OwnedCheck>> = groups
+            .values()
+            .map(|idx| idx.iter().filter_map(|&i| checks.get(i).map(as_part)).collect())
+            .collect();
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in &parts {
+            answers.push(single(self.script.call(&mut conn, &[(part, true)]).await?)?);
+        }
+        let enforced = answers.iter().all(|a| a.admitted);
+        let counts = in_order(&groups, answers, checks.len());
+        let quotas: Vec<bool> = checks
+            .iter()
+            .zip(&counts)
+            .filter(|(c, _)| c.quota)
+            .map(|(c, n)| c.shadow || n.windows.iter().all(|w| !w.over()))
+            .collect();
+        if !enforced || !(quotas.is_empty() || quotas.contains(&true)) {
+            return Ok(StoreAnswer {
+                admitted: false,
+                checks: counts,
+            });
+        }
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in &parts {
+            answers.push(single(self.script.call(&mut conn, &[(part, false)]).await?)?);
+        }
+        let admitted = answers.iter().all(|a| a.admitted);
+        Ok(StoreAnswer {
+            admitted,
+            checks: in_order(&groups, answers, checks.len()),
+        })
+    }
+}
+
+/// The parts' answers back in the order the checks came in.
+fn in_order(groups: &BTreeMap<&str, Vec<usize>>, answers: Vec<StoreAnswer>, n: usize) -> Vec<CheckCount> {
+    let mut merged: Vec<Option<CheckCount>> = vec![None; n];
+    for (idx, answer) in groups.values().zip(answers) {
+        for (&i, count) in idx.iter().zip(answer.checks) {
+            if let Some(slot) = merged.get_mut(i) {
+                *slot = Some(count);
+            }
+        }
+    }
+    merged
+        .into_iter()
+        .map(|c| {
+            c.unwrap_or(CheckCount {
+                charged: false,
+                windows: Vec::new(),
+            })
+        })
+        .collect()
+}
+
+/// The part of a key Redis Cluster hashes: between the first `{` and the
+/// next `}`, when not empty; otherwise the whole key.
+fn hash_tag(key: &str) -> &str {
+    if let Some((_, after)) = key.split_once('{')
+        && let Some((tag, _)) = after.split_once('}')
+        && !tag.is_empty()
+    {
+        return tag;
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::hash_tag;
+
+    #[test]
+    fn hash_tags_as_redis_cluster_reads_them() {
+        assert_eq!(hash_tag("tg:{3=api|8=10.0.0.7|}5=login|"), "3=api|8=10.0.0.7|");
+        assert_eq!(hash_tag("tg:{}x"), "tg:{}x");
+        assert_eq!(hash_tag("tg:{a}b}"), "a");
+        assert_eq!(hash_tag("plain"), "plain");
+    }
+}

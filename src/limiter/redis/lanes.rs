@@ -1,0 +1,164 @@
+//! Per-thread lanes to one node: each thread that decides has its own
+//! connection, queue and batching task, and decisions waiting together go
+//! out as one script call.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use redis::aio::ConnectionManager;
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use super::script::{DecideScript, OwnedCheck};
+use super::{NodeConn, manager_config};
+use crate::limiter::{StoreAnswer, StoreError};
+
+/// Most decisions sent in one call.
+const MAX_BATCH: usize = 64;
+/// Most counters in one batched call: Redis runs a script alone, so one
+/// call must stay short next to the decision deadline (~10 us per counter).
+const MAX_BATCH_KEYS: usize = 256;
+/// Calls in flight at once on one lane's connection. Fewer in flight means
+/// more decisions wait for the next call and share it: with a lane per
+/// thread, 2 (4 before lanes) halved the calls per decision under load and
+/// did not cost throughput (BENCHMARKS.md, change 8).
+const MAX_IN_FLIGHT: usize = 2;
+/// One thread's way to the node: its own connection, queue and batching
+/// task, all on that thread's runtime.
+pub(super) struct Lane {
+    pub(super) link: Arc<LaneLink>,
+    pub(super) queue: mpsc::UnboundedSender<Pending>,
+    /// Decisions in the queue, so an idle lane can skip it.
+    pub(super) queued: Arc<AtomicUsize>,
+    /// Calls in flight on this lane's connection (batched or direct).
+    pub(super) slots: Arc<Semaphore>,
+}
+
+/// A lane's connection, made again when the node's client changes.
+pub(super) struct LaneLink {
+    pub(super) node: Arc<NodeConn>,
+    pub(super) conn: Mutex<Option<(u64, ConnectionManager)>>,
+}
+
+/// One decision waiting for a call.
+pub(super) struct Pending {
+    pub(super) checks: Vec<OwnedCheck>,
+    pub(super) reply: oneshot::Sender<Result<StoreAnswer, StoreError>>,
+}
+
+impl LaneLink {
+    pub(super) fn get(&self) -> Result<ConnectionManager, StoreError> {
+        let generation = self.node.generation.load(Ordering::Acquire);
+        let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((g, manager)) = &*conn
+            && *g == generation
+        {
+            return Ok(manager.clone());
+        }
+        let client = self
+            .node
+            .client
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .ok_or_else(|| StoreError::Batch("no master known yet (asking Sentinel)".into()))?;
+        // Lazy: connects on first use, on this lane's runtime.
+        let manager = ConnectionManager::new_lazy_with_config(client, manager_config())?;
+        *conn = Some((generation, manager.clone()));
+        Ok(manager)
+    }
+}
+
+impl Lane {
+    pub(super) fn start(node: Arc<NodeConn>, script: DecideScript) -> Lane {
+        let link = Arc::new(LaneLink {
+            node,
+            conn: Mutex::new(None),
+        });
+        let queued = Arc::new(AtomicUsize::new(0));
+        let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
+        let (queue, rx) = mpsc::unbounded_channel();
+        tokio::spawn(send_batches(
+            rx,
+            link.clone(),
+            script,
+            queued.clone(),
+            slots.clone(),
+        ));
+        Lane {
+            link,
+            queue,
+            queued,
+            slots,
+        }
+    }
+}
+
+/// Takes whatever is queued (up to [`MAX_BATCH`]) whenever a call slot is
+/// free, and sends it to the node as one script call.
+async fn send_batches(
+    mut rx: mpsc::UnboundedReceiver<Pending>,
+    link: Arc<LaneLink>,
+    script: DecideScript,
+    queued: Arc<AtomicUsize>,
+    slots: Arc<Semaphore>,
+) {
+    loop {
+        let Some(first) = rx.recv().await else { return };
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        // A caller past its deadline has already applied its failure mode:
+        // charging its request now would count one that was never admitted.
+        let mut taken: usize = 1;
+        let mut batch = Vec::with_capacity(8);
+        let mut keys = first.checks.len();
+        if !first.reply.is_closed() {
+            batch.push(first);
+        }
+        while batch.len() < MAX_BATCH && keys < MAX_BATCH_KEYS {
+            match rx.try_recv() {
+                Ok(p) => {
+                    taken = taken.saturating_add(1);
+                    keys = keys.saturating_add(p.checks.len());
+                    if !p.reply.is_closed() {
+                        batch.push(p);
+                    }
+                }
+                Err(_) => break,
+            }
+        }
+        queued.fetch_sub(taken, Ordering::AcqRel);
+        if batch.is_empty() {
+            continue;
+        }
+        let (link, script) = (link.clone(), script.clone());
+        tokio::spawn(async move {
+            let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
+            let result = match link.get() {
+                Ok(mut conn) => script.call(&mut conn, &decisions).await,
+                Err(e) => Err(e),
+            };
+            drop(decisions);
+            match result {
+                Ok(answers) => {
+                    for (p, a) in batch.into_iter().zip(answers) {
+                        let _ = p.reply.send(Ok(a));
+                    }
+                }
+                Err(e) => {
+                    link.node.clone().failed();
+                    let message = e.to_string();
+                    let mut batch = batch.into_iter();
+                    if let Some(p) = batch.next() {
+                        let _ = p.reply.send(Err(e));
+                    }
+                    for p in batch {
+                        let _ = p.reply.send(Err(StoreError::Batch(message.clone())));
+                    }
+                }
+            }
+            drop(slot);
+        });
+    }
+}
+

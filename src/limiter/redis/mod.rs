@@ -1,0 +1,297 @@
+//! Counters in Redis, shared by every tollgate instance.
+//!
+//! A decision is one `EVALSHA` of `decide.lua` with every key of the request:
+//! atomic on the server, and its cost does not grow with the number of
+//! entries in a window (see the script for the prefix-sum layout). A counter
+//! is a short string while it holds few entries (most counters: a caller's
+//! few requests, a flood of fresh keys) and a stream once it grows past
+//! [`COMPACT_ENTRIES`]. Time is Redis's own `TIME`, so instances with skewed
+//! clocks agree.
+//!
+//! On one node (standalone, or the master Sentinel names), decisions waiting
+//! for Redis are sent together in one `EVALSHA` (up to `lanes::MAX_BATCH`, a few
+//! calls in flight): the script decides them one after the other, each
+//! atomically, and the per-call cost on both sides is paid once per batch.
+//! An idle caller waits for no one: a batch is whatever is queued when a call
+//! can go out. Each thread that decides has its own lane to the node (its
+//! connection, queue and batching task), as NGINX workers keep their own
+//! upstream connections: a proxy thread never hands a decision to another
+//! thread and waits to be woken back.
+//!
+//! On Redis Cluster a decision's keys are grouped by hash tag (see
+//! `limits/keys.rs`). One group is one atomic call. Several groups are
+//! decided in two steps: a dry run of every group (checks with the real
+//! costs, charges nothing), then, only if all have room, the charging calls.
+//! Between the two steps another instance may fill a group; then the groups
+//! charged before it stay charged. That window is one round trip wide.
+
+mod cluster;
+mod lanes;
+mod script;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionManagerConfig;
+use redis::cluster::ClusterClient;
+use redis::io::tcp::TcpSettings;
+use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
+use redis::{Client, ConnectionInfo, IntoConnectionInfo};
+use thread_local::ThreadLocal;
+use tokio::sync::{OnceCell, oneshot};
+
+use super::{Check, Clock, CounterStore, StoreAnswer, StoreError};
+use cluster::ClusterConn;
+use lanes::{Lane, Pending};
+
+use script::{DecideScript, OwnedCheck, owned_checks, single};
+
+/// Least time between two Sentinel look-ups of the master.
+const RESOLVE_EVERY: Duration = Duration::from_millis(250);
+
+/// How tollgate finds Redis.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisMode {
+    /// One server.
+    Standalone,
+    /// Redis Cluster, from one or more seed nodes.
+    Cluster,
+    /// The master that these Sentinels name.
+    Sentinel {
+        /// The monitored master's name (`sentinel monitor <name> ...`).
+        master: String,
+    },
+}
+
+/// Most entries a counter keeps in its compact form (a string) before it
+/// becomes a stream: below this a string is smaller, and reading it whole
+/// costs the script about what a stream's two seeks do.
+pub const COMPACT_ENTRIES: usize = 8;
+
+/// Counters kept in Redis.
+pub struct RedisStore {
+    conn: Conn,
+    script: DecideScript,
+    /// Per thread, its way to the node (unused on Cluster). Boxed: the
+    /// table of threads is large and lives as long as the store.
+    lanes: Box<ThreadLocal<Lane>>,
+    /// The servers as they may be logged: no user name or password.
+    display: String,
+}
+
+#[derive(Clone)]
+enum Conn {
+    Node(Arc<NodeConn>),
+    Cluster(Arc<ClusterConn>),
+}
+
+/// The one node decisions go to; with Sentinel, re-pointed after a failover.
+struct NodeConn {
+    client: RwLock<Option<Client>>,
+    /// Bumped whenever `client` changes, so every lane reconnects.
+    generation: AtomicU64,
+    sentinel: Option<SentinelResolver>,
+}
+
+struct SentinelResolver {
+    client: tokio::sync::Mutex<SentinelClient>,
+    last: Mutex<Option<Instant>>,
+}
+
+/// Small pipelined writes must never wait for a delayed ACK (Nagle).
+fn tcp_settings() -> TcpSettings {
+    TcpSettings::default().set_nodelay(true)
+}
+
+fn node_info(url: &str) -> redis::RedisResult<ConnectionInfo> {
+    Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+}
+
+fn manager_config() -> ConnectionManagerConfig {
+    ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_number_of_retries(2)
+        .set_max_delay(Duration::from_millis(200))
+}
+
+impl RedisStore {
+    /// Prepares connections to `urls` (`redis[s]://[user:password@]host:port/db`):
+    /// one server, Cluster seed nodes, or Sentinels. Connecting happens on
+    /// first use, so tollgate starts while Redis is down. Must be called
+    /// inside a tokio runtime (it starts background tasks).
+    ///
+    /// `pinned_clock` replaces Redis `TIME` and is meant for tests that step
+    /// time by hand; production passes `None`.
+    pub fn connect(
+        urls: &[String],
+        mode: &RedisMode,
+        pinned_clock: Option<Arc<dyn Clock>>,
+    ) -> Result<Self, StoreError> {
+        let display = urls
+            .iter()
+            .map(|u| Client::open(u.as_str()).map(|c| c.get_connection_info().addr().to_string()))
+            .collect::<Result<Vec<_>, _>>()?
+            .join(",");
+        let script = DecideScript::new(pinned_clock, COMPACT_ENTRIES);
+        let conn = match mode {
+            RedisMode::Standalone => {
+                let [url] = urls else {
+                    return Err(StoreError::Reply("standalone mode takes one --redis URL".into()));
+                };
+                Conn::Node(Arc::new(NodeConn {
+                    client: RwLock::new(Some(Client::open(node_info(url)?)?)),
+                    generation: AtomicU64::new(0),
+                    sentinel: None,
+                }))
+            }
+            RedisMode::Sentinel { master } => {
+                let nodes = SentinelNodeConnectionInfo::default().set_tcp_settings(tcp_settings());
+                let client =
+                    SentinelClient::build(urls.to_vec(), master.clone(), Some(nodes), SentinelServerType::Master)?;
+                let node = Arc::new(NodeConn {
+                    client: RwLock::new(None),
+                    generation: AtomicU64::new(0),
+                    sentinel: Some(SentinelResolver {
+                        client: tokio::sync::Mutex::new(client),
+                        last: Mutex::new(None),
+                    }),
+                });
+                node.clone().failed();
+                Conn::Node(node)
+            }
+            RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn {
+                client: ClusterClient::builder(urls.iter().map(|u| node_info(u)).collect::<Result<Vec<_>, _>>()?)
+                    .tcp_settings(tcp_settings())
+                    .build()?,
+                conn: OnceCell::new(),
+            })),
+        };
+        Ok(RedisStore {
+            conn,
+            script,
+            lanes: Box::new(ThreadLocal::new()),
+            display,
+        })
+    }
+
+    /// Keeps at most `entries` entries in a counter's compact form (0: every
+    /// counter is a stream from its first request). For tests that cross
+    /// the switch at every point; call before the first decision.
+    #[must_use]
+    pub fn with_compact_entries(mut self, entries: usize) -> Self {
+        self.script.compact_entries = entries;
+        self
+    }
+
+    /// Decides several requests in one script call, in order, each as if it
+    /// had come alone (what the batching task does under load). On Cluster
+    /// they go one after the other.
+    pub async fn decide_in_order(&self, requests: &[&[Check<'_>]]) -> Result<Vec<StoreAnswer>, StoreError> {
+        let owned: Vec<Vec<OwnedCheck>> = requests.iter().map(|checks| owned_checks(checks)).collect();
+        match &self.conn {
+            Conn::Node(node) => {
+                let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
+                let mut conn = self.lane(node).link.get()?;
+                self.script.call(&mut conn, &decisions).await
+            }
+            Conn::Cluster(cluster) => {
+                let mut answers = Vec::with_capacity(owned.len());
+                for checks in owned {
+                    answers.push(self.decide_cluster(cluster, checks).await?);
+                }
+                Ok(answers)
+            }
+        }
+    }
+
+    /// This thread's lane to `node`, started on first use.
+    fn lane(&self, node: &Arc<NodeConn>) -> &Lane {
+        self.lanes
+            .get_or(|| Lane::start(node.clone(), self.script.clone()))
+    }
+
+    /// The servers, safe to log (never carries credentials).
+    pub fn server(&self) -> &str {
+        &self.display
+    }
+}
+
+impl NodeConn {
+    /// After a failed call: with Sentinel, ask again where the master is.
+    fn failed(self: Arc<Self>) {
+        let Some(sentinel) = &self.sentinel else { return };
+        {
+            let mut last = sentinel.last.lock().unwrap_or_else(|e| e.into_inner());
+            if last.is_some_and(|t| t.elapsed() < RESOLVE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        tokio::spawn(async move {
+            let Some(sentinel) = &self.sentinel else { return };
+            let client = sentinel.client.lock().await.async_get_client().await;
+            match client {
+                Ok(c) => {
+                    let addr = c.get_connection_info().addr().to_string();
+                    let mut current = self.client.write().unwrap_or_else(|e| e.into_inner());
+                    // Same master (Redis was only slow, or a script failed):
+                    // keep every lane's connection instead of reconnecting them all.
+                    if current
+                        .as_ref()
+                        .is_some_and(|old| old.get_connection_info().addr().to_string() == addr)
+                    {
+                        return;
+                    }
+                    tracing::info!(master = %addr, "redis master from sentinel");
+                    *current = Some(c);
+                    self.generation.fetch_add(1, Ordering::AcqRel);
+                }
+                Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
+            }
+        });
+    }
+}
+
+impl CounterStore for RedisStore {
+    async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
+        let checks = owned_checks(checks);
+        match &self.conn {
+            Conn::Node(node) => {
+                let lane = self.lane(node);
+                // Nothing waiting and a call slot free: go straight out and
+                // save the hand-off to the batching task.
+                if lane.queued.load(Ordering::Acquire) == 0
+                    && let Ok(slot) = lane.slots.clone().try_acquire_owned()
+                {
+                    let result = match lane.link.get() {
+                        Ok(mut conn) => self.script.call(&mut conn, &[(&checks, false)])
+                            .await
+                            .and_then(single),
+                        Err(e) => Err(e),
+                    };
+                    drop(slot);
+                    if result.is_err() {
+                        node.clone().failed();
+                    }
+                    return result;
+                }
+                lane.queued.fetch_add(1, Ordering::AcqRel);
+                let (reply, answer) = oneshot::channel();
+                let pending = Pending {
+                    checks,
+                    reply,
+                };
+                if lane.queue.send(pending).is_err() {
+                    lane.queued.fetch_sub(1, Ordering::AcqRel);
+                    return Err(StoreError::Batch("batching task stopped".into()));
+                }
+                answer
+                    .await
+                    .map_err(|_| StoreError::Batch("batching task stopped".into()))?
+            }
+            Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
+        }
+    }
+}
+

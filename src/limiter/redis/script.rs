@@ -1,0 +1,137 @@
+//! The decision script's wire format: the arguments of one call and the
+//! reply read back into answers (the script itself is `decide.lua`).
+
+use std::sync::Arc;
+
+use redis::Script;
+use redis::aio::ConnectionLike;
+
+use crate::config::Window;
+use crate::limiter::{Check, CheckCount, Clock, StoreAnswer, StoreError, WindowCount};
+
+/// The decision script, loaded once per server and then called by hash.
+const DECIDE_LUA: &str = include_str!("decide.lua");
+
+/// A check that can wait in a queue or cross tasks.
+#[derive(Clone)]
+pub(super) struct OwnedCheck {
+    pub(super) key: String,
+    pub(super) windows: Vec<Window>,
+    pub(super) cost: u64,
+    pub(super) shadow: bool,
+    pub(super) quota: bool,
+}
+
+/// The decision script and what every call of it carries.
+#[derive(Clone)]
+pub(super) struct DecideScript {
+    script: Arc<Script>,
+    pinned_clock: Option<Arc<dyn Clock>>,
+    pub(super) compact_entries: usize,
+}
+
+pub(super) fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
+    checks
+        .iter()
+        .map(|c| OwnedCheck {
+            key: c.key.to_string(),
+            windows: c.windows.to_vec(),
+            cost: c.cost,
+            shadow: c.shadow,
+            quota: c.quota,
+        })
+        .collect()
+}
+
+/// The one answer of a call that decided one request.
+pub(super) fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, StoreError> {
+    answers.pop().ok_or_else(|| StoreError::Reply("empty reply".into()))
+}
+
+impl DecideScript {
+    /// The script, with Redis's clock (or `pinned_clock`, for tests) and
+    /// counters compact up to `compact_entries` entries.
+    pub(super) fn new(pinned_clock: Option<Arc<dyn Clock>>, compact_entries: usize) -> Self {
+        DecideScript {
+            script: Arc::new(Script::new(DECIDE_LUA)),
+            pinned_clock,
+            compact_entries,
+        }
+    }
+
+    /// One script call deciding `decisions` (each: its checks, and whether
+    /// it is a dry run that charges nothing).
+    pub(super) async fn call<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+        decisions: &[(&[OwnedCheck], bool)],
+    ) -> Result<Vec<StoreAnswer>, StoreError> {
+        let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+        let mut call = self.script.prepare_invoke();
+        call.arg(pinned).arg(self.compact_entries).arg(decisions.len());
+    for (checks, dry_run) in decisions {
+        call.arg(checks.len()).arg(u8::from(*dry_run));
+        for check in checks.iter() {
+            call.key(&check.key);
+            call.arg(check.cost)
+                .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
+                .arg(check.windows.len());
+            for w in &check.windows {
+                call.arg(w.requests).arg(w.period_ms);
+            }
+        }
+    }
+    let reply: Vec<i64> = call.invoke_async(conn).await?;
+    parse_reply(&reply, decisions)
+    }
+}
+
+fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec<StoreAnswer>, StoreError> {
+    let expected: usize = decisions
+        .iter()
+        .map(|(c, _)| {
+            c.iter()
+                .map(|c| c.windows.len().saturating_mul(3).saturating_add(1))
+                .fold(1usize, usize::saturating_add)
+        })
+        .sum();
+    if reply.len() != expected {
+        return Err(StoreError::Reply(format!(
+            "{} integers, expected {expected}",
+            reply.len()
+        )));
+    }
+    let mut values = reply.iter().copied();
+    let mut next = || values.next().unwrap_or(0);
+    let answers = decisions
+        .iter()
+        .map(|(checks, _)| {
+            let admitted = next() == 1;
+            let checks = checks
+                .iter()
+                .map(|check| {
+                    let charged = next() == 1;
+                    let windows = check
+                        .windows
+                        .iter()
+                        .map(|_| {
+                            let used = u64::try_from(next()).unwrap_or(0);
+                            let reset_ms = u64::try_from(next()).unwrap_or(0);
+                            let retry = next();
+                            WindowCount {
+                                used,
+                                reset_ms,
+                                retry_ms: u64::try_from(retry).ok(),
+                                never: retry == -2,
+                            }
+                        })
+                        .collect();
+                    CheckCount { charged, windows }
+                })
+                .collect();
+            StoreAnswer { admitted, checks }
+        })
+        .collect();
+    Ok(answers)
+}
+
