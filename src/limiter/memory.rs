@@ -14,13 +14,11 @@
 //! history is forgotten: it starts a fresh window.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use indexmap::IndexMap;
 
-use super::{Check, CheckCount, CounterStore, StoreAnswer, StoreError, WindowCount};
+use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
 
 /// Counters each decision looks at for expiry: enough to shed them faster
 /// than decisions create them, never a scan of the whole store.
@@ -32,60 +30,6 @@ const EVICTION_SAMPLES: usize = 8;
 pub const DEFAULT_MAX_COUNTERS: usize = 1_000_000;
 /// Shortest pause between two "evicting" log lines.
 const EVICTION_LOG_EVERY_MS: u64 = 60_000;
-
-/// A millisecond clock that never goes backwards.
-pub trait Clock: Send + Sync {
-    /// Milliseconds since the Unix epoch.
-    fn now_ms(&self) -> u64;
-}
-
-/// Wall-clock milliseconds, advanced by a monotonic clock so that a step of
-/// the system time cannot move windows backwards.
-pub struct SystemClock {
-    start: Instant,
-    epoch_ms: u64,
-}
-
-impl Default for SystemClock {
-    fn default() -> Self {
-        let epoch_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        SystemClock {
-            start: Instant::now(),
-            epoch_ms,
-        }
-    }
-}
-
-impl Clock for SystemClock {
-    fn now_ms(&self) -> u64 {
-        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.epoch_ms.saturating_add(elapsed)
-    }
-}
-
-/// A clock moved by hand, for exact tests of window arithmetic.
-pub struct ManualClock(AtomicU64);
-
-impl ManualClock {
-    /// A clock reading `ms`.
-    pub fn new(ms: u64) -> Self {
-        ManualClock(AtomicU64::new(ms))
-    }
-
-    /// Moves the clock forward.
-    pub fn advance(&self, ms: u64) {
-        self.0.fetch_add(ms, Ordering::SeqCst);
-    }
-}
-
-impl Clock for ManualClock {
-    fn now_ms(&self) -> u64 {
-        self.0.load(Ordering::SeqCst)
-    }
-}
 
 /// Counters kept in this process.
 pub struct MemoryStore {
@@ -407,6 +351,7 @@ impl CounterStore for MemoryStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::ManualClock;
     use crate::config::Window;
     use proptest::prelude::*;
     use std::collections::HashMap;

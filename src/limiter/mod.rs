@@ -6,11 +6,13 @@
 //! the store cannot answer in time, and returns a [`Decision`] that the
 //! surfaces render in their own wire format. Nothing else talks to the store.
 
+mod clock;
 mod denials;
 mod memory;
 mod redis;
 
-pub use memory::{Clock, DEFAULT_MAX_COUNTERS, ManualClock, MemoryStore, SystemClock};
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use memory::{DEFAULT_MAX_COUNTERS, MemoryStore};
 pub use redis::{COMPACT_ENTRIES, RedisMode, RedisStore};
 
 use std::future::Future;
