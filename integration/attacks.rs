@@ -393,6 +393,53 @@ rules:
 }
 
 #[tokio::test]
+async fn bytes_that_are_not_utf8_never_share_a_counter() {
+    // A lossy conversion would read %E9, %FF, a raw 0x80 header byte and
+    // U+FFFD itself as one value: one caller could spend another's limit.
+    let limits = "\
+domain: d
+rules:
+  - name: per-tenant
+    match: { path: /t }
+    by: [query:tenant]
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-key
+    match: { path: /k }
+    by: [header:x-key]
+    limits: [{ requests: 1, per: 60s }]
+";
+    for (store, redis) in stores() {
+        let (tg, _up) = start_on(&redis, limits).await;
+        let req = |target: &str, key: &[u8]| {
+            let mut r = format!("GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n").into_bytes();
+            if !key.is_empty() {
+                r.extend_from_slice(b"x-key: ");
+                r.extend_from_slice(key);
+                r.extend_from_slice(b"\r\n");
+            }
+            r.extend_from_slice(b"\r\n");
+            r
+        };
+        let status = |r: Vec<u8>| {
+            let addr = tg.addr;
+            async move { status_of(&raw(addr, &r, Duration::from_secs(2)).await) }
+        };
+        for tenant in ["%E9", "%FF", "%EF%BF%BD", "%C3%A9"] {
+            assert_eq!(
+                status(req(&format!("/t?tenant={tenant}"), b"")).await,
+                200,
+                "{store} {tenant}"
+            );
+        }
+        assert_eq!(status(req("/t?tenant=%E9", b"")).await, 429, "{store}: %E9 again");
+        for key in [&b"\x80"[..], b"\x81", "\u{FFFD}".as_bytes()] {
+            assert_eq!(status(req("/k", key)).await, 200, "{store} {key:?}");
+        }
+        assert_eq!(status(req("/k", b"\x80")).await, 429, "{store}: 0x80 again");
+    }
+}
+
+#[tokio::test]
 async fn lower_case_methods_and_semicolon_queries_cannot_dodge_a_rule() {
     let up = TestUpstream::start().await;
     let limits = "\

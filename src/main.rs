@@ -64,7 +64,8 @@ struct RunArgs {
     config: Vec<PathBuf>,
     /// Most counters the in-memory store holds (without --redis): beyond it,
     /// the least recently used of a sample is forgotten and its caller
-    /// starts a fresh window. ~200 bytes each at worst.
+    /// starts a fresh window. ~250 bytes each holding a request or two, and
+    /// ~20 bytes more per request admitted in the counter's longest window.
     #[arg(long, env = "TOLLGATE_MAX_COUNTERS", default_value_t = tollgate::limiter::DEFAULT_MAX_COUNTERS)]
     max_counters: usize,
     /// Merge envoyproxy/ratelimit files that declare the same domain (their

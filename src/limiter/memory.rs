@@ -219,6 +219,20 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// Marks these counters used now (a refusal answered without the store),
+    /// so eviction takes them last.
+    pub fn touch<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let now = self.clock.now_ms();
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for key in keys {
+            if let Some(counter) = state.counters.get_mut(key) {
+                counter.used_ms = now;
+            }
+        }
+    }
+}
+
 impl State {
     /// Sheds the expired counters among the next few.
     fn sweep(&mut self, now: u64) {

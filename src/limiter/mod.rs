@@ -329,6 +329,12 @@ impl Limiter {
         let decision = match self.denials.check(hits, self.clock.now_ms()) {
             Some(cached) => {
                 metrics.denial_cache_hit();
+                // A caller refused again and again is in use, not idle: its
+                // counters must not be the ones a flood evicts, or it would
+                // come back to a fresh window.
+                if let Store::Memory(m) = &self.store {
+                    m.touch(hits.iter().map(|h| h.key.as_str()));
+                }
                 for r in cached.rules.iter().filter(|r| r.over) {
                     metrics.rule(&r.rule.name, metrics::RuleOutcome::LimitedCached);
                 }
@@ -541,6 +547,46 @@ mod tests {
         assert_eq!(d.status(), http::StatusCode::TOO_MANY_REQUESTS);
         // The first unit leaves the 10s window 6s from now.
         assert_eq!(d.retry_after_ms(), Some(6_000));
+    }
+
+    #[tokio::test]
+    async fn a_caller_refused_from_the_cache_is_not_evicted_by_a_flood() {
+        // README: a caller that keeps asking while refused stays refused. Its
+        // refusals come from the denial cache, yet its counter must count as
+        // used, or a flood of fresh keys evicts it and the caller comes back
+        // to a fresh window.
+        let clock = Arc::new(ManualClock::new(1_000_000));
+        let l = Limiter::with_clock(
+            Store::Memory(MemoryStore::new(clock.clone()).with_max_counters(1_000)),
+            Duration::from_millis(50),
+            clock.clone(),
+        );
+        let caller = hits("  - name: pace\n    limits: [{requests: 5, per: 10s}]\n");
+        // One unit now, four a second later.
+        assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
+        clock.advance(1_000);
+        for _ in 0..4 {
+            assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
+        }
+        let mut flood = hits("  - name: flood\n    limits: [{requests: 5, per: 10s}]\n");
+        for i in 0..8_990u64 {
+            clock.advance(1);
+            if let Some(h) = flood.first_mut() {
+                h.key = format!("fresh:{i}");
+            }
+            l.decide(&flood).await;
+            if i % 20 == 0 {
+                assert_eq!(l.decide(&caller).await.verdict, Verdict::Limited, "at {i}");
+            }
+        }
+        // The first unit has left; the four others have not: one fits.
+        clock.advance(20);
+        assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
+        assert_eq!(
+            l.decide(&caller).await.verdict,
+            Verdict::Limited,
+            "the caller's window survived the flood"
+        );
     }
 
     /// A clock that moves `step` ms every time it is read: the store

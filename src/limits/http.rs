@@ -9,7 +9,7 @@ use std::net::IpAddr;
 use http::{HeaderMap, Method};
 use percent_encoding::percent_decode;
 
-use super::keys;
+use super::keys::{self, Value};
 use crate::config::{Cost, Limits, Part, Rule};
 use crate::limiter::Hit;
 
@@ -183,14 +183,15 @@ fn part_value(
     rule: &Rule,
     req: &RequestInfo<'_>,
     host: Option<&str>,
-) -> Result<Option<String>, RequestError> {
+) -> Result<Option<Value>, RequestError> {
     let repeated = |what: String| RequestError::Repeated {
         rule: rule.name.clone(),
         what,
     };
+    let text = |s: String| Some(Value::Text(s));
     Ok(match part {
-        Part::ClientIp { v4, v6 } => Some(client_network(req.client_ip, *v4, *v6)),
-        Part::Method => Some(req.method.as_str().to_string()),
+        Part::ClientIp { v4, v6 } => text(client_network(req.client_ip, *v4, *v6)),
+        Part::Method => text(req.method.as_str().to_string()),
         // `/a/` and `/a` reach the same handler in most frameworks.
         Part::Path => {
             let path = match req.path.strip_suffix('/') {
@@ -199,13 +200,13 @@ fn part_value(
             };
             // A rule that matches regardless of case counts every casing
             // of a path as one path.
-            Some(if rule.matcher.ignore_case {
+            text(if rule.matcher.ignore_case {
                 path.to_ascii_lowercase()
             } else {
                 path.to_string()
             })
         }
-        Part::Host => host.map(str::to_string),
+        Part::Host => host.and_then(|h| text(h.to_string())),
         Part::Header(name) => {
             let mut values = req.headers.get_all(name).iter();
             let Some(first) = values.next() else { return Ok(None) };
@@ -214,7 +215,7 @@ fn part_value(
             }
             // HTTP/1 parsers strip the spaces and tabs around a value; HTTP/2
             // hands them through, and the upstream's parser strips them.
-            Some(String::from_utf8_lossy(first.as_bytes().trim_ascii()).into_owned())
+            Some(Value::from_bytes(first.as_bytes().trim_ascii().to_vec()))
         }
         Part::Query(name) => match req.query {
             None => None,
@@ -247,18 +248,17 @@ fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
 /// Every value of query parameter `name`, percent-decoded (`+` is a space).
 /// `;` separates parameters too, as Rack 2 (Rails before 7.1) reads it, so
 /// `?x=1;tenant=a` cannot hide a parameter from the rule.
-fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = String> + 'a {
+fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Value> + 'a {
     query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (decode(k) == name).then(|| decode(v))
+        (decode(k) == name.as_bytes()).then(|| Value::from_bytes(decode(v)))
     })
 }
 
-fn decode(s: &str) -> String {
+/// Percent-decoded bytes (`+` is a space), not forced into UTF-8.
+fn decode(s: &str) -> Vec<u8> {
     let plus_as_space = s.replace('+', " ");
-    percent_decode(plus_as_space.as_bytes())
-        .decode_utf8_lossy()
-        .into_owned()
+    percent_decode(plus_as_space.as_bytes()).collect()
 }
 
 /// The host as rules compare it: no port, lower case, no trailing dot

@@ -11,13 +11,53 @@ use sha2::{Digest, Sha256};
 /// Values longer than this are stored as a hash.
 const MAX_VALUE_LEN: usize = 64;
 
+/// A `by` value as the caller sent it: text, or bytes that are not UTF-8.
+/// Bytes are never turned into text (a lossy conversion would give `\x80`,
+/// `\xFF` and U+FFFD one counter, so one caller could spend another's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Value {
+    /// UTF-8 text.
+    Text(String),
+    /// Anything else.
+    Bytes(Vec<u8>),
+}
+
+impl Value {
+    /// Text when `bytes` are UTF-8, else the bytes themselves.
+    pub fn from_bytes(bytes: Vec<u8>) -> Value {
+        match String::from_utf8(bytes) {
+            Ok(text) => Value::Text(text),
+            Err(e) => Value::Bytes(e.into_bytes()),
+        }
+    }
+
+    /// Whether nothing was sent (a rule then counts nothing, as NGINX skips
+    /// an empty key).
+    pub fn is_empty(&self) -> bool {
+        match self {
+            Value::Text(t) => t.is_empty(),
+            Value::Bytes(b) => b.is_empty(),
+        }
+    }
+
+    fn push(&self, key: &mut String) {
+        match self {
+            Value::Text(t) => push_component(key, t),
+            // `<len>~<sha256>`: the `~` keeps bytes apart from any text.
+            Value::Bytes(b) => push_digest(key, b, '~'),
+        }
+    }
+}
+
 /// The counter of an HTTP rule (`rule_id`) for the request's `by` values.
-pub fn http_key(domain: &str, rule_id: &str, values: &[String]) -> String {
+pub fn http_key(domain: &str, rule_id: &str, values: &[Value]) -> String {
     // The first value is in the hash tag already; the body carries the rest.
-    let (first, rest) = values.split_first().map_or((rule_id, &[][..]), |(f, r)| (f.as_str(), r));
-    let mut key = key_start(domain, first, rule_id);
+    let Some((first, rest)) = values.split_first() else {
+        return key_start(domain, |k| push_component(k, rule_id), rule_id);
+    };
+    let mut key = key_start(domain, |k| first.push(k), rule_id);
     for value in rest {
-        push_component(&mut key, value);
+        value.push(&mut key);
     }
     key
 }
@@ -28,11 +68,11 @@ pub fn http_key(domain: &str, rule_id: &str, values: &[String]) -> String {
 /// inside a value only shortens the tag; the key itself stays unique. The
 /// `2` is the key layout: counters of the first layout (`tg:{`, the first
 /// value written twice, streams only) are never read as ones of this one.
-fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
+fn key_start(domain: &str, first: impl FnOnce(&mut String), rule_id: &str) -> String {
     let mut key = String::with_capacity(64);
     key.push_str("tg:2{");
     push_component(&mut key, domain);
-    push_component(&mut key, first);
+    first(&mut key);
     key.push('}');
     push_component(&mut key, rule_id);
     key
@@ -44,9 +84,9 @@ fn key_start(domain: &str, first: &str, rule_id: &str) -> String {
 pub fn descriptor_key<'a>(domain: &str, rule_id: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
     let mut entries = entries.into_iter();
     let Some((k1, v1)) = entries.next() else {
-        return key_start(domain, rule_id, rule_id);
+        return key_start(domain, |k| push_component(k, rule_id), rule_id);
     };
-    let mut key = key_start(domain, v1, rule_id);
+    let mut key = key_start(domain, |k| push_component(k, v1), rule_id);
     push_component(&mut key, k1);
     for (k, v) in entries {
         push_component(&mut key, k);
@@ -65,13 +105,18 @@ fn push_component(key: &mut String, value: &str) {
         key.push_str(value);
         key.push('|');
     } else {
-        let digest = Sha256::digest(value.as_bytes());
-        let _ = write!(key, "{}#", value.len());
-        for byte in digest.iter().take(16) {
-            let _ = write!(key, "{byte:02x}");
-        }
-        key.push('|');
+        push_digest(key, value.as_bytes(), '#');
     }
+}
+
+/// Appends `<len><mark><first 16 bytes of SHA-256, hex>|`.
+fn push_digest(key: &mut String, value: &[u8], mark: char) {
+    let digest = Sha256::digest(value);
+    let _ = write!(key, "{}{mark}", value.len());
+    for byte in digest.iter().take(16) {
+        let _ = write!(key, "{byte:02x}");
+    }
+    key.push('|');
 }
 
 
