@@ -1,11 +1,24 @@
 //! tollgate: an HTTP rate-limit sidecar with exact sliding windows shared
-//! through Redis streams.
+//! through Redis.
 //!
-//! The binary (`main.rs`) only wires these together: `config` reads the
-//! limits file, `reload` keeps it live, `limits` turns a request into counters, `limiter` decides
-//! (with its memory and Redis stream stores), `headers` renders decisions,
-//! `surfaces` speak each wire protocol, `serve` runs listeners and `admin`
-//! reports health.
+//! A request's way, the same for every surface:
+//!
+//! 1. `surfaces` translate the wire format (the reverse proxy, ext_authz and
+//!    auth_request in `surfaces::decision_http`, Envoy's RLS in
+//!    `surfaces::envoy_rls`) into facts;
+//! 2. `limits` resolves the facts against the loaded limits into hits (one
+//!    rule and one counter key each): `limits::http` for HTTP rules,
+//!    `limits::descriptors` for Envoy descriptors, `limits::keys` for keys;
+//! 3. `limiter` decides all hits together (denial cache first), through a
+//!    store: `limiter::memory` in process, or `limiter::redis` (the
+//!    `decide.lua` script, per-thread lanes, Cluster, Sentinel);
+//! 4. the surface renders the decision (`headers` for RateLimit headers,
+//!    `Retry-After` and refusal bodies).
+//!
+//! Around it: `config` parses and validates limits files, `reload` keeps
+//! them live, `client_ip` and `path` normalise what callers send, `serve`
+//! runs listeners, `admin` and `metrics` report, and `main.rs` wires flags
+//! to all of it.
 
 /// Marks items (modules, impl blocks) a request passes through. They never
 /// panic: clippy denies indexing that can fail, unwrap/expect and unchecked
