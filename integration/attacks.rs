@@ -720,6 +720,11 @@ rules:
         ("GET", "/t?x=1;tenant=a", &[], "limited"),
         ("GET", "/t?tenant=b&tenant=a", &[], "bad"),
         ("GET", "/t?tenant=b&%74enant=a", &[], "bad"),
+        // Bytes that are not UTF-8 are not U+FFFD, nor each other.
+        ("GET", "/t?tenant=%E9", &[], "admitted"),
+        ("GET", "/t?tenant=%FF", &[], "admitted"),
+        ("GET", "/t?tenant=%EF%BF%BD", &[], "admitted"),
+        ("GET", "/t?tenant=%E9", &[], "limited"),
         ("GET", "/c", &[("x-cost", "18446744073709551607")], "bad"),
         ("GET", "/c", &[("x-cost", "1"), ("x-cost", "1")], "bad"),
         ("GET", "/c", &[("x-cost", "11")], "limited"),

@@ -65,11 +65,8 @@ async fn readiness_means_the_store_decides() {
     // Redis out of memory answers PING but refuses every write.
     let redis = RedisServer::start();
     let up = TestUpstream::start().await;
-    let tg = Tollgate::start(
-        "domain: d\nrules:\n  - name: r\n    limits: [{ requests: 100, per: 60s }]\n",
-        up.addr,
-        &["--redis", &redis.url(), "--redis-timeout", "500ms"],
-    );
+    let limits = "domain: d\nrules:\n  - name: r\n    match: { path: /open }\n    limits: [{ requests: 100, per: 60s }]\n  - name: c\n    match: { path: /closed }\n    failure_mode: closed\n    limits: [{ requests: 100, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url(), "--redis-timeout", "500ms"]);
     let c = client();
     let ready = format!("http://{}/readyz", tg.admin);
     assert_eq!(get(&c, &ready, &[]).await.status, StatusCode::OK);
@@ -77,6 +74,13 @@ async fn readiness_means_the_store_decides() {
     redis.cli(&["CONFIG", "SET", "maxmemory", "1"]).unwrap();
     let r = get(&c, &ready, &[]).await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{:?}", r.body);
+    // README: a full Redis that does not evict makes every decision take its
+    // rule's failure_mode, and tollgate keeps serving.
+    assert_eq!(get(&c, &tg.url("/open"), &[]).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&c, &tg.url("/closed"), &[]).await.status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
     redis.cli(&["CONFIG", "SET", "maxmemory", "0"]).unwrap();
     assert_eq!(
         get(&c, &ready, &[]).await.status,

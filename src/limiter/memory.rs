@@ -219,20 +219,6 @@ impl MemoryStore {
     }
 }
 
-impl MemoryStore {
-    /// Marks these counters used now (a refusal answered without the store),
-    /// so eviction takes them last.
-    pub fn touch<'a>(&self, keys: impl Iterator<Item = &'a str>) {
-        let now = self.clock.now_ms();
-        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        for key in keys {
-            if let Some(counter) = state.counters.get_mut(key) {
-                counter.used_ms = now;
-            }
-        }
-    }
-}
-
 impl State {
     /// Sheds the expired counters among the next few.
     fn sweep(&mut self, now: u64) {
@@ -359,6 +345,17 @@ impl State {
 impl CounterStore for MemoryStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
         Ok(self.decide_now(checks))
+    }
+
+    /// Marks these counters used now, so eviction takes them last.
+    fn touch<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        let now = self.clock.now_ms();
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        for key in keys {
+            if let Some(counter) = state.counters.get_mut(key) {
+                counter.used_ms = now;
+            }
+        }
     }
 }
 
@@ -549,22 +546,34 @@ mod tests {
             let names = ["k0", "k1", "k2"];
             for (dt, picks) in steps {
                 clock.advance(dt);
-                let now = clock.now_ms();
                 // The same key may come more than once in one decision.
-                let specs: Vec<(usize, Vec<Window>, u64, u8)> =
-                    picks.iter().map(|&(k, cost, role)| (k, rule_windows(k), cost, role)).collect();
-                let checks: Vec<Check<'_>> =
-                    specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
-                let answer = store.decide_now(&checks);
-                let (admitted, expected) = model.decide(now, &specs);
-                prop_assert_eq!(answer.admitted, admitted);
-                for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
-                    prop_assert_eq!(count.charged, *charged);
-                    let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
-                    prop_assert_eq!(&got, windows);
-                }
+                same_answers(&store, &mut model, clock.now_ms(), &picks, &names, rule_windows)?;
             }
         }
+    }
+
+    /// Decides `picks` in the store and the model; every field must agree.
+    fn same_answers(
+        store: &MemoryStore,
+        model: &mut Model,
+        now: u64,
+        picks: &[(usize, u64, u8)],
+        names: &[&str],
+        windows_of: fn(usize) -> Vec<Window>,
+    ) -> Result<(), TestCaseError> {
+        let specs: Vec<(usize, Vec<Window>, u64, u8)> =
+            picks.iter().map(|&(k, cost, role)| (k, windows_of(k), cost, role)).collect();
+        let checks: Vec<Check<'_>> =
+            specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
+        let answer = store.decide_now(&checks);
+        let (admitted, expected) = model.decide(now, &specs);
+        prop_assert_eq!(answer.admitted, admitted);
+        for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
+            prop_assert_eq!(count.charged, *charged);
+            let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
+            prop_assert_eq!(&got, windows);
+        }
+        Ok(())
     }
 
     fn eviction_steps() -> impl Strategy<Value = Vec<Step>> {
@@ -590,18 +599,7 @@ mod tests {
             for (dt, picks) in steps {
                 clock.advance(dt);
                 let now = clock.now_ms();
-                let specs: Vec<(usize, Vec<Window>, u64, u8)> =
-                    picks.iter().map(|&(k, cost, role)| (k, rule_windows(k % 3), cost, role)).collect();
-                let checks: Vec<Check<'_>> =
-                    specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
-                let answer = store.decide_now(&checks);
-                let (admitted, expected) = model.decide(now, &specs);
-                prop_assert_eq!(answer.admitted, admitted);
-                for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
-                    prop_assert_eq!(count.charged, *charged);
-                    let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
-                    prop_assert_eq!(&got, windows);
-                }
+                same_answers(&store, &mut model, now, &picks, &names, |k| rule_windows(k % 3))?;
                 // A bound smaller than one request's counters gives way to
                 // them: a request never loses a charge it was admitted with.
                 let mut own: Vec<usize> = picks.iter().map(|p| p.0).collect();

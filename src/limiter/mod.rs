@@ -104,13 +104,18 @@ pub enum StoreError {
 pub trait CounterStore: Send + Sync {
     /// Checks every window of every counter and charges them together.
     fn decide(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
+
+    /// Notes that these counters were asked about without a decision (a
+    /// refusal from the denial cache), so the store keeps them as in use.
+    /// A store that cannot see it cheaply does nothing.
+    fn touch<'a>(&self, _keys: impl Iterator<Item = &'a str>) {}
 }
 
 /// The stores tollgate can run with, picked at start-up.
 pub enum Store {
     /// In-process counters for a single instance (the embedded default).
     Memory(MemoryStore),
-    /// Counters in Redis streams, shared by every instance.
+    /// Counters in Redis, shared by every instance.
     Redis(RedisStore),
 }
 
@@ -119,6 +124,13 @@ impl CounterStore for Store {
         match self {
             Store::Memory(s) => s.decide(checks).await,
             Store::Redis(s) => s.decide(checks).await,
+        }
+    }
+
+    fn touch<'a>(&self, keys: impl Iterator<Item = &'a str>) {
+        match self {
+            Store::Memory(s) => s.touch(keys),
+            Store::Redis(s) => s.touch(keys),
         }
     }
 }
@@ -332,9 +344,7 @@ impl Limiter {
                 // A caller refused again and again is in use, not idle: its
                 // counters must not be the ones a flood evicts, or it would
                 // come back to a fresh window.
-                if let Store::Memory(m) = &self.store {
-                    m.touch(hits.iter().map(|h| h.key.as_str()));
-                }
+                self.store.touch(hits.iter().map(|h| h.key.as_str()));
                 for r in cached.rules.iter().filter(|r| r.over) {
                     metrics.rule(&r.rule.name, metrics::RuleOutcome::LimitedCached);
                 }

@@ -53,7 +53,7 @@ impl Value {
 pub fn http_key(domain: &str, rule_id: &str, values: &[Value]) -> String {
     // The first value is in the hash tag already; the body carries the rest.
     let Some((first, rest)) = values.split_first() else {
-        return key_start(domain, |k| push_component(k, rule_id), rule_id);
+        return global_key(domain, rule_id);
     };
     let mut key = key_start(domain, |k| first.push(k), rule_id);
     for value in rest {
@@ -84,7 +84,7 @@ fn key_start(domain: &str, first: impl FnOnce(&mut String), rule_id: &str) -> St
 pub fn descriptor_key<'a>(domain: &str, rule_id: &str, entries: impl IntoIterator<Item = (&'a str, &'a str)>) -> String {
     let mut entries = entries.into_iter();
     let Some((k1, v1)) = entries.next() else {
-        return key_start(domain, |k| push_component(k, rule_id), rule_id);
+        return global_key(domain, rule_id);
     };
     let mut key = key_start(domain, |k| push_component(k, v1), rule_id);
     push_component(&mut key, k1);
@@ -92,6 +92,16 @@ pub fn descriptor_key<'a>(domain: &str, rule_id: &str, entries: impl IntoIterato
         push_component(&mut key, k);
         push_component(&mut key, v);
     }
+    key
+}
+
+/// The one counter of a rule keyed on nothing: tagged by the rule, so the
+/// global rules of a domain spread over Cluster slots, and ended by an empty
+/// component no caller's value can be (empty values count nothing), so it
+/// is never the counter of a value equal to the rule's name.
+fn global_key(domain: &str, rule_id: &str) -> String {
+    let mut key = key_start(domain, |k| push_component(k, rule_id), rule_id);
+    push_component(&mut key, "");
     key
 }
 
@@ -139,5 +149,34 @@ mod tests {
         let mut fake = String::new();
         push_component(&mut fake, &k[..k.len() - 1]);
         assert_ne!(fake, k, "a literal value cannot pose as a hashed one");
+    }
+
+    #[test]
+    fn every_way_of_naming_a_counter_is_its_own_key() {
+        let t = |s: &str| Value::Text(s.to_string());
+        let keys = [
+            http_key("d", "r", &[]),
+            http_key("d", "r", &[t("r")]),
+            http_key("d", "r", &[t("a")]),
+            http_key("d", "r", &[t("a"), t("b")]),
+            http_key("d", "r", &[t("a|1=b")]),
+            http_key("d", "r", &[t("\u{FFFD}")]),
+            http_key("d", "r", &[Value::Bytes(vec![0x80])]),
+            http_key("d", "r", &[Value::Bytes(vec![0xFF])]),
+            http_key("d", "r2", &[t("a")]),
+            http_key("d2", "r", &[t("a")]),
+            descriptor_key("d", "r", [("k", "a")]),
+            descriptor_key("d", "r", [("k2", "a")]),
+            descriptor_key("d", "r", [("k", "a"), ("k", "b")]),
+            descriptor_key("d", "r", [("k", "b"), ("k", "a")]),
+        ];
+        for (i, a) in keys.iter().enumerate() {
+            for b in keys.iter().skip(i + 1) {
+                assert_ne!(a, b);
+            }
+        }
+        // A rule keyed on nothing and a descriptor with no entries are the
+        // same global counter of the rule.
+        assert_eq!(keys[0], descriptor_key("d", "r", []));
     }
 }
