@@ -24,7 +24,7 @@ use proptest::prelude::*;
 use tollgate::config::Window;
 use tollgate::limiter::{Clock, Limiter, ManualClock, MemoryStore, RedisMode, RedisStore, Store};
 use tollgate::limits::RequestInfo;
-use tollgate::reload::Catalog;
+use tollgate::reload::LiveFiles;
 use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
 
@@ -219,7 +219,7 @@ struct Rig {
 struct Case {
     clock: Arc<ManualClock>,
     limiter: Arc<Limiter>,
-    catalog: Arc<Catalog>,
+    files: Arc<LiveFiles>,
     rls: RlsService,
     decision_http: DecisionHttp,
     /// The reverse proxy, served on a loopback port in this process.
@@ -247,9 +247,10 @@ impl Rig {
             Store::Memory(MemoryStore::new(clock.clone()))
         };
         let limiter = Arc::new(Limiter::with_clock(store, Duration::from_secs(2), clock.clone()));
-        let catalog = Arc::new(Catalog::load(std::slice::from_ref(&file), false).unwrap());
+        let files = Arc::new(LiveFiles::load(std::slice::from_ref(&file), false).unwrap());
+        let catalog = files.catalog();
         let l = limiter.clone();
-        catalog.on_change(move || l.forget_denials());
+        files.on_change(move || l.forget_denials());
         let rls = RlsService::new(limiter.clone(), catalog.clone());
         let decision_http = DecisionHttp::new(limiter.clone(), catalog.clone(), Default::default());
         let options = ProxyOptions {
@@ -277,7 +278,7 @@ impl Rig {
             decision_http,
             clock,
             limiter,
-            catalog,
+            files,
             rls,
             domain,
             file,
@@ -294,7 +295,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
             Step::Reload { counter } => {
                 versions[counter] = 1 - versions[counter];
                 std::fs::write(&case.file, limits_file(&case.domain, &versions)).unwrap();
-                case.catalog.reload_all("model");
+                case.files.reload_all("model");
                 continue;
             }
             Step::Rls { dt, items } => (dt, items, true, 0),
@@ -430,7 +431,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
                 headers: &headers,
                 client_ip: "10.0.0.1".parse().unwrap(),
             };
-            let hits = case.catalog.http_hits(&info).unwrap();
+            let hits = case.files.catalog().load().http_hits(&info).unwrap();
             let decision = rig.runtime.block_on(case.limiter.decide(&hits));
             prop_assert_eq!(decision.verdict.admits(), admitted, "{:?} at {}", items, now - T0);
             prop_assert_eq!(decision.rules.len(), items.len());

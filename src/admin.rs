@@ -15,7 +15,7 @@ use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body_util::Full;
 
 use crate::limiter::Limiter;
-use crate::reload::Catalog;
+use crate::reload::LiveFiles;
 
 /// Who may ask the admin listener.
 #[derive(Debug, Clone, Default)]
@@ -29,13 +29,13 @@ pub struct AdminAccess {
 /// State the admin endpoints report on.
 pub struct Admin {
     limiter: Arc<Limiter>,
-    catalog: Arc<Catalog>,
+    catalog: Arc<LiveFiles>,
     access: AdminAccess,
 }
 
 impl Admin {
     /// Admin endpoints for this limiter and these limits files.
-    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, access: AdminAccess) -> Self {
+    pub fn new(limiter: Arc<Limiter>, catalog: Arc<LiveFiles>, access: AdminAccess) -> Self {
         Admin {
             limiter,
             catalog,

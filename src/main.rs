@@ -18,7 +18,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use tollgate::admin::{Admin, AdminAccess};
 use tollgate::client_ip::TrustedProxies;
 use tollgate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, SystemClock};
-use tollgate::reload::Catalog;
+use tollgate::reload::LiveFiles;
 use tollgate::serve::{ConnLimits, serve};
 use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
@@ -226,7 +226,7 @@ fn main() -> ExitCode {
 }
 
 fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
-    match Catalog::load(paths, merge) {
+    match LiveFiles::load(paths, merge) {
         Ok(catalog) => {
             for f in catalog.files().iter() {
                 let limits = f.active().load();
@@ -280,14 +280,15 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     let trusted = TrustedProxies::parse(&args.trusted_proxies).context("--trusted-proxies")?;
-    let catalog = Arc::new(Catalog::load(&args.config, args.merge_domain_config).map_err(|e| anyhow::anyhow!("{e}"))?);
-    for f in catalog.files().iter() {
+    let files = Arc::new(LiveFiles::load(&args.config, args.merge_domain_config).map_err(|e| anyhow::anyhow!("{e}"))?);
+    for f in files.files().iter() {
         let limits = f.active().load();
         let status = f.status();
         tracing::info!(file = %status.file, domain = %limits.domain, format = ?limits.format, rules = limits.rules.len(), version = %status.version, "limits loaded");
     }
+    let catalog = files.catalog();
     let _watch = if args.watch_config {
-        Some(catalog.watch().context("cannot watch the limits files")?)
+        Some(files.watch().context("cannot watch the limits files")?)
     } else {
         None
     };
@@ -316,7 +317,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
     let limiter = Arc::new(Limiter::new(store, args.redis_timeout));
     // Cached denials were exact for the old limits only.
     let forget = limiter.clone();
-    catalog.on_change(move || forget.forget_denials());
+    files.on_change(move || forget.forget_denials());
 
     let threads = match args.proxy_threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
@@ -405,7 +406,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         token: args.admin_token.clone(),
         hosts: args.admin_hosts.clone(),
     };
-    let admin = Arc::new(Admin::new(limiter.clone(), catalog.clone(), access));
+    let admin = Arc::new(Admin::new(limiter.clone(), files.clone(), access));
 
     let admin_task = tokio::spawn(serve(admin_listener, conn_limits, stop_rx.clone(), move |req, peer| {
         let admin = admin.clone();
@@ -445,7 +446,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         tasks.push(tokio::spawn(deal_grpc(listener, grpc_workers, stop_rx.clone())));
     }
 
-    wait_for_stop(&catalog).await;
+    wait_for_stop(&files).await;
     tracing::info!(grace = ?args.shutdown_timeout, "shutting down: no new connections, finishing requests in flight");
     let _ = stop_tx.send(true);
     for task in tasks {
@@ -621,7 +622,7 @@ async fn serve_grpc(
 }
 
 /// Waits for SIGTERM or SIGINT, reloading the limits on every SIGHUP.
-async fn wait_for_stop(catalog: &Arc<Catalog>) {
+async fn wait_for_stop(files: &Arc<LiveFiles>) {
     use tokio::signal::unix::{SignalKind, signal};
     let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
         signal(SignalKind::terminate()),
@@ -637,8 +638,8 @@ async fn wait_for_stop(catalog: &Arc<Catalog>) {
             _ = term.recv() => return,
             _ = int.recv() => return,
             _ = hup.recv() => {
-                let catalog = catalog.clone();
-                let _ = tokio::task::spawn_blocking(move || catalog.reload_all("SIGHUP")).await;
+                let files = files.clone();
+                let _ = tokio::task::spawn_blocking(move || files.reload_all("SIGHUP")).await;
             }
         }
     }

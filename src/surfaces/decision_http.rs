@@ -20,7 +20,7 @@ use crate::limits::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter, Verdict};
 use crate::metrics::{self, Surface};
-use crate::reload::Catalog;
+use crate::limits::SharedCatalog;
 
 /// Path prefix Envoy's ext_authz `path_prefix` should be set to.
 pub const EXT_AUTHZ_PREFIX: &str = "/ext_authz";
@@ -36,13 +36,13 @@ pub const AUTH_REQUEST_REFUSAL_PATH: &str = "/auth_request/refusal";
 /// Both HTTP decision surfaces, on one listener.
 pub struct DecisionHttp {
     limiter: Arc<Limiter>,
-    catalog: Arc<Catalog>,
+    catalog: SharedCatalog,
     trusted: TrustedProxies,
 }
 
 impl DecisionHttp {
     /// Decision endpoints for these limits, believing forwarding headers from `trusted`.
-    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, trusted: TrustedProxies) -> Self {
+    pub fn new(limiter: Arc<Limiter>, catalog: SharedCatalog, trusted: TrustedProxies) -> Self {
         DecisionHttp {
             limiter,
             catalog,
@@ -71,7 +71,7 @@ impl DecisionHttp {
     }
 
     async fn decide(&self, surface: Surface, info: &RequestInfo<'_>) -> Result<Decision, String> {
-        match self.catalog.http_hits(info) {
+        match self.catalog.load().http_hits(info) {
             Ok(hits) => {
                 let decision = self.limiter.decide(&hits).await;
                 metrics::get().request(surface, decision.verdict.into());

@@ -24,7 +24,7 @@ use crate::headers;
 use crate::limiter::{Decision, Limiter, RuleOutcome, Verdict};
 use crate::limits::{self, Descriptor, Override, Resolved};
 use crate::metrics::{self, Surface};
-use crate::reload::Catalog;
+use crate::limits::SharedCatalog;
 
 /// Most descriptors one RLS request may carry. Envoy sends one per rate
 /// limit action of a route (a handful); an unbounded request would become
@@ -37,7 +37,7 @@ pub const MAX_ENTRIES: usize = 32;
 /// The RLS service, shared by every gRPC connection.
 pub struct RlsService {
     limiter: Arc<Limiter>,
-    catalog: Arc<Catalog>,
+    catalog: SharedCatalog,
     dynamic_metadata: bool,
     shadow_mode: bool,
     quota_mode: bool,
@@ -46,7 +46,7 @@ pub struct RlsService {
 
 impl RlsService {
     /// An RLS service deciding with `limiter` against the files in `catalog`.
-    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>) -> Self {
+    pub fn new(limiter: Arc<Limiter>, catalog: SharedCatalog) -> Self {
         RlsService {
             limiter,
             catalog,
@@ -89,7 +89,8 @@ impl RlsService {
 
     /// Decides one RLS request.
     pub async fn decide(&self, req: &RateLimitRequest) -> RateLimitResponse {
-        let Some(limits) = self.catalog.domain(&req.domain) else {
+        let catalog = self.catalog.load();
+        let Some(limits) = catalog.domain(&req.domain) else {
             // envoyproxy/ratelimit answers OK for domains it does not know.
             metrics::get().unknown_domain();
             metrics::get().request(Surface::Rls, metrics::Verdict::Allowed);
@@ -102,7 +103,7 @@ impl RlsService {
         };
         let request_hits = u64::from(if req.hits_addend == 0 { 1 } else { req.hits_addend });
         let descriptors: Vec<Descriptor<'_>> = req.descriptors.iter().map(|d| descriptor(d, request_hits)).collect();
-        let Resolved { rules, hits, hit_of } = limits::resolve(&limits, &descriptors, self.quota_mode);
+        let Resolved { rules, hits, hit_of } = limits::resolve(limits, &descriptors, self.quota_mode);
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Rls, decision.verdict.into());
 
@@ -408,7 +409,7 @@ rules:
     fn service(dir: &tempfile::TempDir) -> RlsService {
         let path = dir.path().join("d.yaml");
         std::fs::write(&path, LIMITS).unwrap();
-        let catalog = Arc::new(Catalog::load(&[path], false).unwrap());
+        let catalog = crate::reload::LiveFiles::load(&[path], false).unwrap().catalog();
         let clock = Arc::new(ManualClock::new(1_000_000));
         let limiter = Arc::new(Limiter::with_clock(
             Store::Memory(MemoryStore::new(clock.clone())),

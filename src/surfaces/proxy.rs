@@ -24,7 +24,7 @@ use crate::limits::RequestInfo;
 use crate::headers;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
-use crate::reload::Catalog;
+use crate::limits::SharedCatalog;
 use crate::surfaces::body::ClientBody;
 use crate::surfaces::upstream_pool::{UpstreamBody, UpstreamPool};
 
@@ -109,14 +109,14 @@ pub struct ProxyOptions {
 /// The proxy: shared by every connection.
 pub struct Proxy {
     limiter: Arc<Limiter>,
-    catalog: Arc<Catalog>,
+    catalog: SharedCatalog,
     pool: UpstreamPool,
     options: ProxyOptions,
 }
 
 impl Proxy {
     /// A proxy deciding with `limiter` against the live limits in `catalog`.
-    pub fn new(limiter: Arc<Limiter>, catalog: Arc<Catalog>, options: ProxyOptions) -> Self {
+    pub fn new(limiter: Arc<Limiter>, catalog: SharedCatalog, options: ProxyOptions) -> Self {
         // Below NGINX's default upstream keepalive_timeout (60 s) and most
         // servers' own, so we rarely reuse a connection the upstream is closing.
         let pool = UpstreamPool::new(
@@ -152,7 +152,7 @@ impl Proxy {
                 headers: req.headers(),
                 client_ip,
             };
-            match self.catalog.http_hits(&info) {
+            match self.catalog.load().http_hits(&info) {
                 Ok(hits) => self.limiter.decide(&hits).await,
                 Err(e) => {
                     metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);

@@ -1,0 +1,104 @@
+//! The limits in force at one moment, as one immutable value.
+//!
+//! The watch (`reload`) builds a new [`Catalog`] whenever a limits file
+//! changes or a file comes or goes, and swaps it in whole: a request reads
+//! one catalog from start to end, so it never sees half of a deploy.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+
+use super::http::{RequestError, RequestInfo};
+use crate::config::Limits;
+use crate::limiter::Hit;
+
+/// The catalog in force, shared by every surface and swapped by the watch.
+pub type SharedCatalog = Arc<ArcSwap<Catalog>>;
+
+/// Every file's limits in `--config` order, and per domain the limits in
+/// force (the files of one domain merged, when merging is on).
+#[derive(Debug, Default)]
+pub struct Catalog {
+    files: Vec<Arc<Limits>>,
+    domains: HashMap<String, Arc<Limits>>,
+}
+
+impl Catalog {
+    /// A catalog of `files`, in the order their HTTP rules apply. Files that
+    /// share a domain are merged; the watch checks that they can be before
+    /// it lets a file in, so a failed merge here serves the first file.
+    pub fn new(files: Vec<Arc<Limits>>) -> Catalog {
+        let mut parts: Vec<(String, Vec<Arc<Limits>>)> = Vec::new();
+        for limits in &files {
+            match parts.iter_mut().find(|(d, _)| *d == limits.domain) {
+                Some((_, list)) => list.push(limits.clone()),
+                None => parts.push((limits.domain.clone(), vec![limits.clone()])),
+            }
+        }
+        let domains = parts
+            .into_iter()
+            .filter_map(|(domain, mut list)| {
+                let limits = if list.len() == 1 {
+                    list.pop()?
+                } else {
+                    match Limits::merge(&list) {
+                        Ok(merged) => Arc::new(merged),
+                        Err(e) => {
+                            tracing::error!(%domain, "{e}");
+                            list.into_iter().next()?
+                        }
+                    }
+                };
+                Some((domain, limits))
+            })
+            .collect();
+        Catalog { files, domains }
+    }
+
+    /// A catalog shared for swapping.
+    pub fn shared(self) -> SharedCatalog {
+        Arc::new(ArcSwap::from_pointee(self))
+    }
+
+    /// Every file's limits, in the order their HTTP rules apply.
+    pub fn files(&self) -> &[Arc<Limits>] {
+        &self.files
+    }
+
+    /// The limits in force for an Envoy RLS `domain`.
+    pub fn domain(&self, domain: &str) -> Option<&Arc<Limits>> {
+        self.domains.get(domain)
+    }
+
+    /// The counters an HTTP request touches, across every file.
+    pub fn http_hits(&self, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
+        let mut hits = Vec::new();
+        for file in &self.files {
+            hits.extend(super::http::hits(file, req)?);
+        }
+        Ok(hits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(text: &str) -> Arc<Limits> {
+        Arc::new(crate::config::parse_str(text, "t.yaml").unwrap())
+    }
+
+    #[test]
+    fn files_of_one_domain_answer_as_one_and_http_rules_keep_file_order() {
+        let a = limits("domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: second, requests_per_unit: 1}\n");
+        let b = limits("domain: d\ndescriptors:\n  - key: b\n    rate_limit: {unit: second, requests_per_unit: 2}\n");
+        let c = limits("domain: e\nrules:\n  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
+        let catalog = Catalog::new(vec![a, b, c.clone()]);
+        let d = catalog.domain("d").unwrap();
+        assert_eq!(d.rules.len(), 2, "both files' limits answer for the domain");
+        assert_eq!(catalog.files().len(), 3);
+        assert!(Arc::ptr_eq(catalog.domain("e").unwrap(), &c));
+        assert!(catalog.domain("f").is_none());
+    }
+}

@@ -1,0 +1,557 @@
+//! One live limits file: watch it and swap in every good version of it.
+//!
+//! The file's *directory* is watched, so in-place writes, write-then-rename
+//! (vim, deploy tools) and Kubernetes ConfigMap `..data` symlink swaps are all
+//! seen. Events are debounced, the content is hashed, and only a changed,
+//! valid file is swapped in (atomically, with `arc-swap`): requests never wait
+//! on a reload, requests in flight keep the limits they started with, and a
+//! bad or half-written file changes nothing but the reported error. A slow
+//! poll backs the watcher up in case an event is lost.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use arc_swap::ArcSwap;
+use notify::{RecursiveMode, Watcher};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio::sync::mpsc;
+
+use super::InForce;
+use crate::config::{self, ConfigError, Limits};
+
+/// Quiet time after the last file event before the file is read.
+const DEBOUNCE: Duration = Duration::from_millis(50);
+/// How often the file is checked even without events.
+pub(super) const POLL: Duration = Duration::from_secs(2);
+
+/// How the limits file stands, for the admin endpoint and metrics.
+#[derive(Debug, Clone, Serialize)]
+pub struct ReloadStatus {
+    /// The limits file.
+    pub file: String,
+    /// Content hash of the active limits (first 16 hex digits of SHA-256).
+    pub version: String,
+    /// When the active limits were loaded, RFC 3339.
+    pub loaded_at: String,
+    /// The last reload error, until a good file replaces it.
+    pub last_error: Option<String>,
+    /// False while the file is missing (the last good limits stay in force).
+    pub file_present: bool,
+    /// Successful reloads since start.
+    pub reloads_ok: u64,
+    /// Refused reloads since start.
+    pub reloads_failed: u64,
+}
+
+/// Why a reload changed nothing.
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    /// The file is gone; the last good limits stay.
+    #[error("{0}: limits file missing; keeping the last good limits")]
+    Missing(String),
+    /// The file could not be read.
+    #[error("{0}: cannot read: {1}")]
+    Read(String, std::io::Error),
+    /// The file is invalid; the last good limits stay.
+    #[error("{0}; keeping the last good limits")]
+    Invalid(ConfigError),
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reloaded {
+    /// New limits are active.
+    Changed,
+    /// The file holds what is already active.
+    Unchanged,
+}
+
+/// One limits file and the limits it currently stands for.
+pub struct LiveFile {
+    pub(super) path: PathBuf,
+    /// Shared with the other files of the catalog, once it is assembled.
+    pub(super) in_force: std::sync::OnceLock<Arc<InForce>>,
+    active: Arc<ArcSwap<Limits>>,
+    status: ArcSwap<ReloadStatus>,
+    /// Hash of the last content looked at (good or bad), to skip re-parsing.
+    last_seen: Mutex<Option<String>>,
+    /// The file's identity, size and mtime when last read: the backstop
+    /// poll reads the file only when they change, so a large file at rest
+    /// costs a `stat` every poll, not a read and a hash.
+    last_stat: Mutex<Option<FileStamp>>,
+    on_change: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+}
+
+impl LiveFile {
+    /// Loads `path` for the first time; a bad file here is fatal to start-up.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = config::read_limits(path).map_err(|e| ConfigError {
+            file: path.display().to_string(),
+            line: None,
+            reason: format!("cannot read: {e}"),
+        })?;
+        let limits = config::parse_str(&text, &path.display().to_string())?;
+        let version = hash(&text);
+        let status = ReloadStatus {
+            file: path.display().to_string(),
+            version: version.clone(),
+            loaded_at: now_rfc3339(),
+            last_error: None,
+            file_present: true,
+            reloads_ok: 0,
+            reloads_failed: 0,
+        };
+        crate::metrics::get().config_version(&path.display().to_string(), &version);
+        Ok(LiveFile {
+            path: path.to_path_buf(),
+            in_force: std::sync::OnceLock::new(),
+            active: Arc::new(ArcSwap::from_pointee(limits)),
+            status: ArcSwap::from_pointee(status),
+            last_seen: Mutex::new(Some(version)),
+            last_stat: Mutex::new(FileStamp::of(path)),
+            on_change: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The handle surfaces read the active limits from.
+    pub fn active(&self) -> Arc<ArcSwap<Limits>> {
+        self.active.clone()
+    }
+
+    /// The file's current standing.
+    pub fn status(&self) -> Arc<ReloadStatus> {
+        self.status.load_full()
+    }
+
+    /// Runs `f` after every change of the active limits (e.g. to drop caches).
+    pub fn on_change(&self, f: impl Fn() + Send + Sync + 'static) {
+        self.on_change
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(f));
+    }
+
+    /// Reads the file and swaps its limits in if it changed and is valid.
+    pub fn reload(&self) -> Result<Reloaded, ReloadError> {
+        self.reload_inner(true)
+    }
+
+    /// As [`LiveFile::reload`]; unless `force`d, a file whose identity,
+    /// size and mtime are those last read is taken as unchanged unread.
+    fn reload_inner(&self, force: bool) -> Result<Reloaded, ReloadError> {
+        let stamp = FileStamp::of(&self.path);
+        {
+            let mut last = self.last_stat.lock().unwrap_or_else(|e| e.into_inner());
+            if !force && stamp.is_some() && *last == stamp && self.status().last_error.is_none() {
+                return Ok(Reloaded::Unchanged);
+            }
+            *last = stamp;
+        }
+        let name = self.path.display().to_string();
+        let text = match config::read_limits(&self.path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                let was_present = self.status().file_present;
+                self.update_status(|s| s.file_present = false);
+                *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                return if was_present {
+                    Err(ReloadError::Missing(name))
+                } else {
+                    Ok(Reloaded::Unchanged)
+                };
+            }
+            Err(e) => {
+                // A directory in its place, no permission, a link loop, too
+                // large: shown on /config and in the metrics like a bad file.
+                let message = format!("{name}: cannot read: {e}");
+                crate::metrics::get().reload(&name, false);
+                *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+                self.update_status(|s| {
+                    s.last_error = Some(message);
+                    s.file_present = true;
+                    s.reloads_failed = s.reloads_failed.saturating_add(1);
+                });
+                return Err(ReloadError::Read(name, e));
+            }
+        };
+        let version = hash(&text);
+        {
+            let mut last = self.last_seen.lock().unwrap_or_else(|e| e.into_inner());
+            if last.as_deref() == Some(version.as_str()) {
+                self.update_status(|s| s.file_present = true);
+                return Ok(Reloaded::Unchanged);
+            }
+            *last = Some(version.clone());
+        }
+        // The domain check and the swap happen under one lock, so two files
+        // reloaded at once cannot both take the same domain.
+        let in_force = self.in_force.get();
+        let merge = in_force.is_some_and(|d| d.merge);
+        let mut taken = in_force.map(|d| d.by_file.lock().unwrap_or_else(|e| e.into_inner()));
+        let mut clashed = false;
+        let parsed = config::parse_str(&text, &name).and_then(|limits| {
+            match taken
+                .as_ref()
+                .and_then(|t| InForce::conflict(t, merge, Some(&self.path), &limits))
+            {
+                Some(reason) => {
+                    clashed = true;
+                    Err(ConfigError {
+                        file: name.clone(),
+                        line: None,
+                        reason,
+                    })
+                }
+                None => Ok(limits),
+            }
+        });
+        if clashed {
+            // Valid on its own: try it again once the other file moves away.
+            *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        }
+        match parsed {
+            Ok(limits) => {
+                if let Some(taken) = taken.as_mut()
+                    && let Some(entry) = taken.iter_mut().find(|(p, _, _)| *p == self.path)
+                {
+                    entry.1 = limits.domain.clone();
+                }
+                self.active.store(Arc::new(limits));
+                drop(taken);
+                crate::metrics::get().reload(&name, true);
+                crate::metrics::get().config_version(&name, &version);
+                self.update_status(|s| {
+                    s.version = version.clone();
+                    s.loaded_at = now_rfc3339();
+                    s.last_error = None;
+                    s.file_present = true;
+                    s.reloads_ok += 1;
+                });
+                for f in self.on_change.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                    f();
+                }
+                Ok(Reloaded::Changed)
+            }
+            Err(e) => {
+                crate::metrics::get().reload(&name, false);
+                self.update_status(|s| {
+                    s.last_error = Some(e.to_string());
+                    s.file_present = true;
+                    s.reloads_failed += 1;
+                });
+                Err(ReloadError::Invalid(e))
+            }
+        }
+    }
+
+    /// Reloads and logs the outcome in one line.
+    pub fn reload_and_log(&self, cause: &str) {
+        let error_before = self.status().last_error.clone();
+        // The poll is a backstop for lost events: it looks at the file's
+        // stamp first. An event or an operator's SIGHUP always reads.
+        match self.reload_inner(cause != "poll") {
+            Ok(Reloaded::Changed) => {
+                let status = self.status();
+                let limits = self.active.load();
+                tracing::info!(cause, file = %status.file, version = %status.version, rules = limits.rules.len(), "limits reloaded");
+            }
+            // Only an operator's SIGHUP expects an answer when nothing changed.
+            Ok(Reloaded::Unchanged) if cause == "SIGHUP" => {
+                tracing::info!(cause, file = %self.path.display(), "limits unchanged")
+            }
+            Ok(Reloaded::Unchanged) => tracing::debug!(cause, file = %self.path.display(), "limits unchanged"),
+            // The same refusal again (a file waiting for another to give
+            // up its domain is re-read on every poll): said once.
+            Err(e) if cause != "SIGHUP" && error_before.is_some() && self.status().last_error == error_before => {
+                tracing::debug!(cause, "{e}")
+            }
+            Err(e) => tracing::error!(cause, "{e}"),
+        }
+    }
+
+    fn update_status(&self, f: impl FnOnce(&mut ReloadStatus)) {
+        let mut next = (*self.status.load_full()).clone();
+        f(&mut next);
+        self.status.store(Arc::new(next));
+    }
+
+    /// Watches the file's directory (and polls as a backstop) until the
+    /// returned guard is dropped. Must be called inside a tokio runtime.
+    pub fn watch(self: &Arc<Self>) -> notify::Result<WatchGuard> {
+        let dir = match self.path.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let file_name = self.path.file_name().map(|n| n.to_os_string());
+        // Set when the watched directory itself goes (its inode may be
+        // reused by the one made next, so identity alone cannot tell).
+        let dir_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let gone = dir_gone.clone();
+        let watched_dir = dir.clone();
+        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+            if let Ok(event) = &event
+                && event.kind.is_remove()
+                && event.paths.contains(&watched_dir)
+            {
+                gone.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+            if let Ok(event) = event
+                && changes_content(&event)
+                && concerns(&event, file_name.as_deref())
+            {
+                let _ = tx.send(());
+            }
+        })?;
+        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
+        let mut watched = dir_identity(&dir);
+        let live = self.clone();
+        let task = tokio::spawn(async move {
+            let mut poll = tokio::time::interval(POLL);
+            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    event = rx.recv() => {
+                        if event.is_none() {
+                            return;
+                        }
+                        if !settled(&mut rx).await {
+                            return;
+                        }
+                        let live = live.clone();
+                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
+                    }
+                    _ = poll.tick() => {
+                        // A directory deleted and made again is a new one:
+                        // the old watch died with it, so watch the new one.
+                        let now = dir_identity(&dir);
+                        if now != watched || (now.is_some() && dir_gone.swap(false, std::sync::atomic::Ordering::SeqCst)) {
+                            let _ = watcher.unwatch(&dir);
+                            watched = match now {
+                                Some(_) => match watcher.watch(&dir, RecursiveMode::NonRecursive) {
+                                    Ok(()) => {
+                                        tracing::info!(dir = %dir.display(), "watching the limits file's directory again");
+                                        now
+                                    }
+                                    Err(e) => {
+                                        tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the limits file's directory; polling");
+                                        None
+                                    }
+                                },
+                                None => None,
+                            };
+                        }
+                        let live = live.clone();
+                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("poll")).await;
+                    }
+                }
+            }
+        });
+        Ok(WatchGuard { task })
+    }
+}
+
+/// Lets a burst of events (an editor's save) settle: waits until none has
+/// come for [`DEBOUNCE`]. False when the watcher is gone.
+pub(super) async fn settled(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
+    loop {
+        match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
+            Ok(Some(())) => continue,
+            Ok(None) => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+/// Keeps a file watch alive; dropping it stops watching.
+pub struct WatchGuard {
+    pub(super) task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for WatchGuard {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A directory's device and inode: a directory made again has new ones.
+pub(super) fn dir_identity(dir: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
+}
+
+/// What identifies one version of a file without reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct FileStamp {
+    device: u64,
+    inode: u64,
+    len: u64,
+    modified: Option<SystemTime>,
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            device: m.dev(),
+            inode: m.ino(),
+            len: m.len(),
+            modified: m.modified().ok(),
+        })
+    }
+}
+
+/// Whether an event can change what the file holds: writes, creates,
+/// removes and renames, not opens, reads or access times (tollgate's own
+/// read of the file would otherwise set off the next reload, forever).
+pub(super) fn changes_content(event: &notify::Event) -> bool {
+    use notify::EventKind;
+    use notify::event::{AccessKind, AccessMode, MetadataKind, ModifyKind};
+    match event.kind {
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) => false,
+        EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => false,
+        _ => true,
+    }
+}
+
+/// Whether an event names the limits file, a Kubernetes ConfigMap's
+/// `..data` swap, or no file at all (a rescan): not a neighbour's log.
+fn concerns(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> bool {
+    event.paths.is_empty()
+        || event.paths.iter().any(|p| match p.file_name() {
+            Some(n) => Some(n) == file_name || n.to_string_lossy().starts_with(".."),
+            None => true,
+        })
+}
+
+fn hash(text: &str) -> String {
+    let digest = Sha256::digest(text.as_bytes());
+    digest[..8].iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn now_rfc3339() -> String {
+    humantime::format_rfc3339_seconds(SystemTime::now()).to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "domain: d\nrules:\n  - name: r\n    limits: [{requests: 1, per: 1s}]\n";
+    const B: &str = "domain: d\nrules:\n  - name: r\n    limits: [{requests: 2, per: 1s}]\n";
+
+    fn limit(live: &LiveFile) -> u64 {
+        live.active().load().rules[0].windows[0].requests
+    }
+
+    #[test]
+    fn only_good_changed_files_are_swapped_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let live = LiveFile::load(&path).unwrap();
+        let changes = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = changes.clone();
+        live.on_change(move || {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        assert_eq!(live.reload().unwrap(), Reloaded::Unchanged);
+
+        std::fs::write(
+            &path,
+            "domain: d\nrules:\n  - name: r\n    limits: [{requests: 0, per: 1s}]\n",
+        )
+        .unwrap();
+        let err = live.reload().unwrap_err();
+        assert!(err.to_string().contains("l.yaml:4: "), "{err}");
+        assert_eq!(limit(&live), 1);
+        assert!(
+            live.status()
+                .last_error
+                .as_deref()
+                .unwrap()
+                .contains("requests must be at least 1")
+        );
+
+        std::fs::write(&path, B).unwrap();
+        assert_eq!(live.reload().unwrap(), Reloaded::Changed);
+        assert_eq!(limit(&live), 2);
+        assert_eq!(live.status().last_error, None);
+        assert_eq!(live.status().reloads_ok, 1);
+        assert_eq!(live.status().reloads_failed, 1);
+        assert_eq!(changes.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+        std::fs::remove_file(&path).unwrap();
+        assert!(matches!(live.reload(), Err(ReloadError::Missing(_))));
+        assert!(!live.status().file_present);
+        assert_eq!(limit(&live), 2, "a deleted file keeps the last good limits");
+        assert_eq!(live.reload().unwrap(), Reloaded::Unchanged, "said once");
+        std::fs::write(&path, A).unwrap();
+        assert_eq!(live.reload().unwrap(), Reloaded::Changed);
+        assert!(live.status().file_present);
+        assert_eq!(limit(&live), 1);
+    }
+
+    #[test]
+    fn only_events_that_can_change_the_file_reload_it() {
+        use notify::EventKind;
+        use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
+        let event = |kind, path: &str| notify::Event::new(kind).add_path(PathBuf::from(path));
+        let name = Some(std::ffi::OsStr::new("limits.yaml"));
+        // tollgate's own read (and anyone's cat) opens and closes the file.
+        for kind in [
+            EventKind::Access(AccessKind::Open(AccessMode::Read)),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Access(AccessKind::Read),
+        ] {
+            assert!(!changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
+        }
+        for kind in [
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+            EventKind::Modify(ModifyKind::Any),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Create(CreateKind::File),
+        ] {
+            assert!(changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
+        }
+        assert!(concerns(&event(EventKind::Any, "/d/limits.yaml"), name));
+        assert!(concerns(&event(EventKind::Any, "/d/..data"), name), "ConfigMap swap");
+        assert!(
+            !concerns(&event(EventKind::Any, "/d/app.log"), name),
+            "a neighbour's log"
+        );
+    }
+
+    #[test]
+    fn huge_files_and_endless_ones_are_not_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.yaml");
+        std::fs::write(&big, vec![b'#'; crate::config::MAX_FILE_BYTES + 1]).unwrap();
+        assert!(
+            config::read_limits(&big)
+                .unwrap_err()
+                .to_string()
+                .contains("larger than 8 MiB")
+        );
+        let zero = dir.path().join("zero.yaml");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        assert!(config::read_limits(&zero).is_err());
+        // A directory in the file's place is an error on /config, not silence.
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let live = LiveFile::load(&path).unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(live.reload(), Err(ReloadError::Read(..))));
+        let status = live.status();
+        assert!(
+            status.last_error.as_deref().unwrap_or("").contains("cannot read"),
+            "{status:?}"
+        );
+        assert_eq!(limit(&live), 1, "the last good limits stay");
+    }
+}
