@@ -16,9 +16,12 @@
 //!    `Retry-After` and refusal bodies).
 //!
 //! Around it: `config` parses and validates limits files, `reload` keeps
-//! them live, `client_ip` and `path` normalise what callers send, `serve`
-//! runs listeners, `admin` and `metrics` report, and `main.rs` wires flags
-//! to all of it.
+//! them live and publishes a new `limits::Catalog` on every change,
+//! `client_ip` and `path` normalise what callers send, `serve` runs the
+//! accept loop every listener shares, `admin` and `metrics` report.
+//! `settings` holds every flag; `server` starts what they describe (worker
+//! threads, listeners, the store) and stops it; `main.rs` parses the flags
+//! and waits for signals.
 
 /// Marks items (modules, impl blocks) a request passes through. They never
 /// panic: clippy denies indexing that can fail, unwrap/expect and unchecked
@@ -46,6 +49,8 @@ pub mod config;
 pub mod metrics;
 pub mod ratelimit_env;
 pub mod reload;
+pub mod server;
+pub mod settings;
 pub mod surfaces;
 
 request_path! {

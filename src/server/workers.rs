@@ -1,0 +1,174 @@
+//! The worker threads: each with its own single-threaded runtime, proxy
+//! listening socket (`SO_REUSEPORT`), upstream pool and Redis lane, so a
+//! request never hops between threads (as NGINX workers). Each also serves
+//! the gRPC connections dealt to it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::{mpsc, watch};
+use tokio_stream::StreamExt;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use super::StartError;
+use crate::serve::{ConnLimits, accept, serve};
+use crate::surfaces::envoy_rls::RlsService;
+use crate::surfaces::proxy::Proxy;
+
+/// What one worker thread serves.
+pub(super) struct Worker {
+    /// The proxy's listening socket for this thread, and the proxy.
+    pub proxy: Option<(std::net::TcpListener, Proxy)>,
+    /// gRPC connections dealt to this thread, and the RLS answering them.
+    pub grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
+    /// Limits on client connections.
+    pub limits: ConnLimits,
+    /// Turns true when the server stops.
+    pub stop: watch::Receiver<bool>,
+}
+
+impl Worker {
+    /// Serves until `stop` turns true and everything has drained.
+    pub fn run(self) {
+        let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start a proxy thread's runtime");
+                return;
+            }
+        };
+        let Worker {
+            proxy,
+            grpc,
+            limits,
+            stop,
+        } = self;
+        runtime.block_on(async move {
+            let http = async {
+                let Some((listener, proxy)) = proxy else {
+                    return;
+                };
+                let listener = match TcpListener::from_std(listener) {
+                    Ok(l) => l,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot use the proxy listener");
+                        return;
+                    }
+                };
+                let proxy = Arc::new(proxy);
+                serve(listener, limits, stop.clone(), move |req, peer| {
+                    let proxy = proxy.clone();
+                    async move { proxy.handle(req, peer).await }
+                })
+                .await
+            };
+            match grpc {
+                Some((incoming, rls)) => {
+                    tokio::join!(
+                        http,
+                        serve_grpc(incoming, rls, stop.clone(), limits.header_read_timeout)
+                    );
+                }
+                None => http.await,
+            }
+        });
+    }
+}
+
+/// `n` listening sockets on one address (SO_REUSEPORT): the kernel spreads
+/// connections over them. With port 0 all share the port the first got.
+pub(super) fn bind_shared(addr: SocketAddr, n: usize) -> Result<Vec<std::net::TcpListener>, StartError> {
+    let mut addr = addr;
+    let mut listeners = Vec::with_capacity(n);
+    for _ in 0..n {
+        let wanted = addr;
+        let listener = (|| {
+            let socket = if addr.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            };
+            socket.set_reuseaddr(true)?;
+            socket.set_reuseport(true)?;
+            socket.bind(addr)?;
+            let listener = socket.listen(1024)?;
+            addr = listener.local_addr()?;
+            listener.into_std()
+        })()
+        .map_err(|e| StartError::Listen(wanted, e))?;
+        listeners.push(listener);
+    }
+    Ok(listeners)
+}
+
+/// Accepts gRPC connections and deals them to the worker threads in turn.
+/// Envoy keeps a few long-lived HTTP/2 connections to its rate limit
+/// service: too few for `SO_REUSEPORT`'s hash to spread them evenly.
+pub(super) async fn deal_grpc(
+    listener: TcpListener,
+    mut workers: Vec<mpsc::UnboundedSender<std::net::TcpStream>>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let mut next = 0usize;
+    while let Some((stream, _)) = accept(&listener, &mut stop).await {
+        let mut stream = match stream.into_std() {
+            Ok(stream) => stream,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hand a gRPC connection over");
+                continue;
+            }
+        };
+        // A thread that could not start has no receiver: skip it for good.
+        while !workers.is_empty() {
+            let i = next % workers.len();
+            match workers[i].send(stream) {
+                Ok(()) => {
+                    next = next.wrapping_add(1);
+                    break;
+                }
+                Err(mpsc::error::SendError(back)) => {
+                    stream = back;
+                    workers.remove(i);
+                }
+            }
+        }
+        if workers.is_empty() {
+            tracing::error!("no thread left to serve gRPC");
+            return;
+        }
+    }
+}
+
+/// Serves Envoy RLS and gRPC health on the connections dealt to this thread
+/// until `stop` turns true.
+async fn serve_grpc(
+    incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    rls: RlsService,
+    mut stop: watch::Receiver<bool>,
+    ping_every: Duration,
+) {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    // The service name envoyproxy/ratelimit reports health under.
+    reporter
+        .set_service_status("ratelimit", tonic_health::ServingStatus::Serving)
+        .await;
+    let incoming = UnboundedReceiverStream::new(incoming).map(tokio::net::TcpStream::from_std);
+    // A peer that stops answering HTTP/2 PINGs (a slow-loris that sent a
+    // preface and never a whole request) is closed; Envoy answers them.
+    let result = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(ping_every))
+        .http2_keepalive_timeout(Some(ping_every))
+        .add_service(health)
+        .add_service(RateLimitServiceServer::new(rls))
+        .serve_with_incoming_shutdown(incoming, async move {
+            let _ = stop.wait_for(|s| *s).await;
+        })
+        .await;
+    if let Err(e) = result {
+        tracing::error!(error = %e, "gRPC server failed");
+    }
+}

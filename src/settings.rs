@@ -1,0 +1,147 @@
+//! The settings tollgate runs with: every flag, its `TOLLGATE_*`
+//! environment variable and its default, in one place. `main` parses them;
+//! [`crate::server`] runs what they describe.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{ArgAction, Parser, ValueEnum};
+
+/// Everything `tollgate` is started with (each flag also read from its
+/// `TOLLGATE_*` environment variable).
+#[derive(Parser, Clone, Debug)]
+#[command(name = "tollgate")]
+pub struct Settings {
+    /// Limits file (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
+    /// Repeat for several domains, one file each.
+    #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
+    pub config: Vec<PathBuf>,
+    /// Most counters the in-memory store holds (without --redis): beyond it,
+    /// the least recently used of a sample is forgotten and its caller
+    /// starts a fresh window. ~250 bytes each holding a request or two, and
+    /// ~20 bytes more per request admitted in the counter's longest window.
+    #[arg(long, env = "TOLLGATE_MAX_COUNTERS", default_value_t = crate::limiter::DEFAULT_MAX_COUNTERS)]
+    pub max_counters: usize,
+    /// Merge envoyproxy/ratelimit files that declare the same domain (their
+    /// MERGE_DOMAIN_CONFIG); otherwise one domain, one file.
+    #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
+    pub merge_domain_config: bool,
+    /// Where admitted requests go, as http://host:port. Without it tollgate
+    /// is a pure rate limit service: no proxy, only the decision listeners
+    /// (the RLS then listens on 0.0.0.0:8081, as envoyproxy/ratelimit does).
+    #[arg(long, env = "TOLLGATE_UPSTREAM")]
+    pub upstream: Option<String>,
+    /// Address the proxy listens on.
+    #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
+    pub listen: SocketAddr,
+    /// Envoy RLS gRPC listener (ShouldRateLimit and grpc.health.v1), or "off".
+    /// 127.0.0.1:8081 beside a proxy (whoever reaches it can charge any
+    /// caller's counters with descriptors of their choosing), 0.0.0.0:8081
+    /// without --upstream.
+    #[arg(long, env = "TOLLGATE_GRPC_LISTEN", value_parser = parse_listen)]
+    pub grpc_listen: Option<Listen>,
+    /// HTTP decision listener: /ext_authz/<path> for Envoy, /auth_request for NGINX (off unless given).
+    #[arg(long, env = "TOLLGATE_CHECK_LISTEN", value_parser = parse_listen)]
+    pub check_listen: Option<Listen>,
+    /// Answer RLS requests with dynamic metadata: the request's domain and
+    /// descriptors and the `metadata` of the limits it passed
+    /// (envoyproxy/ratelimit's RESPONSE_DYNAMIC_METADATA).
+    #[arg(long, env = "TOLLGATE_RLS_DYNAMIC_METADATA", default_value_t = false, action = ArgAction::Set)]
+    pub rls_dynamic_metadata: bool,
+    /// Answer every RLS request OK while still reporting each descriptor's
+    /// status (envoyproxy/ratelimit's SHADOW_MODE): a dry run of new limits.
+    #[arg(long, env = "TOLLGATE_RLS_SHADOW_MODE", default_value_t = false, action = ArgAction::Set)]
+    pub rls_shadow_mode: bool,
+    /// Treat every RLS limit as quota_mode: a request is refused only when
+    /// all its limits are over (envoyproxy/ratelimit's QUOTA_MODE).
+    #[arg(long, env = "TOLLGATE_RLS_QUOTA_MODE", default_value_t = false, action = ArgAction::Set)]
+    pub rls_quota_mode: bool,
+    /// RLS answers carry the RateLimit headers for Envoy to add to the
+    /// response (envoyproxy/ratelimit's LIMIT_RESPONSE_HEADERS_ENABLED).
+    #[arg(long, env = "TOLLGATE_RLS_HEADERS", default_value_t = true, action = ArgAction::Set)]
+    pub rls_headers: bool,
+    /// Address of the admin listener (/healthz, /readyz, /config).
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
+    pub admin_listen: SocketAddr,
+    /// Require `Authorization: Bearer <token>` on the admin listener (all but /healthz and /readyz).
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Host names the admin listener answers to besides IP literals and localhost (comma-separated).
+    #[arg(long, env = "TOLLGATE_ADMIN_HOSTS", value_delimiter = ',')]
+    pub admin_hosts: Vec<String>,
+    /// Keep counters in Redis (redis[s]://[user:password@]host:port/db), shared
+    /// by every instance; without it counters live in this process. Several
+    /// comma-separated URLs for Cluster seed nodes or Sentinels.
+    #[arg(long, env = "TOLLGATE_REDIS", value_delimiter = ',')]
+    pub redis: Vec<String>,
+    /// How --redis is read: one server, Cluster seed nodes, or Sentinels.
+    #[arg(long, env = "TOLLGATE_REDIS_MODE", default_value = "standalone")]
+    pub redis_mode: RedisModeArg,
+    /// With --redis-mode sentinel: the monitored master's name.
+    #[arg(long, env = "TOLLGATE_REDIS_MASTER", default_value = "mymaster")]
+    pub redis_master: String,
+    /// Deadline of one decision; past it the rule's failure mode applies.
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    pub redis_timeout: Duration,
+    /// Worker threads, each with its own proxy listening socket (SO_REUSEPORT),
+    /// upstream pool and Redis connection, also serving the gRPC connections
+    /// dealt to it, so a request stays on one thread; 0 = one per core.
+    #[arg(long, env = "TOLLGATE_PROXY_THREADS", default_value_t = 0)]
+    pub proxy_threads: usize,
+    /// Longest wait for the upstream's response headers once the request has been sent (then 504).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub upstream_timeout: Duration,
+    /// Longest wait between two pieces of a request or response body; then
+    /// the stalled side is cut off (and counted).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_BODY_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub upstream_body_timeout: Duration,
+    /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).
+    #[arg(long, env = "TOLLGATE_TRUSTED_PROXIES", value_delimiter = ',')]
+    pub trusted_proxies: Vec<String>,
+    /// Add RateLimit / RateLimit-Policy to admitted responses.
+    #[arg(long, env = "TOLLGATE_RATELIMIT_HEADERS", default_value_t = true, action = ArgAction::Set)]
+    pub ratelimit_headers: bool,
+    /// How long a client may take to send request headers.
+    #[arg(long, env = "TOLLGATE_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub header_read_timeout: Duration,
+    /// How long in-flight requests may finish after SIGTERM.
+    #[arg(long, env = "TOLLGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
+    pub shutdown_timeout: Duration,
+    /// Reload the limits file when it changes (SIGHUP always reloads).
+    #[arg(long, env = "TOLLGATE_WATCH_CONFIG", default_value_t = true, action = ArgAction::Set)]
+    pub watch_config: bool,
+    /// Log format.
+    #[arg(long, env = "TOLLGATE_LOG_FORMAT", default_value = "human")]
+    pub log_format: LogFormat,
+}
+
+/// A listener address, or `off`.
+#[derive(Clone, Copy, Debug)]
+pub struct Listen(pub Option<SocketAddr>);
+
+/// Reads a listener address, or `off` (or empty) for none.
+pub fn parse_listen(text: &str) -> Result<Listen, String> {
+    match text {
+        "off" | "" => Ok(Listen(None)),
+        _ => text
+            .parse()
+            .map(|a| Listen(Some(a)))
+            .map_err(|e| format!("{e} (or \"off\")")),
+    }
+}
+
+/// How `--redis` is read.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum RedisModeArg {
+    Standalone,
+    Cluster,
+    Sentinel,
+}
+
+/// How log lines are written.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum LogFormat {
+    Human,
+    Json,
+}
