@@ -31,7 +31,8 @@ use tollgate::surfaces::envoy_rls::RlsService;
 use crate::common::{RedisServer, TestUpstream, client, get};
 use crate::envoy::descriptor;
 use tollgate::serve::{ConnLimits, serve};
-use tollgate::surfaces::proxy::{Proxy, ProxyOptions, Upstream};
+use tollgate::surfaces::proxy::{Proxy, ProxyOptions};
+use tollgate::upstream::Upstream;
 
 const T0: u64 = 1_700_000_000_000;
 

@@ -52,6 +52,7 @@ pub mod reload;
 pub mod server;
 pub mod settings;
 pub mod surfaces;
+pub mod upstream;
 
 request_path! {
     pub mod client_ip;

@@ -19,7 +19,7 @@ use prometheus_client::registry::Registry;
 
 /// What a rule said about one request.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum RuleOutcome {
+pub enum RuleEvent {
     /// Had room; charged.
     Allowed,
     /// Refused the request.
@@ -40,17 +40,17 @@ struct DecisionLabels {
     outcome: &'static str,
 }
 
-impl RuleOutcome {
+impl RuleEvent {
     const COUNT: usize = 6;
 
     fn as_str(self) -> &'static str {
         match self {
-            RuleOutcome::Allowed => "allowed",
-            RuleOutcome::Limited => "limited",
-            RuleOutcome::ShadowLimited => "shadow_limited",
-            RuleOutcome::FailedOpen => "failed_open",
-            RuleOutcome::FailedClosed => "failed_closed",
-            RuleOutcome::LimitedCached => "limited_cached",
+            RuleEvent::Allowed => "allowed",
+            RuleEvent::Limited => "limited",
+            RuleEvent::ShadowLimited => "shadow_limited",
+            RuleEvent::FailedOpen => "failed_open",
+            RuleEvent::FailedClosed => "failed_closed",
+            RuleEvent::LimitedCached => "limited_cached",
         }
     }
 }
@@ -68,16 +68,16 @@ impl Surface {
     }
 }
 
-impl Verdict {
+impl Answer {
     const COUNT: usize = 5;
 
     fn as_str(self) -> &'static str {
         match self {
-            Verdict::Allowed => "allowed",
-            Verdict::Limited => "limited",
-            Verdict::FailedOpen => "failed_open",
-            Verdict::FailedClosed => "failed_closed",
-            Verdict::BadRequest => "bad_request",
+            Answer::Allowed => "allowed",
+            Answer::Limited => "limited",
+            Answer::FailedOpen => "failed_open",
+            Answer::FailedClosed => "failed_closed",
+            Answer::BadRequest => "bad_request",
         }
     }
 }
@@ -97,7 +97,7 @@ pub enum Surface {
 
 /// A request's overall answer.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum Verdict {
+pub enum Answer {
     /// Admitted (no rule refused, or no rule matched).
     Allowed,
     /// Refused by a limit.
@@ -108,17 +108,6 @@ pub enum Verdict {
     FailedClosed,
     /// Refused as malformed (400).
     BadRequest,
-}
-
-impl From<crate::limiter::Verdict> for Verdict {
-    fn from(v: crate::limiter::Verdict) -> Self {
-        match v {
-            crate::limiter::Verdict::Allowed => Verdict::Allowed,
-            crate::limiter::Verdict::Limited => Verdict::Limited,
-            crate::limiter::Verdict::FailedOpen => Verdict::FailedOpen,
-            crate::limiter::Verdict::FailedClosed => Verdict::FailedClosed,
-        }
-    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -176,11 +165,11 @@ pub struct Metrics {
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
-    rule_counters: RwLock<HashMap<String, [Option<Counter>; RuleOutcome::COUNT]>>,
+    rule_counters: RwLock<HashMap<String, [Option<Counter>; RuleEvent::COUNT]>>,
     /// Handles of `requests`, per surface and verdict, made on first use
     /// (so a series appears once it counts something) and then reused
     /// instead of hashing the labels on every request.
-    request_counters: [[OnceLock<Counter>; Verdict::COUNT]; Surface::COUNT],
+    request_counters: [[OnceLock<Counter>; Answer::COUNT]; Surface::COUNT],
     /// Handles of `upstream`, per entry of `UPSTREAM_CLASSES`.
     upstream_counters: [OnceLock<Counter>; UPSTREAM_CLASSES.len()],
 }
@@ -314,7 +303,7 @@ impl Metrics {
     }
 
     /// Records what one rule said.
-    pub fn rule(&self, rule: &str, outcome: RuleOutcome) {
+    pub fn rule(&self, rule: &str, outcome: RuleEvent) {
         // The hot path reuses counter handles instead of building labels.
         if let Some(Some(c)) = self
             .rule_counters
@@ -336,7 +325,7 @@ impl Metrics {
     }
 
     /// Records a request's verdict on a surface.
-    pub fn request(&self, surface: Surface, verdict: Verdict) {
+    pub fn request(&self, surface: Surface, verdict: Answer) {
         self.request_counters[surface as usize][verdict as usize]
             .get_or_init(|| {
                 self.requests

@@ -347,6 +347,10 @@ impl CounterStore for MemoryStore {
         Ok(self.decide_now(checks))
     }
 
+    fn in_process(&self) -> bool {
+        true
+    }
+
     /// Marks these counters used now, so eviction takes them last.
     fn touch<'a>(&self, keys: impl Iterator<Item = &'a str>) {
         let now = self.clock.now_ms();

@@ -80,21 +80,56 @@ pub struct StoreAnswer {
     pub checks: Vec<CheckCount>,
 }
 
-/// Why the store could not answer.
+/// Why the store could not answer. Backend-neutral: each store converts
+/// its own errors (the Redis store: `limiter::redis`).
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
     /// The store did not answer within the decision deadline.
     #[error("no answer within {0:?}")]
     Timeout(Duration),
-    /// Redis answered with an error or the connection failed.
-    #[error("redis: {0}")]
-    Redis(#[from] ::redis::RedisError),
-    /// The call carrying this decision among others failed.
-    #[error("redis: {0}")]
-    Batch(String),
-    /// Redis answered something the script never returns.
-    #[error("unexpected reply from redis: {0}")]
-    Reply(String),
+    /// The store failed to answer: connection, I/O or a server error.
+    #[error("{store}: {source}")]
+    Failed {
+        /// Which store (`redis`), also the failure's metric label.
+        store: &'static str,
+        /// Whether asking again soon may succeed (a lost connection, a
+        /// failover) rather than not until an operator acts.
+        transient: bool,
+        /// What went wrong.
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The store answered something it never should.
+    #[error("unexpected reply from {store}: {reason}")]
+    Reply {
+        /// Which store.
+        store: &'static str,
+        /// What was wrong with it.
+        reason: String,
+    },
+    /// The store cannot be set up as asked (at start-up).
+    #[error("{0}")]
+    Config(String),
+}
+
+impl StoreError {
+    /// The `kind` label of `tollgate_store_errors_total`.
+    pub fn label(&self) -> &'static str {
+        match self {
+            StoreError::Timeout(_) => "timeout",
+            StoreError::Failed { store, .. } => store,
+            StoreError::Reply { .. } => "reply",
+            StoreError::Config(_) => "config",
+        }
+    }
+
+    /// Whether asking again soon may succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            StoreError::Timeout(_) => true,
+            StoreError::Failed { transient, .. } => *transient,
+            StoreError::Reply { .. } | StoreError::Config(_) => false,
+        }
+    }
 }
 
 /// Where counters live. Implementations decide a whole request atomically:
@@ -109,6 +144,12 @@ pub trait CounterStore: Send + Sync {
     /// refusal from the denial cache), so the store keeps them as in use.
     /// A store that cannot see it cheaply does nothing.
     fn touch<'a>(&self, _keys: impl Iterator<Item = &'a str>) {}
+
+    /// Whether the store answers in this process without waiting on I/O,
+    /// so a decision needs no deadline timer.
+    fn in_process(&self) -> bool {
+        false
+    }
 }
 
 /// The stores tollgate can run with, picked at start-up.
@@ -117,6 +158,16 @@ pub enum Store {
     Memory(MemoryStore),
     /// Counters in Redis, shared by every instance.
     Redis(RedisStore),
+}
+
+impl Store {
+    /// The store's name in logs and metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Store::Memory(_) => "memory",
+            Store::Redis(_) => "redis",
+        }
+    }
 }
 
 impl CounterStore for Store {
@@ -131,6 +182,13 @@ impl CounterStore for Store {
         match self {
             Store::Memory(s) => s.touch(keys),
             Store::Redis(s) => s.touch(keys),
+        }
+    }
+
+    fn in_process(&self) -> bool {
+        match self {
+            Store::Memory(s) => s.in_process(),
+            Store::Redis(s) => s.in_process(),
         }
     }
 }
@@ -157,6 +215,17 @@ pub enum Verdict {
     FailedOpen,
     /// The store failed and a touched rule fails closed.
     FailedClosed,
+}
+
+impl From<Verdict> for metrics::Answer {
+    fn from(v: Verdict) -> Self {
+        match v {
+            Verdict::Allowed => metrics::Answer::Allowed,
+            Verdict::Limited => metrics::Answer::Limited,
+            Verdict::FailedOpen => metrics::Answer::FailedOpen,
+            Verdict::FailedClosed => metrics::Answer::FailedClosed,
+        }
+    }
 }
 
 impl Verdict {
@@ -346,7 +415,7 @@ impl Limiter {
                 // come back to a fresh window.
                 self.store.touch(hits.iter().map(|h| h.key.as_str()));
                 for r in cached.rules.iter().filter(|r| r.over) {
-                    metrics.rule(&r.rule.name, metrics::RuleOutcome::LimitedCached);
+                    metrics.rule(&r.rule.name, metrics::RuleEvent::LimitedCached);
                 }
                 cached
             }
@@ -386,10 +455,10 @@ impl Limiter {
             })
             .collect();
         let asked = Instant::now();
-        let answer = match &self.store {
-            // Nothing to wait for in memory: no deadline timer on the hot path.
-            Store::Memory(m) => m.decide(&checks).await,
-            store => match tokio::time::timeout(self.deadline, store.decide(&checks)).await {
+        // Nothing to wait for in process: no deadline timer on the hot path.
+        let answer = match self.store.in_process() {
+            true => self.store.decide(&checks).await,
+            false => match tokio::time::timeout(self.deadline, self.store.decide(&checks)).await {
                 Ok(answer) => answer,
                 Err(_) => Err(StoreError::Timeout(self.deadline)),
             },
@@ -397,7 +466,10 @@ impl Limiter {
         let answer = match answer {
             // Every surface renders one outcome per hit, in order.
             Ok(answer) if answer.checks.len() != hits.len() => {
-                let e = StoreError::Reply(format!("{} counters for {} checks", answer.checks.len(), hits.len()));
+                let e = StoreError::Reply {
+                    store: self.store.name(),
+                    reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
+                };
                 return self.failed(hits, e);
             }
             Ok(answer) => {
@@ -443,11 +515,7 @@ impl Limiter {
     }
 
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
-        metrics::get().store_error(match error {
-            StoreError::Timeout(_) => "timeout",
-            StoreError::Redis(_) | StoreError::Batch(_) => "redis",
-            StoreError::Reply(_) => "reply",
-        });
+        metrics::get().store_error(error.label());
         let closed = hits
             .iter()
             .any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
@@ -472,14 +540,14 @@ impl Limiter {
 
 /// The metrics word for what one rule said; `None` for a rule that had room
 /// in a request another rule refused (it decided nothing).
-fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleOutcome> {
+fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleEvent> {
     Some(match verdict {
-        Verdict::FailedOpen => metrics::RuleOutcome::FailedOpen,
-        Verdict::FailedClosed => metrics::RuleOutcome::FailedClosed,
-        _ if rule.over && rule.rule.shadow => metrics::RuleOutcome::ShadowLimited,
-        _ if rule.over => metrics::RuleOutcome::Limited,
+        Verdict::FailedOpen => metrics::RuleEvent::FailedOpen,
+        Verdict::FailedClosed => metrics::RuleEvent::FailedClosed,
+        _ if rule.over && rule.rule.shadow => metrics::RuleEvent::ShadowLimited,
+        _ if rule.over => metrics::RuleEvent::Limited,
         Verdict::Limited => return None,
-        Verdict::Allowed => metrics::RuleOutcome::Allowed,
+        Verdict::Allowed => metrics::RuleEvent::Allowed,
     })
 }
 

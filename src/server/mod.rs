@@ -23,7 +23,8 @@ use crate::serve::{ConnLimits, serve};
 use crate::settings::{Listen, RedisModeArg, Settings};
 use crate::surfaces::decision_http::DecisionHttp;
 use crate::surfaces::envoy_rls::RlsService;
-use crate::surfaces::proxy::{Proxy, ProxyOptions, Upstream, UpstreamError};
+use crate::surfaces::proxy::{Proxy, ProxyOptions};
+use crate::upstream::{Upstream, UpstreamError};
 
 /// Why tollgate cannot start.
 #[derive(Debug, thiserror::Error)]

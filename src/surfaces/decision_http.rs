@@ -78,7 +78,7 @@ impl DecisionHttp {
                 Ok(decision)
             }
             Err(e) => {
-                metrics::get().request(surface, metrics::Verdict::BadRequest);
+                metrics::get().request(surface, metrics::Answer::BadRequest);
                 Err(e.to_string())
             }
         }

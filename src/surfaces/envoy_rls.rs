@@ -93,7 +93,7 @@ impl RlsService {
         let Some(limits) = catalog.domain(&req.domain) else {
             // envoyproxy/ratelimit answers OK for domains it does not know.
             metrics::get().unknown_domain();
-            metrics::get().request(Surface::Rls, metrics::Verdict::Allowed);
+            metrics::get().request(Surface::Rls, metrics::Answer::Allowed);
             tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
             let mut response = ok_response(req.descriptors.len());
             if self.dynamic_metadata {
@@ -260,7 +260,7 @@ impl RateLimitService for RlsService {
         let req = request.get_ref();
         // envoyproxy/ratelimit answers these with an error too.
         if req.domain.is_empty() || req.descriptors.is_empty() {
-            metrics::get().request(Surface::Rls, metrics::Verdict::BadRequest);
+            metrics::get().request(Surface::Rls, metrics::Answer::BadRequest);
             return Err(tonic::Status::invalid_argument(if req.domain.is_empty() {
                 "rate limit domain must not be empty"
             } else {
@@ -268,7 +268,7 @@ impl RateLimitService for RlsService {
             }));
         }
         if req.descriptors.len() > MAX_DESCRIPTORS || req.descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
-            metrics::get().request(Surface::Rls, metrics::Verdict::BadRequest);
+            metrics::get().request(Surface::Rls, metrics::Answer::BadRequest);
             return Err(tonic::Status::invalid_argument(format!(
                 "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
             )));

@@ -3,10 +3,7 @@
 //! limiter decides for all of them.
 
 request_path! {
-    pub mod body;
     pub mod decision_http;
     pub mod envoy_rls;
     pub mod proxy;
 }
-
-pub mod upstream_pool;

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::uri::{Authority, PathAndQuery, Scheme};
+use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
@@ -25,8 +25,7 @@ use crate::headers;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
-use crate::surfaces::body::ClientBody;
-use crate::surfaces::upstream_pool::{UpstreamBody, UpstreamPool};
+use crate::upstream::{ClientBody, Upstream, UpstreamBody, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
@@ -49,46 +48,6 @@ const HOP_BY_HOP: [HeaderName; 10] = [
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-
-/// Where requests go once admitted.
-#[derive(Debug, Clone)]
-pub struct Upstream {
-    authority: Authority,
-    /// `Host` for requests that came without one (HTTP/1.0).
-    host: HeaderValue,
-}
-
-/// An `--upstream` that tollgate cannot forward to.
-#[derive(Debug, thiserror::Error)]
-pub enum UpstreamError {
-    /// Not an absolute `http://host:port` URL.
-    #[error("upstream \"{0}\" must look like http://host:port")]
-    Malformed(String),
-    /// TLS to the upstream is not built in.
-    #[error("upstream \"{0}\": only http:// upstreams are supported (terminate TLS beside tollgate)")]
-    Scheme(String),
-}
-
-impl Upstream {
-    /// Parses `http://host:port` (a trailing `/` is allowed, a path is not).
-    pub fn parse(url: &str) -> Result<Self, UpstreamError> {
-        let uri: Uri = url.parse().map_err(|_| UpstreamError::Malformed(url.into()))?;
-        let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
-            return Err(UpstreamError::Malformed(url.into()));
-        };
-        if scheme != &Scheme::HTTP {
-            return Err(UpstreamError::Scheme(url.into()));
-        }
-        if uri.path() != "/" && !uri.path().is_empty() {
-            return Err(UpstreamError::Malformed(url.into()));
-        }
-        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| UpstreamError::Malformed(url.into()))?;
-        Ok(Upstream {
-            authority: authority.clone(),
-            host,
-        })
-    }
-}
 
 /// Settings of the proxy surface.
 #[derive(Debug, Clone)]
@@ -120,7 +79,7 @@ impl Proxy {
         // Below NGINX's default upstream keepalive_timeout (60 s) and most
         // servers' own, so we rarely reuse a connection the upstream is closing.
         let pool = UpstreamPool::new(
-            options.upstream.authority.clone(),
+            options.upstream.authority().clone(),
             Duration::from_secs(50),
             256,
             options.body_timeout,
@@ -139,7 +98,7 @@ impl Proxy {
         let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
             Ok(host) => host.map(str::to_owned),
             Err(e) => {
-                metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);
+                metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
                 return plain(StatusCode::BAD_REQUEST, &e.to_string());
             }
         };
@@ -155,7 +114,7 @@ impl Proxy {
             match self.catalog.load().http_hits(&info) {
                 Ok(hits) => self.limiter.decide(&hits).await,
                 Err(e) => {
-                    metrics::get().request(Surface::Proxy, metrics::Verdict::BadRequest);
+                    metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
                     return plain(StatusCode::BAD_REQUEST, &e.to_string());
                 }
             }
@@ -279,7 +238,7 @@ impl Proxy {
             headers.insert(X_FORWARDED_HOST, host);
         }
         if !headers.contains_key(header::HOST) {
-            headers.insert(header::HOST, self.options.upstream.host.clone());
+            headers.insert(header::HOST, self.options.upstream.host().clone());
         }
         Ok((Request::from_parts(parts, body), sent))
     }
@@ -458,7 +417,10 @@ mod tests {
     fn upstream_urls() {
         assert!(Upstream::parse("http://127.0.0.1:9000").is_ok());
         assert!(Upstream::parse("http://127.0.0.1:9000/").is_ok());
-        assert!(matches!(Upstream::parse("https://x:1"), Err(UpstreamError::Scheme(_))));
+        assert!(matches!(
+            Upstream::parse("https://x:1"),
+            Err(crate::upstream::UpstreamError::Scheme(_))
+        ));
         assert!(Upstream::parse("http://x:1/api").is_err());
         assert!(Upstream::parse("127.0.0.1:9000").is_err());
     }

@@ -60,7 +60,7 @@ impl LaneLink {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-            .ok_or_else(|| StoreError::Batch("no master known yet (asking Sentinel)".into()))?;
+            .ok_or_else(|| super::failed("no master known yet (asking Sentinel)"))?;
         // Lazy: connects on first use, on this lane's runtime.
         let manager = ConnectionManager::new_lazy_with_config(client, manager_config())?;
         *conn = Some((generation, manager.clone()));
@@ -153,7 +153,7 @@ async fn send_batches(
                         let _ = p.reply.send(Err(e));
                     }
                     for p in batch {
-                        let _ = p.reply.send(Err(StoreError::Batch(message.clone())));
+                        let _ = p.reply.send(Err(super::failed(message.clone())));
                     }
                 }
             }

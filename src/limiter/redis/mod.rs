@@ -137,7 +137,7 @@ impl RedisStore {
         let conn = match mode {
             RedisMode::Standalone => {
                 let [url] = urls else {
-                    return Err(StoreError::Reply("standalone mode takes one --redis URL".into()));
+                    return Err(StoreError::Config("standalone mode takes one --redis URL".into()));
                 };
                 Conn::Node(Arc::new(NodeConn {
                     client: RwLock::new(Some(Client::open(node_info(url)?)?)),
@@ -253,6 +253,39 @@ impl NodeConn {
     }
 }
 
+impl From<::redis::RedisError> for StoreError {
+    fn from(e: ::redis::RedisError) -> Self {
+        let transient = e.is_io_error()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_timeout()
+            || e.is_cluster_error();
+        StoreError::Failed {
+            store: "redis",
+            transient,
+            source: Box::new(e),
+        }
+    }
+}
+
+/// A failure of tollgate's own side of the Redis connection (a batching
+/// task gone, no master known yet): transient.
+pub(super) fn failed(reason: impl Into<String>) -> StoreError {
+    StoreError::Failed {
+        store: "redis",
+        transient: true,
+        source: reason.into().into(),
+    }
+}
+
+/// A reply the script never gives.
+pub(super) fn bad_reply(reason: impl Into<String>) -> StoreError {
+    StoreError::Reply {
+        store: "redis",
+        reason: reason.into(),
+    }
+}
+
 impl CounterStore for RedisStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
         let checks = owned_checks(checks);
@@ -284,11 +317,11 @@ impl CounterStore for RedisStore {
                 };
                 if lane.queue.send(pending).is_err() {
                     lane.queued.fetch_sub(1, Ordering::AcqRel);
-                    return Err(StoreError::Batch("batching task stopped".into()));
+                    return Err(failed("batching task stopped"));
                 }
                 answer
                     .await
-                    .map_err(|_| StoreError::Batch("batching task stopped".into()))?
+                    .map_err(|_| failed("batching task stopped"))?
             }
             Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
         }

@@ -45,7 +45,7 @@ pub(super) fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
 
 /// The one answer of a call that decided one request.
 pub(super) fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, StoreError> {
-    answers.pop().ok_or_else(|| StoreError::Reply("empty reply".into()))
+    answers.pop().ok_or_else(|| super::bad_reply("empty reply"))
 }
 
 impl DecideScript {
@@ -96,7 +96,7 @@ fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec
         })
         .sum();
     if reply.len() != expected {
-        return Err(StoreError::Reply(format!(
+        return Err(super::bad_reply(format!(
             "{} integers, expected {expected}",
             reply.len()
         )));

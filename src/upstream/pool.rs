@@ -22,7 +22,7 @@ use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use crate::surfaces::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
+use super::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
@@ -117,10 +117,9 @@ impl UpstreamPool {
     /// The most recently returned connection that can take a request now.
     fn take(&self) -> Option<SendRequest<ClientBody>> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        let mut i = idle.len();
-        while i > 0 {
-            i -= 1;
-            let entry = &idle[i];
+        // Newest first; `i` stays in bounds as entries behind it go.
+        for i in (0..idle.len()).rev() {
+            let Some(entry) = idle.get(i) else { continue };
             if entry.sender.is_closed() || entry.since.elapsed() >= self.inner.idle_timeout {
                 // Dropping it closes it.
                 idle.remove(i);
@@ -156,7 +155,7 @@ impl UpstreamPool {
             return;
         }
         let pool = Arc::downgrade(&self.inner);
-        let every = self.inner.idle_timeout / 2;
+        let every = self.inner.idle_timeout.checked_div(2).unwrap_or(self.inner.idle_timeout);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.tick().await;
@@ -189,7 +188,7 @@ impl UpstreamPool {
         for (i, address) in addresses.iter().enumerate() {
             let attempt = TcpStream::connect(address);
             // The last address may take as long as the caller allows.
-            let result = if i + 1 < addresses.len() {
+            let result = if i.saturating_add(1) < addresses.len() {
                 tokio::time::timeout(NEXT_ADDRESS_AFTER, attempt)
                     .await
                     .unwrap_or_else(|_| Err(io::Error::new(io::ErrorKind::TimedOut, "connect timed out")))
