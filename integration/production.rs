@@ -478,11 +478,13 @@ async fn rediss_verifies_the_server_certificate() {
     ]);
     let url = format!("rediss://127.0.0.1:{tls_port}/");
     let upstream = TestUpstream::start().await;
-    // Trusting the test CA: limits work over TLS.
+    // Trusting the test CA: limits work over TLS. A debug build's first
+    // TLS handshake under a loaded suite can outlast the 50 ms default
+    // deadline (then the rule fails open): give it time.
     let tg = Tollgate::start_with_env(
         LIMITS,
         upstream.addr,
-        &["--redis", &url],
+        &["--redis", &url, "--redis-timeout", "2s"],
         &[("SSL_CERT_FILE", &file("ca.pem"))],
     );
     assert_eq!(probe(&tg).await, 3, "{}", tg.log_text());

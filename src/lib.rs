@@ -12,8 +12,8 @@
 //! 3. `limiter` decides all hits together (denial cache first), through a
 //!    store: `limiter::memory` in process, or `limiter::redis` (the
 //!    `decide.lua` script, per-thread lanes, Cluster, Sentinel);
-//! 4. the surface renders the decision (`headers` for RateLimit headers,
-//!    `Retry-After` and refusal bodies).
+//! 4. the surface renders the decision through `render` (RateLimit headers,
+//!    `Retry-After`, refusal bodies and tollgate's own error answers).
 //!
 //! Around it: `config` parses and validates limits files, `reload` keeps
 //! them live and publishes a new `limits::Catalog` on every change,
@@ -56,7 +56,7 @@ pub mod upstream;
 
 request_path! {
     pub mod client_ip;
-    pub mod headers;
+    pub mod render;
     pub mod limiter;
     pub mod limits;
     pub mod path;

@@ -133,6 +133,12 @@ pub struct Window {
 }
 
 impl Window {
+    /// The longest of `windows`, in milliseconds (0 for none): how long
+    /// a counter's entries matter.
+    pub fn longest_ms(windows: &[Window]) -> u64 {
+        windows.iter().map(|w| w.period_ms).max().unwrap_or(0)
+    }
+
     /// The window length in whole seconds, rounded up (as the headers state it).
     pub fn period_secs(&self) -> u64 {
         self.period_ms.div_ceil(1000)
@@ -268,7 +274,7 @@ impl Rule {
 
     /// The longest window, which bounds how long counter entries matter.
     pub fn longest_period_ms(&self) -> u64 {
-        self.windows.iter().map(|w| w.period_ms).max().unwrap_or(0)
+        Window::longest_ms(&self.windows)
     }
 }
 

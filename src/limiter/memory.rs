@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use indexmap::IndexMap;
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
+use crate::config::Window;
 
 /// Counters each decision looks at for expiry: enough to shed them faster
 /// than decisions create them, never a scan of the whole store.
@@ -207,7 +208,7 @@ impl MemoryStore {
         for (check, count) in checks.iter().zip(counts.iter_mut()) {
             count.charged &= admitted && check.cost > 0;
             if count.charged {
-                let longest = check.windows.iter().map(|w| w.period_ms).max().unwrap_or(0);
+                let longest = Window::longest_ms(check.windows);
                 state.charge(check.key, now, longest, check.cost, self.max_counters, checks);
             }
         }

@@ -74,9 +74,7 @@ impl Catalog {
     /// The counters an HTTP request touches, across every file.
     pub fn http_hits(&self, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
         let mut hits = Vec::new();
-        for file in &self.files {
-            hits.extend(super::http::hits(file, req)?);
-        }
+        super::http::each_file_hits(&self.files, req, &mut hits)?;
         Ok(hits)
     }
 }

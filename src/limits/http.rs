@@ -108,6 +108,18 @@ pub fn request_host<'a>(
 /// Paths are matched normalised (see [`crate::path`]), whatever the surface
 /// passed in.
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
+    let mut hits = Vec::new();
+    each_file_hits(&[limits], req, &mut hits)?;
+    Ok(hits)
+}
+
+/// [`hits`] over several files, in order, the request checked and put in
+/// matching form once for all of them.
+pub(super) fn each_file_hits<L: std::ops::Deref<Target = Limits>>(
+    files: &[L],
+    req: &RequestInfo<'_>,
+    hits: &mut Vec<Hit>,
+) -> Result<(), RequestError> {
     let host = req.host.map(canonical_host);
     let host = host.as_deref();
     if crate::path::is_ambiguous(req.path) {
@@ -118,7 +130,14 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestE
     }
     let path = crate::path::matching_form(req.path);
     let req = &RequestInfo { path: &path, ..*req };
-    let mut hits = Vec::new();
+    for limits in files {
+        file_hits(limits, req, host, hits)?;
+    }
+    Ok(())
+}
+
+/// The counters of one file's rules that match a request in matching form.
+fn file_hits(limits: &Limits, req: &RequestInfo<'_>, host: Option<&str>, hits: &mut Vec<Hit>) -> Result<(), RequestError> {
     for rule in limits.http_rules() {
         if !rule.matcher.matches(req.method, req.path, host, req.headers) {
             continue;
@@ -134,7 +153,7 @@ pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestE
             cost,
         });
     }
-    Ok(hits)
+    Ok(())
 }
 
 fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, RequestError> {

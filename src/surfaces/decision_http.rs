@@ -17,7 +17,7 @@ use http_body_util::Full;
 
 use crate::client_ip::TrustedProxies;
 use crate::limits::RequestInfo;
-use crate::headers;
+use crate::render;
 use crate::limiter::{Decision, Limiter, Verdict};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
@@ -109,7 +109,7 @@ impl DecisionHttp {
         };
         if decision.verdict.admits() {
             let mut r = reply(StatusCode::OK, "");
-            headers::admission_headers(&decision, r.headers_mut());
+            render::admission_headers(&decision, r.headers_mut());
             return r;
         }
         // Envoy counts a 5xx from the authorization service as its failure
@@ -167,11 +167,11 @@ impl DecisionHttp {
         };
         if decision.verdict.admits() {
             let mut r = reply(StatusCode::NO_CONTENT, "");
-            headers::admission_headers(&decision, r.headers_mut());
+            render::admission_headers(&decision, r.headers_mut());
             return r;
         }
         let mut r = refusal(&decision, StatusCode::FORBIDDEN, Some(decision.status()));
-        let body = headers::refusal_body(&decision);
+        let body = render::refusal_body(&decision);
         if let Ok(v) = HeaderValue::from_bytes(&body) {
             r.headers_mut().insert(TOLLGATE_BODY, v);
         }
@@ -201,8 +201,8 @@ impl DecisionHttp {
         out.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
         for (from, to) in [
             ("x-tollgate-retry-after", header::RETRY_AFTER),
-            ("x-tollgate-ratelimit", headers::RATELIMIT),
-            ("x-tollgate-ratelimit-policy", headers::RATELIMIT_POLICY),
+            ("x-tollgate-ratelimit", render::RATELIMIT),
+            ("x-tollgate-ratelimit-policy", render::RATELIMIT_POLICY),
         ] {
             if let Some(v) = h.get(from).filter(|v| !v.is_empty()) {
                 out.insert(to, v.clone());
@@ -216,23 +216,20 @@ impl DecisionHttp {
 /// a 403 NGINX accepts, with the status and body the client should get.
 fn denied(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
     let mut r = reply(StatusCode::FORBIDDEN, message);
-    let body = serde_json::json!({ "error": status.canonical_reason(), "message": message }).to_string();
+    // The body the client should get is the one tollgate would send it.
+    let body = render::error(status, message).into_body();
     let h = r.headers_mut();
     h.insert(TOLLGATE_STATUS, HeaderValue::from(status.as_u16()));
-    if let Ok(v) = HeaderValue::from_str(&body) {
+    if let Some(v) = std::str::from_utf8(&body).ok().and_then(|b| HeaderValue::from_str(b).ok()) {
         h.insert(TOLLGATE_BODY, v);
     }
     r
 }
 
 fn refusal(decision: &Decision, status: StatusCode, intended: Option<StatusCode>) -> Response<Full<Bytes>> {
-    let mut r = Response::new(Full::new(headers::refusal_body(decision)));
-    *r.status_mut() = status;
-    let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers::refusal_headers(decision, h);
+    let mut r = render::refusal(decision, status).map(Full::new);
     if let Some(intended) = intended {
-        h.insert(TOLLGATE_STATUS, HeaderValue::from(intended.as_u16()));
+        r.headers_mut().insert(TOLLGATE_STATUS, HeaderValue::from(intended.as_u16()));
     }
     if decision.verdict == Verdict::FailedClosed {
         tracing::debug!("refused: counter store unavailable and a rule fails closed");
@@ -241,16 +238,5 @@ fn refusal(decision: &Decision, status: StatusCode, intended: Option<StatusCode>
 }
 
 fn reply(status: StatusCode, message: &str) -> Response<Full<Bytes>> {
-    let body = if message.is_empty() {
-        Bytes::new()
-    } else {
-        Bytes::from(serde_json::json!({ "error": status.canonical_reason(), "message": message }).to_string())
-    };
-    let mut r = Response::new(Full::new(body));
-    *r.status_mut() = status;
-    if !message.is_empty() {
-        r.headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    }
-    r
+    render::error(status, message).map(Full::new)
 }

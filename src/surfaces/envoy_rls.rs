@@ -20,7 +20,7 @@ use envoy_types::pb::google::protobuf::{Duration as PbDuration, ListValue, Struc
 use http::HeaderMap;
 
 use crate::config::FailureMode;
-use crate::headers;
+use crate::render;
 use crate::limiter::{Decision, Limiter, RuleOutcome, Verdict};
 use crate::limits::{self, Descriptor, Override, Resolved};
 use crate::metrics::{self, Surface};
@@ -136,8 +136,8 @@ impl RlsService {
         let mut headers = HeaderMap::new();
         match (self.headers, admitted) {
             (false, _) => {}
-            (true, true) => headers::admission_headers(&decision, &mut headers),
-            (true, false) => headers::refusal_headers(&decision, &mut headers),
+            (true, true) => render::admission_headers(&decision, &mut headers),
+            (true, false) => render::refusal_headers(&decision, &mut headers),
         }
         let dynamic_metadata = self.dynamic_metadata.then(|| {
             // The limits of the descriptors answered OK, as envoyproxy/ratelimit

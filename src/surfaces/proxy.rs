@@ -21,7 +21,7 @@ use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
 use crate::limits::RequestInfo;
-use crate::headers;
+use crate::render;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
@@ -102,10 +102,16 @@ impl Proxy {
                 return plain(StatusCode::BAD_REQUEST, &e.to_string());
             }
         };
+        // Normalised once: the limits match it and the upstream gets it.
+        // `None` when the path is normal already.
+        let normal = match crate::path::normalize(req.uri().path()) {
+            Cow::Borrowed(_) => None,
+            Cow::Owned(normal) => Some(normal),
+        };
         let decision = {
             let info = RequestInfo {
                 method: req.method(),
-                path: req.uri().path(),
+                path: normal.as_deref().unwrap_or(req.uri().path()),
                 query: req.uri().query(),
                 host: host.as_deref(),
                 headers: req.headers(),
@@ -126,7 +132,7 @@ impl Proxy {
 
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-        let (upstream_req, body_sent) = match self.upstream_request(req, peer, host.as_deref(), upgrade) {
+        let (upstream_req, body_sent) = match self.upstream_request(req, normal, peer, host.as_deref(), upgrade) {
             Ok(r) => r,
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
@@ -196,7 +202,7 @@ impl Proxy {
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers, false);
         if self.options.ratelimit_headers {
-            headers::admission_headers(&decision, &mut parts.headers);
+            render::admission_headers(&decision, &mut parts.headers);
         }
         Response::from_parts(parts, Either::Left(body))
     }
@@ -206,6 +212,7 @@ impl Proxy {
     fn upstream_request(
         &self,
         req: Request<Incoming>,
+        normal: Option<String>,
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
@@ -213,14 +220,16 @@ impl Proxy {
         let (mut parts, body) = req.into_parts();
         let (body, sent) = ClientBody::new(body, self.options.body_timeout);
         // The upstream sees the normalised path the limits were matched on.
-        let normal = crate::path::normalize(parts.uri.path());
-        let path = match (&normal, parts.uri.path_and_query()) {
+        let path = match (normal, parts.uri.path_and_query()) {
             // Already normal: the same bytes, shared rather than parsed again.
-            (Cow::Borrowed(_), Some(pq)) => Ok(pq.clone()),
-            (_, _) => match parts.uri.query() {
-                Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
-                None => PathAndQuery::try_from(normal.as_ref()),
-            },
+            (None, Some(pq)) => Ok(pq.clone()),
+            (normal, _) => {
+                let normal = normal.as_deref().unwrap_or(parts.uri.path());
+                match parts.uri.query() {
+                    Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
+                    None => PathAndQuery::try_from(normal),
+                }
+            }
         }
         .map_err(|_| StatusCode::BAD_REQUEST)?;
         parts.uri = Uri::from(path);
@@ -320,22 +329,11 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
 }
 
 fn refusal(decision: &Decision) -> Response<ProxyBody> {
-    let mut response = Response::new(Either::Right(Full::new(headers::refusal_body(decision))));
-    *response.status_mut() = decision.status();
-    let h = response.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    headers::refusal_headers(decision, h);
-    response
+    render::refusal(decision, decision.status()).map(|b| Either::Right(Full::new(b)))
 }
 
 fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
-    let body = serde_json::json!({ "error": status.canonical_reason().unwrap_or("error"), "message": message });
-    let mut response = Response::new(Either::Right(Full::new(Bytes::from(body.to_string()))));
-    *response.status_mut() = status;
-    response
-        .headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    response
+    render::error(status, message).map(|b| Either::Right(Full::new(b)))
 }
 
 #[cfg(test)]

@@ -1,15 +1,16 @@
 //! How a decision is told to the caller: `Retry-After`, the RateLimit headers
 //! of draft-ietf-httpapi-ratelimit-headers, and the refusal body.
 //!
-//! Every HTTP surface renders decisions through here so that the proxy,
-//! ext_authz and auth_request answers look the same. Policy items are named
+//! Every surface renders decisions through here so that the proxy,
+//! ext_authz, auth_request and RLS answers look the same. Policy items are named
 //! after the rule, one item per window; `RateLimit` lists the same items in
 //! the same order.
 
 use std::borrow::Cow;
 
 use bytes::Bytes;
-use http::header::{HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use http::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
+use http::{Response, StatusCode};
 
 use crate::limiter::{Decision, RuleOutcome, Verdict, WindowOutcome};
 
@@ -21,6 +22,32 @@ pub const RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 /// Whole seconds, rounded up: a client that waits this long will fit.
 pub fn ceil_secs(ms: u64) -> u64 {
     ms.div_ceil(1000)
+}
+
+/// A refused request's answer: `status`, the JSON refusal body,
+/// `Retry-After` and the RateLimit headers of the refusing rules.
+pub fn refusal(decision: &Decision, status: StatusCode) -> Response<Bytes> {
+    let mut response = Response::new(refusal_body(decision));
+    *response.status_mut() = status;
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    refusal_headers(decision, h);
+    response
+}
+
+/// tollgate's own answer to a request it cannot decide or forward: a small
+/// JSON body naming the status and why (none when `message` is empty).
+pub fn error(status: StatusCode, message: &str) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    *response.status_mut() = status;
+    if !message.is_empty() {
+        let body = serde_json::json!({ "error": status.canonical_reason().unwrap_or("error"), "message": message });
+        *response.body_mut() = Bytes::from(body.to_string());
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    }
+    response
 }
 
 /// Headers for a refused request: `Retry-After` and every window of the
