@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod envoy;
 mod envoy_ratelimit;
+mod limiter;
 mod model;
 mod nginx;
 mod operations;

@@ -627,49 +627,6 @@ mod tests {
     }
 
     #[test]
-    fn huge_costs_never_wrap_the_count() {
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let store = MemoryStore::new(clock.clone());
-        let w = [Window {
-            requests: 10,
-            period_ms: 60_000,
-        }];
-        for _ in 0..9 {
-            assert!(store.decide_now(&[check("k", &w, 1, false)]).admitted);
-        }
-        let huge = store.decide_now(&[check("k", &w, u64::MAX - 8, false)]);
-        assert!(!huge.admitted, "a cost past u64 must not wrap into room");
-        assert!(huge.checks[0].windows[0].never);
-        assert!(
-            store.decide_now(&[check("k", &w, 1, false)]).admitted,
-            "the tenth unit still fits"
-        );
-        assert!(
-            !store.decide_now(&[check("k", &w, 1, false)]).admitted,
-            "and then the window is full"
-        );
-    }
-
-    #[test]
-    fn one_key_named_twice_is_charged_with_both_costs() {
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let store = MemoryStore::new(clock.clone());
-        let w = [Window {
-            requests: 5,
-            period_ms: 60_000,
-        }];
-        let four = [check("k", &w, 1, false); 4];
-        assert!(store.decide_now(&four).admitted);
-        let again = store.decide_now(&four);
-        assert!(!again.admitted, "4 + 4 > 5: the second request must be refused whole");
-        assert!(store.decide_now(&[check("k", &w, 1, false)]).admitted);
-        assert!(
-            !store.decide_now(&[check("k", &w, 1, false)]).admitted,
-            "5 admitted, no more"
-        );
-    }
-
-    #[test]
     fn the_retry_search_is_exact_over_a_long_window() {
         let clock = Arc::new(ManualClock::new(1_000_000));
         let store = MemoryStore::new(clock.clone());

@@ -1,0 +1,244 @@
+//! The limiter's behaviour suite, one set of named tests run against both
+//! counter stores: every test below exists as `limiter::memory::<name>` and
+//! `limiter::redis::<name>` (a real `redis-server`). The tests decide whole
+//! requests through [`Limiter::decide`], denial cache included, with time
+//! stepped by hand (the Redis script's pinned clock), so each expectation
+//! is exact and holds for whichever store an operator picks.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tollgate::config::parse_str;
+use tollgate::limiter::{
+    Clock, Decision, Hit, Limiter, ManualClock, MemoryStore, RedisMode, RedisStore, Store, Verdict,
+};
+
+use crate::common::RedisServer;
+
+const T0: u64 = 1_700_000_000_000;
+
+/// A limiter over one store, and the clock both read.
+struct Subject {
+    limiter: Limiter,
+    _redis: Option<RedisServer>,
+}
+
+impl Subject {
+    fn memory(clock: Arc<dyn Clock>) -> Subject {
+        let store = Store::Memory(MemoryStore::new(clock.clone()));
+        Subject {
+            // Nothing in memory waits on a deadline.
+            limiter: Limiter::with_clock(store, Duration::from_millis(50), clock),
+            _redis: None,
+        }
+    }
+
+    fn redis(clock: Arc<dyn Clock>) -> Subject {
+        let redis = RedisServer::start();
+        let store = RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())).unwrap();
+        Subject {
+            // A debug build on a loaded machine: a generous deadline, so a
+            // slow answer is not taken for a failure.
+            limiter: Limiter::with_clock(Store::Redis(store), Duration::from_secs(2), clock),
+            _redis: Some(redis),
+        }
+    }
+
+    async fn decide(&self, hits: &[Hit]) -> Decision {
+        let decision = self.limiter.decide(hits).await;
+        assert!(
+            !matches!(decision.verdict, Verdict::FailedOpen | Verdict::FailedClosed),
+            "the store failed"
+        );
+        decision
+    }
+}
+
+/// Each `async fn name(subject, clock)` becomes a test per store.
+macro_rules! for_each_store {
+    ($(async fn $name:ident($s:ident, $clock:ident: $clock_ty:ty = $make:expr) $body:block)*) => {
+        mod memory {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let $clock: Arc<$clock_ty> = Arc::new($make);
+                    let $s = Subject::memory($clock.clone());
+                    $body
+                }
+            )*
+        }
+        mod redis {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let $clock: Arc<$clock_ty> = Arc::new($make);
+                    let $s = Subject::redis($clock.clone());
+                    $body
+                }
+            )*
+        }
+    };
+}
+
+/// One hit per rule of `yaml_rules` (tollgate's format), each on its own key.
+fn hits(yaml_rules: &str) -> Vec<Hit> {
+    let limits = parse_str(&format!("domain: t\nrules:\n{yaml_rules}"), "t.yaml").unwrap();
+    limits
+        .rules
+        .iter()
+        .map(|r| Hit {
+            rule: r.clone(),
+            key: format!("tg:test:{}", r.name),
+            cost: 1,
+        })
+        .collect()
+}
+
+fn costing(mut hits: Vec<Hit>, cost: u64) -> Vec<Hit> {
+    for h in &mut hits {
+        h.cost = cost;
+    }
+    hits
+}
+
+/// A clock that moves `step` ms every time it is read: the store decides
+/// later than the limiter asked, and answers later still.
+struct Ticking {
+    now: AtomicU64,
+    step: AtomicU64,
+}
+
+impl Clock for Ticking {
+    fn now_ms(&self) -> u64 {
+        self.now.fetch_add(self.step.load(Ordering::SeqCst), Ordering::SeqCst)
+    }
+}
+
+for_each_store! {
+    async fn remaining_and_retry_follow_the_windows(s, clock: ManualClock = ManualClock::new(T0)) {
+        let h = hits("  - name: r\n    limits: [{requests: 2, per: 10s}, {requests: 3, per: 60s}]\n");
+        let d = s.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Allowed);
+        assert_eq!(d.rules[0].windows[0].remaining, 1);
+        assert_eq!(d.rules[0].windows[1].remaining, 2);
+        assert_eq!(d.tightest().unwrap().1.window.period_ms, 10_000);
+        clock.advance(4_000);
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        let d = s.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Limited);
+        assert_eq!(d.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        // The first unit leaves the 10 s window 6 s from now.
+        assert_eq!(d.retry_after_ms(), Some(6_000));
+        clock.advance(6_000);
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed, "and not a ms later");
+    }
+
+    async fn a_request_refused_by_one_rule_charges_none(s, clock: ManualClock = ManualClock::new(T0)) {
+        let both = hits(
+            "  - name: roomy\n    limits: [{requests: 3, per: 10s}]\n  - name: tight\n    limits: [{requests: 1, per: 10s}]\n",
+        );
+        assert_eq!(s.decide(&both).await.verdict, Verdict::Allowed);
+        for _ in 0..5 {
+            let d = s.decide(&both).await;
+            assert_eq!(d.verdict, Verdict::Limited);
+            assert!(d.rules.iter().all(|r| !r.charged), "refused whole");
+        }
+        clock.advance(10_000);
+        let roomy_only = &both[..1];
+        let d = s.decide(roomy_only).await;
+        assert_eq!(d.rules[0].windows[0].remaining, 2, "the refusals took nothing from roomy");
+    }
+
+    async fn shadow_rules_report_but_never_refuse(s, clock: ManualClock = ManualClock::new(T0)) {
+        let h = hits("  - name: trial\n    shadow: true\n    limits: [{requests: 1, per: 10s}]\n");
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        let d = s.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Allowed, "a shadow rule never refuses");
+        assert!(d.rules[0].over, "but says it would have");
+        assert!(d.refusing().next().is_none());
+        clock.advance(1);
+    }
+
+    async fn quota_rules_are_waited_for_until_the_first_frees_up(s, clock: ManualClock = ManualClock::new(T0)) {
+        let mut h = hits(
+            "  - name: a\n    limits: [{requests: 1, per: 1s}]\n  - name: b\n    limits: [{requests: 1, per: 10s}]\n",
+        );
+        for hit in &mut h {
+            Arc::make_mut(&mut hit.rule).quota = true;
+        }
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        clock.advance(200);
+        let d = s.decide(&h).await;
+        assert_eq!(d.verdict, Verdict::Limited, "neither quota has room");
+        assert_eq!(d.retry_after_ms(), Some(800), "a frees up first, and one quota is enough");
+        // Asked again just before, and just when, a frees up: the cached
+        // refusal must not outlive it.
+        clock.advance(799);
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Limited);
+        clock.advance(1);
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+    }
+
+    async fn a_cached_refusal_ends_no_later_than_the_real_one(
+        s,
+        clock: Ticking = Ticking { now: AtomicU64::new(T0), step: AtomicU64::new(0) }
+    ) {
+        let h = hits("  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        // The store decides 100 ms after the limiter asked; the unit admitted
+        // at T0 leaves at T0 + 1 s whatever the cache was told.
+        clock.step.store(100, Ordering::SeqCst);
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Limited);
+        clock.step.store(0, Ordering::SeqCst);
+        clock.now.store(T0 + 1_000, Ordering::SeqCst);
+        assert_eq!(
+            s.decide(&h).await.verdict,
+            Verdict::Allowed,
+            "the cache must not refuse past the real retry time"
+        );
+    }
+
+    async fn huge_costs_never_wrap_the_count(s, clock: ManualClock = ManualClock::new(T0)) {
+        let one = hits("  - name: r\n    limits: [{requests: 10, per: 60s}]\n");
+        for _ in 0..9 {
+            assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        }
+        let d = s.decide(&costing(one.clone(), u64::MAX - 8)).await;
+        assert_eq!(d.verdict, Verdict::Limited, "a cost past u64 must not wrap into room");
+        assert!(d.never_fits() && d.retry_after_ms().is_none(), "waiting cannot help");
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed, "the tenth unit still fits");
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Limited, "and then the window is full");
+        clock.advance(1);
+    }
+
+    async fn one_counter_named_twice_is_charged_with_both_costs(s, clock: ManualClock = ManualClock::new(T0)) {
+        let one = hits("  - name: r\n    limits: [{requests: 5, per: 60s}]\n");
+        let four = costing([one.clone(), one.clone(), one.clone(), one.clone()].concat(), 1);
+        assert_eq!(s.decide(&four).await.verdict, Verdict::Allowed);
+        assert_eq!(
+            s.decide(&four).await.verdict,
+            Verdict::Limited,
+            "4 + 4 > 5: the second request is refused whole"
+        );
+        clock.advance(1);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Limited, "5 admitted, no more");
+    }
+
+    async fn a_cost_of_zero_reads_without_charging(s, clock: ManualClock = ManualClock::new(T0)) {
+        let one = hits("  - name: r\n    limits: [{requests: 2, per: 60s}]\n");
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        for _ in 0..3 {
+            let d = s.decide(&costing(one.clone(), 0)).await;
+            assert_eq!(d.verdict, Verdict::Allowed);
+            assert_eq!(d.rules[0].windows[0].remaining, 1, "looking costs nothing");
+        }
+        clock.advance(1);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        let d = s.decide(&costing(one.clone(), 0)).await;
+        assert_eq!(d.rules[0].windows[0].remaining, 0);
+    }
+}
