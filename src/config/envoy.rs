@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde::de::{self, DeserializeSeed, Deserializer, SeqAccess, Visitor};
 
-use super::file::{Domain, validated_map};
+use super::schema::{Domain, validated_map};
 use super::{DescriptorTree, EntryPattern, Format, Limits, Rule, ValuePattern, Window};
 
 /// A whole envoyproxy/ratelimit file.

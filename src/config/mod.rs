@@ -7,6 +7,7 @@
 
 mod envoy;
 mod file;
+mod schema;
 mod tree;
 
 pub use envoy::unit_ms as envoy_unit_ms;

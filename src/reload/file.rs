@@ -1,30 +1,22 @@
-//! One live limits file: watch it and swap in every good version of it.
+//! One live limits file: on every reload (a watch event, the poll, SIGHUP),
+//! read it and swap in its limits only if it changed and is valid.
 //!
-//! The file's *directory* is watched, so in-place writes, write-then-rename
-//! (vim, deploy tools) and Kubernetes ConfigMap `..data` symlink swaps are all
-//! seen. Events are debounced, the content is hashed, and only a changed,
-//! valid file is swapped in (atomically, with `arc-swap`): requests never wait
-//! on a reload, requests in flight keep the limits they started with, and a
-//! bad or half-written file changes nothing but the reported error. A slow
-//! poll backs the watcher up in case an event is lost.
+//! The content is hashed and a file whose stamp (identity, size, mtime) is
+//! unchanged is not read on a poll. A swap is atomic (`arc-swap`): requests
+//! never wait on a reload, requests in flight keep the limits they started
+//! with, and a bad or half-written file changes nothing but the reported
+//! error. When (the watch) is in [`super::watch`].
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::SystemTime;
 
 use arc_swap::ArcSwap;
-use notify::{RecursiveMode, Watcher};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
-use tokio::sync::mpsc;
 
 use super::InForce;
 use crate::config::{self, ConfigError, Limits};
-
-/// Quiet time after the last file event before the file is read.
-const DEBOUNCE: Duration = Duration::from_millis(50);
-/// How often the file is checked even without events.
-pub(super) const POLL: Duration = Duration::from_secs(2);
 
 /// How the limits file stands, for the admin endpoint and metrics.
 #[derive(Debug, Clone, Serialize)]
@@ -276,110 +268,6 @@ impl LiveFile {
         f(&mut next);
         self.status.store(Arc::new(next));
     }
-
-    /// Watches the file's directory (and polls as a backstop) until the
-    /// returned guard is dropped. Must be called inside a tokio runtime.
-    pub fn watch(self: &Arc<Self>) -> notify::Result<WatchGuard> {
-        let dir = match self.path.parent() {
-            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-            _ => PathBuf::from("."),
-        };
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let file_name = self.path.file_name().map(|n| n.to_os_string());
-        // Set when the watched directory itself goes (its inode may be
-        // reused by the one made next, so identity alone cannot tell).
-        let dir_gone = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let gone = dir_gone.clone();
-        let watched_dir = dir.clone();
-        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if let Ok(event) = &event
-                && event.kind.is_remove()
-                && event.paths.contains(&watched_dir)
-            {
-                gone.store(true, std::sync::atomic::Ordering::SeqCst);
-            }
-            if let Ok(event) = event
-                && changes_content(&event)
-                && concerns(&event, file_name.as_deref())
-            {
-                let _ = tx.send(());
-            }
-        })?;
-        watcher.watch(&dir, RecursiveMode::NonRecursive)?;
-        let mut watched = dir_identity(&dir);
-        let live = self.clone();
-        let task = tokio::spawn(async move {
-            let mut poll = tokio::time::interval(POLL);
-            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                tokio::select! {
-                    event = rx.recv() => {
-                        if event.is_none() {
-                            return;
-                        }
-                        if !settled(&mut rx).await {
-                            return;
-                        }
-                        let live = live.clone();
-                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
-                    }
-                    _ = poll.tick() => {
-                        // A directory deleted and made again is a new one:
-                        // the old watch died with it, so watch the new one.
-                        let now = dir_identity(&dir);
-                        if now != watched || (now.is_some() && dir_gone.swap(false, std::sync::atomic::Ordering::SeqCst)) {
-                            let _ = watcher.unwatch(&dir);
-                            watched = match now {
-                                Some(_) => match watcher.watch(&dir, RecursiveMode::NonRecursive) {
-                                    Ok(()) => {
-                                        tracing::info!(dir = %dir.display(), "watching the limits file's directory again");
-                                        now
-                                    }
-                                    Err(e) => {
-                                        tracing::warn!(dir = %dir.display(), error = %e, "cannot watch the limits file's directory; polling");
-                                        None
-                                    }
-                                },
-                                None => None,
-                            };
-                        }
-                        let live = live.clone();
-                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("poll")).await;
-                    }
-                }
-            }
-        });
-        Ok(WatchGuard { task })
-    }
-}
-
-/// Lets a burst of events (an editor's save) settle: waits until none has
-/// come for [`DEBOUNCE`]. False when the watcher is gone.
-pub(super) async fn settled(rx: &mut mpsc::UnboundedReceiver<()>) -> bool {
-    loop {
-        match tokio::time::timeout(DEBOUNCE, rx.recv()).await {
-            Ok(Some(())) => continue,
-            Ok(None) => return false,
-            Err(_) => return true,
-        }
-    }
-}
-
-/// Keeps a file watch alive; dropping it stops watching.
-pub struct WatchGuard {
-    pub(super) task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for WatchGuard {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-/// A directory's device and inode: a directory made again has new ones.
-pub(super) fn dir_identity(dir: &Path) -> Option<(u64, u64)> {
-    use std::os::unix::fs::MetadataExt;
-    std::fs::metadata(dir).ok().map(|m| (m.dev(), m.ino()))
 }
 
 /// What identifies one version of a file without reading it.
@@ -402,30 +290,6 @@ impl FileStamp {
             modified: m.modified().ok(),
         })
     }
-}
-
-/// Whether an event can change what the file holds: writes, creates,
-/// removes and renames, not opens, reads or access times (tollgate's own
-/// read of the file would otherwise set off the next reload, forever).
-pub(super) fn changes_content(event: &notify::Event) -> bool {
-    use notify::EventKind;
-    use notify::event::{AccessKind, AccessMode, MetadataKind, ModifyKind};
-    match event.kind {
-        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
-        EventKind::Access(_) => false,
-        EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)) => false,
-        _ => true,
-    }
-}
-
-/// Whether an event names the limits file, a Kubernetes ConfigMap's
-/// `..data` swap, or no file at all (a rescan): not a neighbour's log.
-fn concerns(event: &notify::Event, file_name: Option<&std::ffi::OsStr>) -> bool {
-    event.paths.is_empty()
-        || event.paths.iter().any(|p| match p.file_name() {
-            Some(n) => Some(n) == file_name || n.to_string_lossy().starts_with(".."),
-            None => true,
-        })
 }
 
 fn hash(text: &str) -> String {
@@ -494,36 +358,6 @@ mod tests {
         assert_eq!(live.reload().unwrap(), Reloaded::Changed);
         assert!(live.status().file_present);
         assert_eq!(limit(&live), 1);
-    }
-
-    #[test]
-    fn only_events_that_can_change_the_file_reload_it() {
-        use notify::EventKind;
-        use notify::event::{AccessKind, AccessMode, CreateKind, ModifyKind, RenameMode};
-        let event = |kind, path: &str| notify::Event::new(kind).add_path(PathBuf::from(path));
-        let name = Some(std::ffi::OsStr::new("limits.yaml"));
-        // tollgate's own read (and anyone's cat) opens and closes the file.
-        for kind in [
-            EventKind::Access(AccessKind::Open(AccessMode::Read)),
-            EventKind::Access(AccessKind::Close(AccessMode::Read)),
-            EventKind::Access(AccessKind::Read),
-        ] {
-            assert!(!changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
-        }
-        for kind in [
-            EventKind::Access(AccessKind::Close(AccessMode::Write)),
-            EventKind::Modify(ModifyKind::Any),
-            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
-            EventKind::Create(CreateKind::File),
-        ] {
-            assert!(changes_content(&event(kind, "/d/limits.yaml")), "{kind:?}");
-        }
-        assert!(concerns(&event(EventKind::Any, "/d/limits.yaml"), name));
-        assert!(concerns(&event(EventKind::Any, "/d/..data"), name), "ConfigMap swap");
-        assert!(
-            !concerns(&event(EventKind::Any, "/d/app.log"), name),
-            "a neighbour's log"
-        );
     }
 
     #[test]

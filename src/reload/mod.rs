@@ -9,8 +9,10 @@
 //! every change one new immutable [`Catalog`] swapped in for the surfaces.
 
 mod file;
+mod watch;
 
-pub use file::{LiveFile, ReloadError, ReloadStatus, Reloaded, WatchGuard};
+pub use file::{LiveFile, ReloadError, ReloadStatus, Reloaded};
+pub use watch::WatchGuard;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -18,12 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
-use notify::{RecursiveMode, Watcher};
-use tokio::sync::mpsc;
 
 use crate::config::{self, ConfigError, Limits};
 use crate::limits::{Catalog, SharedCatalog};
-use file::{POLL, changes_content, dir_identity, settled};
 
 /// A file, the domain it declares, and its last good limits.
 type DomainOf = (PathBuf, String, Arc<ArcSwap<Limits>>);
@@ -407,69 +406,6 @@ impl LiveFiles {
                 f.reload_and_log(cause);
             }
         }
-    }
-
-    /// Watches every file (see [`LiveFile::watch`]) and every directory
-    /// (rescanned on any change in it, and polled as a backstop).
-    pub fn watch(self: &Arc<Self>) -> notify::Result<Vec<WatchGuard>> {
-        let mut guards = Vec::new();
-        for source in &self.sources {
-            if source.is_dir() {
-                guards.push(self.watch_dir(source.clone())?);
-            } else if let Some(f) = self.files.load().iter().find(|f| f.path == *source) {
-                guards.push(f.watch()?);
-            }
-        }
-        Ok(guards)
-    }
-
-    fn watch_dir(self: &Arc<Self>, dir: PathBuf) -> notify::Result<WatchGuard> {
-        let (tx, mut rx) = mpsc::unbounded_channel();
-        let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-            if let Ok(event) = event
-                && changes_content(&event)
-            {
-                let _ = tx.send(());
-            }
-        })?;
-        watcher.watch(&dir, RecursiveMode::Recursive)?;
-        let mut watched = dir_identity(&dir);
-        let catalog = self.clone();
-        let task = tokio::spawn(async move {
-            // Owned by the task: dropping the guard stops both.
-            let mut watcher = watcher;
-            let mut poll = tokio::time::interval(POLL);
-            poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                let cause = tokio::select! {
-                    event = rx.recv() => {
-                        if event.is_none() {
-                            return;
-                        }
-                        if !settled(&mut rx).await {
-                            return;
-                        }
-                        "file changed"
-                    }
-                    _ = poll.tick() => {
-                        // A directory deleted and made again is a new one:
-                        // the old watch died with it.
-                        let now = dir_identity(&dir);
-                        if now != watched {
-                            let _ = watcher.unwatch(&dir);
-                            watched = now.filter(|_| watcher.watch(&dir, RecursiveMode::Recursive).is_ok());
-                            if watched.is_some() {
-                                tracing::info!(dir = %dir.display(), "watching the limits directory again");
-                            }
-                        }
-                        "poll"
-                    }
-                };
-                let (catalog, dir) = (catalog.clone(), dir.clone());
-                let _ = tokio::task::spawn_blocking(move || catalog.rescan(&dir, cause)).await;
-            }
-        });
-        Ok(WatchGuard { task })
     }
 }
 

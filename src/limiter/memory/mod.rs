@@ -13,24 +13,19 @@
 //! `limit_req` zone and Redis's `allkeys-lru` do. An evicted caller's
 //! history is forgotten: it starts a fresh window.
 
-use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
-use indexmap::IndexMap;
+
+mod counters;
+
+use counters::State;
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
 use crate::config::Window;
 
-/// Counters each decision looks at for expiry: enough to shed them faster
-/// than decisions create them, never a scan of the whole store.
-const SWEEP_STEP: usize = 4;
-/// Counters sampled to choose the one to evict.
-const EVICTION_SAMPLES: usize = 8;
 /// The default bound on live counters (`--max-counters`): about 200 MB at
 /// worst for one-request counters on 64-bit targets.
 pub const DEFAULT_MAX_COUNTERS: usize = 1_000_000;
-/// Shortest pause between two "evicting" log lines.
-const EVICTION_LOG_EVERY_MS: u64 = 60_000;
 
 /// Counters kept in this process.
 pub struct MemoryStore {
@@ -39,98 +34,12 @@ pub struct MemoryStore {
     max_counters: usize,
 }
 
-struct State {
-    /// Indexed, so the sweep can walk it and eviction can sample it.
-    counters: IndexMap<String, Counter>,
-    /// Where the sweep looks next.
-    sweep_at: usize,
-    /// xorshift64 state for eviction samples.
-    rng: u64,
-    /// Live counters evicted since the last log line, and when that was.
-    evicted_unlogged: u64,
-    last_eviction_log_ms: Option<u64>,
-}
-
-/// One counter: entries oldest first, each with the running total after it.
-///
-/// Running totals wrap modulo 2^64 and are only ever subtracted from one
-/// another, so a window's count stays exact however long the counter lives
-/// (limits and costs are capped far below 2^64, see `config::MAX_UNITS`).
-struct Counter {
-    /// Running total before the oldest kept entry.
-    base: u64,
-    entries: VecDeque<(u64, u64)>,
-    expires_at_ms: u64,
-    /// When a decision last read or charged it (the eviction order).
-    used_ms: u64,
-}
-
-impl Counter {
-    fn total(&self) -> u64 {
-        self.entries.back().map_or(self.base, |e| e.1)
-    }
-
-    fn total_before(&self, index: usize) -> u64 {
-        match index.checked_sub(1).and_then(|i| self.entries.get(i)) {
-            Some(e) => e.1,
-            None => self.base,
-        }
-    }
-
-    /// Counts one window and works out when `claim` (units this decision
-    /// already takes from the counter) plus `cost` would fit.
-    fn window(&self, now: u64, limit: u64, period: u64, claim: u64, cost: u64) -> WindowCount {
-        let start = now.saturating_add(1).saturating_sub(period);
-        let first = self.entries.partition_point(|e| e.0 < start);
-        let before_first = self.total_before(first);
-        let (counted, reset_ms) = match self.entries.get(first) {
-            Some(&(at, _)) => (
-                self.total().wrapping_sub(before_first),
-                at.saturating_add(period).saturating_sub(now),
-            ),
-            None => (0, period),
-        };
-        let used = counted.saturating_add(claim);
-        let demand = claim.saturating_add(cost);
-        let (retry_ms, never) = if used.saturating_add(cost) <= limit {
-            (None, false)
-        } else if demand > limit {
-            (None, true)
-        } else {
-            // Entries leave oldest first: the first entry whose departure
-            // frees `excess` units. Running totals only grow inside the
-            // window, so this is a binary search, not a walk.
-            let excess = used.saturating_add(cost).saturating_sub(limit);
-            let i = self
-                .entries
-                .partition_point(|e| e.0 < start || e.1.wrapping_sub(before_first) < excess);
-            let retry = self
-                .entries
-                .get(i)
-                .map_or(period, |e| e.0.saturating_add(period).saturating_sub(now));
-            (Some(retry), false)
-        };
-        WindowCount {
-            used,
-            reset_ms,
-            retry_ms,
-            never,
-        }
-    }
-}
-
 impl MemoryStore {
     /// An empty store reading time from `clock`.
     pub fn new(clock: Arc<dyn Clock>) -> Self {
         MemoryStore {
             clock,
-            state: Mutex::new(State {
-                counters: IndexMap::new(),
-                sweep_at: 0,
-                rng: 0x9E37_79B9_7F4A_7C15,
-                evicted_unlogged: 0,
-                last_eviction_log_ms: None,
-            }),
+            state: Mutex::new(State::new()),
             max_counters: DEFAULT_MAX_COUNTERS,
         }
     }
@@ -217,129 +126,6 @@ impl MemoryStore {
             admitted,
             checks: counts,
         }
-    }
-}
-
-impl State {
-    /// Sheds the expired counters among the next few.
-    fn sweep(&mut self, now: u64) {
-        for _ in 0..SWEEP_STEP {
-            if self.sweep_at >= self.counters.len() {
-                self.sweep_at = 0;
-            }
-            match self.counters.get_index(self.sweep_at) {
-                // The last counter moves into this slot: look at it next.
-                Some((_, c)) if c.expires_at_ms <= now => {
-                    self.counters.swap_remove_index(self.sweep_at);
-                }
-                Some(_) => self.sweep_at = self.sweep_at.saturating_add(1),
-                None => return,
-            }
-        }
-    }
-
-    fn random(&mut self) -> u64 {
-        let mut x = self.rng;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.rng = x;
-        x
-    }
-
-    /// Frees one slot: the expired or least recently used counter of a
-    /// random sample, never one of `spared`'s. Nothing when every counter
-    /// is spared (a bound smaller than one request's counters).
-    fn evict_one(&mut self, now: u64, spared: &[Check<'_>]) {
-        let len = self.counters.len();
-        let Some(len_u64) = u64::try_from(len).ok().filter(|l| *l > 0) else {
-            return;
-        };
-        let is_spared = |key: &str| spared.iter().any(|c| c.key == key);
-        let mut victim: Option<(usize, u64)> = None;
-        for _ in 0..EVICTION_SAMPLES {
-            let i = usize::try_from(self.random().checked_rem(len_u64).unwrap_or(0)).unwrap_or(0);
-            let Some((key, c)) = self.counters.get_index(i) else {
-                continue;
-            };
-            if is_spared(key) {
-                continue;
-            }
-            // Expired counters go first; among live ones, the least recently used.
-            let age = if c.expires_at_ms <= now { 0 } else { c.used_ms.saturating_add(1) };
-            if victim.is_none_or(|(_, best)| age < best) {
-                victim = Some((i, age));
-            }
-        }
-        if victim.is_none() {
-            // Every sample was spared: the first counter that is not, within
-            // one more step than there are spared counters.
-            victim = (0..len)
-                .take(spared.len().saturating_add(1))
-                .find(|&i| self.counters.get_index(i).is_some_and(|(key, _)| !is_spared(key)))
-                .and_then(|i| self.counters.get_index(i).map(|(_, c)| (i, c.used_ms.saturating_add(1))));
-        }
-        let Some((i, age)) = victim else {
-            return;
-        };
-        self.counters.swap_remove_index(i);
-        if age == 0 {
-            return;
-        }
-        crate::metrics::get().counter_evicted();
-        self.evicted_unlogged = self.evicted_unlogged.saturating_add(1);
-        let due = self
-            .last_eviction_log_ms
-            .is_none_or(|at| now.saturating_sub(at) >= EVICTION_LOG_EVERY_MS);
-        if due {
-            tracing::warn!(
-                counters = len,
-                evicted = self.evicted_unlogged,
-                "memory store full (--max-counters): evicting the least recently used counters; their callers start fresh windows"
-            );
-            self.last_eviction_log_ms = Some(now);
-            self.evicted_unlogged = 0;
-        }
-    }
-
-    /// Charges `cost` to `key`, making room first when it is new. `decision`
-    /// is every check of the request being charged: none of its counters is
-    /// evicted to make room for another, or the request would lose a charge
-    /// it was admitted with.
-    fn charge(&mut self, key: &str, now: u64, longest: u64, cost: u64, max: usize, decision: &[Check<'_>]) {
-        if !self.counters.contains_key(key) {
-            while self.counters.len() >= max {
-                let before = self.counters.len();
-                self.evict_one(now, decision);
-                if self.counters.len() == before {
-                    break;
-                }
-            }
-            self.counters.insert(
-                key.to_string(),
-                Counter {
-                    base: 0,
-                    entries: VecDeque::new(),
-                    expires_at_ms: 0,
-                    used_ms: now,
-                },
-            );
-        }
-        let Some(counter) = self.counters.get_mut(key) else {
-            return;
-        };
-        counter.used_ms = now;
-        if counter.expires_at_ms <= now {
-            counter.base = 0;
-            counter.entries.clear();
-        }
-        let oldest_kept = now.saturating_add(1).saturating_sub(longest);
-        while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
-            counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
-        }
-        let total = counter.total().wrapping_add(cost);
-        counter.entries.push_back((now, total));
-        counter.expires_at_ms = now.saturating_add(longest);
     }
 }
 
