@@ -6,22 +6,29 @@
 //! 1. `surfaces` translate the wire format (the reverse proxy, ext_authz and
 //!    auth_request in `surfaces::decision_http`, Envoy's RLS in
 //!    `surfaces::envoy_rls`) into facts;
-//! 2. `limits` resolves the facts against the loaded limits into hits (one
-//!    rule and one counter key each): `limits::http` for HTTP rules,
-//!    `limits::descriptors` for Envoy descriptors, `limits::keys` for keys;
+//! 2. `limits` resolves the facts against the catalog in force
+//!    (`limits::Catalog`) into hits, one rule and one counter key each:
+//!    `limits::http` for HTTP rules, `limits::descriptors` for Envoy
+//!    descriptors, `limits::keys` for keys;
 //! 3. `limiter` decides all hits together (denial cache first), through a
-//!    store: `limiter::memory` in process, or `limiter::redis` (the
-//!    `decide.lua` script, per-thread lanes, Cluster, Sentinel);
+//!    `limiter::CounterStore`: `limiter::memory` in process, or
+//!    `limiter::redis` (the `decide.lua` script, per-thread lanes, Cluster,
+//!    Sentinel);
 //! 4. the surface renders the decision through `render` (RateLimit headers,
-//!    `Retry-After`, refusal bodies and tollgate's own error answers).
+//!    `Retry-After`, refusal bodies and tollgate's own error answers); the
+//!    proxy forwards an admitted request through `upstream`.
 //!
-//! Around it: `config` parses and validates limits files, `reload` keeps
-//! them live and publishes a new `limits::Catalog` on every change,
-//! `client_ip` and `path` normalise what callers send, `serve` runs the
-//! accept loop every listener shares, `admin` and `metrics` report.
-//! `settings` holds every flag; `server` starts what they describe (worker
-//! threads, listeners, the store) and stops it; `main.rs` parses the flags
-//! and waits for signals.
+//! So a proxied request reads in `surfaces/proxy.rs`, `limits/http.rs` and
+//! `limiter/mod.rs`; an RLS call in `surfaces/envoy_rls.rs`,
+//! `limits/descriptors.rs` and `limiter/mod.rs`.
+//!
+//! Around it: `config` parses and validates limits files; `reload` keeps
+//! them live (`reload::watch` decides when) and publishes a new
+//! `limits::Catalog` on every change; `client_ip` and `path` normalise what
+//! callers send; `serve` is the accept loop every listener shares; `admin`
+//! and `metrics` report. `settings` holds every flag; `server` starts what
+//! they describe (worker threads in `server::workers`, listeners, the
+//! store) and stops it; `main.rs` parses the flags and waits for signals.
 
 /// Marks items (modules, impl blocks) a request passes through. They never
 /// panic: clippy denies indexing that can fail, unwrap/expect and unchecked

@@ -119,7 +119,6 @@ impl Server {
             true => Some(files.watch()?),
             false => None,
         };
-        let catalog = files.catalog();
         let limiter = Arc::new(Limiter::new(open_store(&settings)?, settings.redis_timeout));
         // Cached denials were exact for the old limits only.
         let forget = limiter.clone();
@@ -129,146 +128,43 @@ impl Server {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        // A pure rate limit service has no proxy: its --listen port answers
-        // health probes only, where envoyproxy/ratelimit's do.
-        let (proxy_listeners, health_listener) = match upstream {
-            Some(_) => (workers::bind_shared(settings.listen, threads)?, None),
-            None => (Vec::new(), Some(bind(settings.listen).await?)),
-        };
-        let admin_listener = bind(settings.admin_listen).await?;
-        let grpc_listener = match grpc_listen.0 {
-            Some(addr) => Some(bind(addr).await?),
-            None => None,
-        };
-        let check_listener = match check_listen {
-            Some(addr) => Some(bind(addr).await?),
-            None => None,
-        };
-        let local = |l: &Option<TcpListener>| l.as_ref().and_then(|l| l.local_addr().ok());
-        let addresses = Addresses {
-            proxy: proxy_listeners.first().and_then(|l| l.local_addr().ok()),
-            admin: admin_listener
-                .local_addr()
-                .map_err(|e| StartError::Listen(settings.admin_listen, e))?,
-            grpc: local(&grpc_listener),
-            check: local(&check_listener),
-            health: local(&health_listener),
-        };
-        let shown = |a: Option<SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
-        tracing::info!(
-            proxy = %shown(addresses.proxy),
-            admin = %addresses.admin,
-            grpc = %shown(addresses.grpc),
-            health = %shown(addresses.health),
-            check = %shown(addresses.check),
-            "listening"
-        );
-
-        let conn_limits = ConnLimits {
-            header_read_timeout: settings.header_read_timeout,
-            shutdown_grace: settings.shutdown_timeout,
-            ..ConnLimits::default()
-        };
+        let listeners = Listeners::bind(&settings, upstream.is_some(), grpc_listen.0, check_listen, threads).await?;
+        let addresses = listeners.addresses(settings.admin_listen)?;
         let (stop, stop_rx) = watch::channel(false);
+        let parts = Parts {
+            limiter,
+            catalog: files.catalog(),
+            files: files.clone(),
+            trusted,
+            conn_limits: ConnLimits {
+                header_read_timeout: settings.header_read_timeout,
+                shutdown_grace: settings.shutdown_timeout,
+                ..ConnLimits::default()
+            },
+            stop: stop_rx,
+        };
         let options = upstream.map(|upstream| ProxyOptions {
             upstream,
             upstream_timeout: settings.upstream_timeout,
             body_timeout: settings.upstream_body_timeout,
-            trusted: trusted.clone(),
+            trusted: parts.trusted.clone(),
             ratelimit_headers: settings.ratelimit_headers,
         });
-        // Threads serve the proxy listener (when there is one) and the gRPC
-        // connections dealt to them.
-        let mut proxy_listeners = proxy_listeners.into_iter();
-        let mut worker_threads = Vec::with_capacity(threads);
-        let mut grpc_workers = Vec::new();
-        for i in 0..threads {
-            let proxy = match (proxy_listeners.next(), &options) {
-                (Some(listener), Some(options)) => {
-                    Some((listener, Proxy::new(limiter.clone(), catalog.clone(), options.clone())))
-                }
-                _ => None,
-            };
-            let grpc = grpc_listener.is_some().then(|| {
-                let (conns, incoming) = mpsc::unbounded_channel();
-                grpc_workers.push(conns);
-                let rls = RlsService::new(limiter.clone(), catalog.clone())
-                    .with_dynamic_metadata(settings.rls_dynamic_metadata)
-                    .with_shadow_mode(settings.rls_shadow_mode)
-                    .with_quota_mode(settings.rls_quota_mode)
-                    .with_headers(settings.rls_headers);
-                (incoming, rls)
-            });
-            if proxy.is_none() && grpc.is_none() {
-                break;
-            }
-            let worker = workers::Worker {
-                proxy,
-                grpc,
-                limits: conn_limits,
-                stop: stop_rx.clone(),
-            };
-            let thread = std::thread::Builder::new()
-                .name(format!("proxy-{i}"))
-                .spawn(move || worker.run())
-                .map_err(StartError::Thread)?;
-            worker_threads.push(thread);
-        }
-
-        if !settings.admin_listen.ip().is_loopback() && settings.admin_token.is_none() {
-            tracing::warn!(admin = %settings.admin_listen, "admin listener is reachable beyond loopback without --admin-token; /config and /metrics are open to anyone who can reach it");
-        }
-        let access = AdminAccess {
-            token: settings.admin_token.clone(),
-            hosts: settings.admin_hosts.clone(),
-        };
-        let admin = Arc::new(Admin::new(limiter.clone(), files.clone(), access));
-        let mut tasks = vec![tokio::spawn(serve(
-            admin_listener,
-            conn_limits,
-            stop_rx.clone(),
-            move |req, peer| {
-                let admin = admin.clone();
-                async move { admin.handle(req, peer).await }
-            },
-        ))];
-        if let Some(listener) = check_listener {
-            let check = Arc::new(DecisionHttp::new(limiter.clone(), catalog.clone(), trusted));
-            // Whatever NGINX or Envoy accepted from a client and passes on
-            // must be read here: a 431 would turn into "the check failed",
-            // which the proxy in front may answer by letting the request through.
-            let check_limits = ConnLimits {
-                max_headers: 1024,
-                max_header_bytes: 256 * 1024,
-                ..conn_limits
-            };
-            tasks.push(tokio::spawn(serve(
-                listener,
-                check_limits,
-                stop_rx.clone(),
-                move |req, peer| {
-                    let check = check.clone();
-                    async move { check.handle(req, peer).await }
-                },
-            )));
-        }
-        if let Some(listener) = health_listener {
-            tasks.push(tokio::spawn(serve(
-                listener,
-                conn_limits,
-                stop_rx.clone(),
-                Admin::health_only,
-            )));
-        }
-        if let Some(listener) = grpc_listener {
-            tasks.push(tokio::spawn(workers::deal_grpc(listener, grpc_workers, stop_rx)));
-        }
+        let Listeners {
+            proxy,
+            admin,
+            grpc,
+            check,
+            health,
+        } = listeners;
+        let (threads, grpc_workers) = parts.start_workers(&settings, proxy, options, grpc.is_some(), threads)?;
+        let tasks = parts.serve_listeners(&settings, admin, check, health, grpc.map(|l| (l, grpc_workers)));
         Ok(Server {
             addresses,
             files,
             stop,
             tasks,
-            threads: worker_threads,
+            threads,
             grace: settings.shutdown_timeout,
             _watch: watch_guard,
         })
@@ -330,87 +226,197 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
     TcpListener::bind(addr).await.map_err(|e| StartError::Listen(addr, e))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use clap::Parser;
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// Every listening socket, bound before anything is served.
+struct Listeners {
+    /// One per worker thread (`SO_REUSEPORT`), when there is an upstream.
+    proxy: Vec<std::net::TcpListener>,
+    admin: TcpListener,
+    grpc: Option<TcpListener>,
+    check: Option<TcpListener>,
+    /// `--listen` without a proxy answers health probes only, where
+    /// envoyproxy/ratelimit's does.
+    health: Option<TcpListener>,
+}
 
-    /// One HTTP/1.1 request on a fresh connection; the response's status.
-    async fn status_of(addr: SocketAddr, path: &str) -> u16 {
-        let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
-        let request = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\nconnection: close\r\n\r\n");
-        conn.write_all(request.as_bytes()).await.unwrap();
-        let mut response = String::new();
-        conn.read_to_string(&mut response).await.unwrap();
-        response.get(9..12).and_then(|s| s.parse().ok()).unwrap_or(0)
+impl Listeners {
+    async fn bind(
+        settings: &Settings,
+        proxy: bool,
+        grpc: Option<SocketAddr>,
+        check: Option<SocketAddr>,
+        threads: usize,
+    ) -> Result<Listeners, StartError> {
+        let (proxy, health) = match proxy {
+            true => (workers::bind_shared(settings.listen, threads)?, None),
+            false => (Vec::new(), Some(bind(settings.listen).await?)),
+        };
+        Ok(Listeners {
+            proxy,
+            admin: bind(settings.admin_listen).await?,
+            grpc: bind_some(grpc).await?,
+            check: bind_some(check).await?,
+            health,
+        })
     }
 
-    /// An upstream answering every request 200, until dropped.
-    async fn upstream() -> (SocketAddr, tokio::task::JoinHandle<()>) {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let task = tokio::spawn(async move {
-            while let Ok((mut conn, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut buf = [0u8; 4096];
-                    let _ = conn.read(&mut buf).await;
-                    let _ = conn
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
-                        .await;
-                });
-            }
-        });
-        (addr, task)
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_server_started_in_process_limits_and_stops() {
-        let dir = tempfile::tempdir().unwrap();
-        let limits = dir.path().join("limits.yaml");
-        std::fs::write(
-            &limits,
-            "domain: d\nrules:\n  - name: all\n    limits: [{requests: 1, per: 1h}]\n",
-        )
-        .unwrap();
-        let (up, _upstream) = upstream().await;
-        let settings = Settings::try_parse_from([
-            "tollgate",
-            "--config",
-            limits.to_str().unwrap(),
-            "--upstream",
-            &format!("http://{up}"),
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--grpc-listen",
-            "off",
-            "--proxy-threads",
-            "2",
-            "--shutdown-timeout",
-            "1s",
-        ])
-        .unwrap();
-        let server = Server::start(settings).await.unwrap();
-        let addresses = server.addresses();
-        let proxy = addresses.proxy.unwrap();
-        assert_ne!(proxy.port(), 0, "port 0 is resolved to the bound port");
-        assert!(addresses.grpc.is_none() && addresses.check.is_none() && addresses.health.is_none());
-        assert_eq!(status_of(proxy, "/a").await, 200);
-        assert_eq!(status_of(proxy, "/a").await, 429, "one request an hour");
-        assert_eq!(status_of(addresses.admin, "/healthz").await, 200);
-        server.stop().await;
-        assert!(
-            tokio::net::TcpStream::connect(proxy).await.is_err(),
-            "a stopped server no longer listens"
+    /// Where each listens (port 0 resolved), said in one log line.
+    fn addresses(&self, admin: SocketAddr) -> Result<Addresses, StartError> {
+        let local = |l: &Option<TcpListener>| l.as_ref().and_then(|l| l.local_addr().ok());
+        let addresses = Addresses {
+            proxy: self.proxy.first().and_then(|l| l.local_addr().ok()),
+            admin: self.admin.local_addr().map_err(|e| StartError::Listen(admin, e))?,
+            grpc: local(&self.grpc),
+            check: local(&self.check),
+            health: local(&self.health),
+        };
+        let shown = |a: Option<SocketAddr>| a.map_or("off".to_string(), |a| a.to_string());
+        tracing::info!(
+            proxy = %shown(addresses.proxy),
+            admin = %addresses.admin,
+            grpc = %shown(addresses.grpc),
+            health = %shown(addresses.health),
+            check = %shown(addresses.check),
+            "listening"
         );
-    }
-
-    #[tokio::test]
-    async fn settings_that_serve_nothing_are_refused() {
-        let settings = Settings::try_parse_from(["tollgate", "--config", "x.yaml", "--grpc-listen", "off"]).unwrap();
-        let err = Server::start(settings).await.err().unwrap();
-        assert!(matches!(err, StartError::NothingToServe), "{err}");
+        Ok(addresses)
     }
 }
+
+/// What every listener and worker shares.
+struct Parts {
+    limiter: Arc<Limiter>,
+    catalog: crate::limits::SharedCatalog,
+    files: Arc<LiveFiles>,
+    trusted: TrustedProxies,
+    conn_limits: ConnLimits,
+    stop: watch::Receiver<bool>,
+}
+
+/// Senders that deal gRPC connections to the worker threads.
+type GrpcWorkers = Vec<mpsc::UnboundedSender<std::net::TcpStream>>;
+
+impl Parts {
+    /// Starts the worker threads: each serves its proxy listener (when
+    /// there is one) and the gRPC connections dealt to it.
+    fn start_workers(
+        &self,
+        settings: &Settings,
+        proxy_listeners: Vec<std::net::TcpListener>,
+        options: Option<ProxyOptions>,
+        grpc: bool,
+        threads: usize,
+    ) -> Result<(Vec<std::thread::JoinHandle<()>>, GrpcWorkers), StartError> {
+        let mut proxy_listeners = proxy_listeners.into_iter();
+        let mut handles = Vec::with_capacity(threads);
+        let mut grpc_workers = Vec::new();
+        for i in 0..threads {
+            let proxy = match (proxy_listeners.next(), &options) {
+                (Some(listener), Some(options)) => Some((
+                    listener,
+                    Proxy::new(self.limiter.clone(), self.catalog.clone(), options.clone()),
+                )),
+                _ => None,
+            };
+            let grpc = grpc.then(|| {
+                let (conns, incoming) = mpsc::unbounded_channel();
+                grpc_workers.push(conns);
+                let rls = RlsService::new(self.limiter.clone(), self.catalog.clone())
+                    .with_dynamic_metadata(settings.rls_dynamic_metadata)
+                    .with_shadow_mode(settings.rls_shadow_mode)
+                    .with_quota_mode(settings.rls_quota_mode)
+                    .with_headers(settings.rls_headers);
+                (incoming, rls)
+            });
+            if proxy.is_none() && grpc.is_none() {
+                break;
+            }
+            let worker = workers::Worker {
+                proxy,
+                grpc,
+                limits: self.conn_limits,
+                stop: self.stop.clone(),
+            };
+            let handle = std::thread::Builder::new()
+                .name(format!("proxy-{i}"))
+                .spawn(move || worker.run())
+                .map_err(StartError::Thread)?;
+            handles.push(handle);
+        }
+        Ok((handles, grpc_workers))
+    }
+
+    /// Serves the admin, decision and health listeners on the main runtime,
+    /// and deals gRPC connections to the workers.
+    fn serve_listeners(
+        &self,
+        settings: &Settings,
+        admin: TcpListener,
+        check: Option<TcpListener>,
+        health: Option<TcpListener>,
+        grpc: Option<(TcpListener, GrpcWorkers)>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        if !settings.admin_listen.ip().is_loopback() && settings.admin_token.is_none() {
+            tracing::warn!(admin = %settings.admin_listen, "admin listener is reachable beyond loopback without --admin-token; /config and /metrics are open to anyone who can reach it");
+        }
+        let access = AdminAccess {
+            token: settings.admin_token.clone(),
+            hosts: settings.admin_hosts.clone(),
+        };
+        let admin_handler = Arc::new(Admin::new(self.limiter.clone(), self.files.clone(), access));
+        let mut tasks = vec![tokio::spawn(serve(
+            admin,
+            self.conn_limits,
+            self.stop.clone(),
+            move |req, peer| {
+                let admin = admin_handler.clone();
+                async move { admin.handle(req, peer).await }
+            },
+        ))];
+        if let Some(listener) = check {
+            let check = Arc::new(DecisionHttp::new(
+                self.limiter.clone(),
+                self.catalog.clone(),
+                self.trusted.clone(),
+            ));
+            // Whatever NGINX or Envoy accepted from a client and passes on
+            // must be read here: a 431 would turn into "the check failed",
+            // which the proxy in front may answer by letting the request through.
+            let check_limits = ConnLimits {
+                max_headers: 1024,
+                max_header_bytes: 256 * 1024,
+                ..self.conn_limits
+            };
+            tasks.push(tokio::spawn(serve(
+                listener,
+                check_limits,
+                self.stop.clone(),
+                move |req, peer| {
+                    let check = check.clone();
+                    async move { check.handle(req, peer).await }
+                },
+            )));
+        }
+        if let Some(listener) = health {
+            tasks.push(tokio::spawn(serve(
+                listener,
+                self.conn_limits,
+                self.stop.clone(),
+                Admin::health_only,
+            )));
+        }
+        if let Some((listener, workers)) = grpc {
+            tasks.push(tokio::spawn(workers::deal_grpc(listener, workers, self.stop.clone())));
+        }
+        tasks
+    }
+}
+
+async fn bind_some(addr: Option<SocketAddr>) -> Result<Option<TcpListener>, StartError> {
+    match addr {
+        Some(addr) => Ok(Some(bind(addr).await?)),
+        None => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -17,6 +17,7 @@ use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
@@ -92,15 +93,45 @@ impl Proxy {
         }
     }
 
-    /// Handles one client request.
+    /// Handles one client request: decide, then forward or refuse.
     pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        let admitted = match self.decide(&req, peer).await {
+            Ok(admitted) => admitted,
+            Err(answer) => return answer,
+        };
+        let upgrade = wants_upgrade(req.headers());
+        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+        let host = admitted.host.as_deref();
+        let (upstream_req, body_sent) = match self.upstream_request(req, admitted.normal, peer, host, upgrade) {
+            Ok(r) => r,
+            Err(status) => return plain(status, "request target cannot be forwarded"),
+        };
+        let response = match self.exchange(upstream_req, body_sent).await {
+            Ok(response) => response,
+            Err(answer) => return answer,
+        };
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            return switch_protocols(client_upgrade, response);
+        }
+        let (mut parts, body) = response.into_parts();
+        strip_hop_by_hop(&mut parts.headers, false);
+        if self.options.ratelimit_headers {
+            render::admission_headers(&admitted.decision, &mut parts.headers);
+        }
+        Response::from_parts(parts, Either::Left(body))
+    }
+
+    /// The decision for a request, when it admits it; otherwise the answer
+    /// (a refusal, or 400 for a request no rule can be matched against).
+    async fn decide(&self, req: &Request<Incoming>, peer: SocketAddr) -> Result<Admitted, Response<ProxyBody>> {
+        let bad_request = |e: &dyn std::fmt::Display| {
+            metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
+            plain(StatusCode::BAD_REQUEST, &e.to_string())
+        };
         let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
         let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
             Ok(host) => host.map(str::to_owned),
-            Err(e) => {
-                metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-                return plain(StatusCode::BAD_REQUEST, &e.to_string());
-            }
+            Err(e) => return Err(bad_request(&e)),
         };
         // Normalised once: the limits match it and the upstream gets it.
         // `None` when the path is normal already.
@@ -108,34 +139,34 @@ impl Proxy {
             Cow::Borrowed(_) => None,
             Cow::Owned(normal) => Some(normal),
         };
-        let decision = {
-            let info = RequestInfo {
-                method: req.method(),
-                path: normal.as_deref().unwrap_or(req.uri().path()),
-                query: req.uri().query(),
-                host: host.as_deref(),
-                headers: req.headers(),
-                client_ip,
-            };
-            match self.catalog.load().http_hits(&info) {
-                Ok(hits) => self.limiter.decide(&hits).await,
-                Err(e) => {
-                    metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-                    return plain(StatusCode::BAD_REQUEST, &e.to_string());
-                }
-            }
+        let info = RequestInfo {
+            method: req.method(),
+            path: normal.as_deref().unwrap_or(req.uri().path()),
+            query: req.uri().query(),
+            host: host.as_deref(),
+            headers: req.headers(),
+            client_ip,
         };
+        let hits = match self.catalog.load().http_hits(&info) {
+            Ok(hits) => hits,
+            Err(e) => return Err(bad_request(&e)),
+        };
+        let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Proxy, decision.verdict.into());
         if !decision.verdict.admits() {
-            return refusal(&decision);
+            return Err(refusal(&decision));
         }
+        Ok(Admitted { decision, host, normal })
+    }
 
-        let upgrade = wants_upgrade(req.headers());
-        let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-        let (upstream_req, body_sent) = match self.upstream_request(req, normal, peer, host.as_deref(), upgrade) {
-            Ok(r) => r,
-            Err(status) => return plain(status, "request target cannot be forwarded"),
-        };
+    /// Sends the request upstream and waits for the response headers: 400
+    /// when the client's body fails, 502 when the upstream does, 504 when
+    /// it does not answer in time.
+    async fn exchange(
+        &self,
+        upstream_req: Request<ClientBody>,
+        body_sent: tokio::sync::oneshot::Receiver<()>,
+    ) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
         let sent = Instant::now();
         // The wait for the answer starts once the request has been sent
         // whole: a long upload is the client's time, not the upstream's
@@ -157,54 +188,21 @@ impl Proxy {
             Err(_) => "timeout",
         };
         metrics::get().upstream(class, sent.elapsed());
-        let mut response = match answer {
-            Ok(Ok(r)) => r,
+        match answer {
+            Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) if e.is_client_body() => {
                 tracing::info!(error = %e, "client request body failed");
-                return plain(StatusCode::BAD_REQUEST, "the request body could not be read");
+                Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
             Ok(Err(e)) => {
                 tracing::warn!(error = %e, "upstream failed");
-                return plain(StatusCode::BAD_GATEWAY, "upstream unavailable");
+                Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Err(_) => {
-                tracing::warn!(timeout = ?self.options.upstream_timeout, "upstream timed out");
-                return plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out");
+                tracing::warn!(timeout = ?timeout, "upstream timed out");
+                Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
-        };
-
-        // A protocol switch nobody asked for (or to another protocol than
-        // the WebSocket the client asked for) cannot be relayed.
-        if response.status() == StatusCode::SWITCHING_PROTOCOLS
-            && (client_upgrade.is_none() || !wants_upgrade(response.headers()))
-        {
-            tracing::warn!("upstream switched protocols unasked");
-            return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
         }
-        if response.status() == StatusCode::SWITCHING_PROTOCOLS
-            && let Some(client_upgrade) = client_upgrade
-        {
-            let upstream_upgrade = hyper::upgrade::on(&mut response);
-            tokio::spawn(async move {
-                match tokio::try_join!(client_upgrade, upstream_upgrade) {
-                    Ok((client, upstream)) => {
-                        let _ =
-                            tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(upstream)).await;
-                    }
-                    Err(e) => tracing::debug!(error = %e, "upgrade failed"),
-                }
-            });
-            let (mut parts, _) = response.into_parts();
-            strip_hop_by_hop(&mut parts.headers, true);
-            return Response::from_parts(parts, Either::Right(Full::new(Bytes::new())));
-        }
-
-        let (mut parts, body) = response.into_parts();
-        strip_hop_by_hop(&mut parts.headers, false);
-        if self.options.ratelimit_headers {
-            render::admission_headers(&decision, &mut parts.headers);
-        }
-        Response::from_parts(parts, Either::Left(body))
     }
 
     /// Rewrites the client's request for the upstream: origin-form URI, HTTP/1.1,
@@ -326,6 +324,36 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     if let Ok(v) = HeaderValue::from_bytes(&value) {
         headers.insert(X_FORWARDED_FOR, v);
     }
+}
+
+/// An admitted request: its decision (for the RateLimit headers), its
+/// host, and its path when normalising changed it.
+struct Admitted {
+    decision: Decision,
+    host: Option<String>,
+    normal: Option<String>,
+}
+
+/// Relays an upstream's `101`: the two upgraded connections are joined end
+/// to end. A protocol switch nobody asked for (or to another protocol than
+/// the WebSocket the client asked for) cannot be relayed: 502.
+fn switch_protocols(client_upgrade: Option<OnUpgrade>, mut response: Response<UpstreamBody>) -> Response<ProxyBody> {
+    let Some(client_upgrade) = client_upgrade.filter(|_| wants_upgrade(response.headers())) else {
+        tracing::warn!("upstream switched protocols unasked");
+        return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
+    };
+    let upstream_upgrade = hyper::upgrade::on(&mut response);
+    tokio::spawn(async move {
+        match tokio::try_join!(client_upgrade, upstream_upgrade) {
+            Ok((client, upstream)) => {
+                let _ = tokio::io::copy_bidirectional(&mut TokioIo::new(client), &mut TokioIo::new(upstream)).await;
+            }
+            Err(e) => tracing::debug!(error = %e, "upgrade failed"),
+        }
+    });
+    let (mut parts, _) = response.into_parts();
+    strip_hop_by_hop(&mut parts.headers, true);
+    Response::from_parts(parts, Either::Right(Full::new(Bytes::new())))
 }
 
 fn refusal(decision: &Decision) -> Response<ProxyBody> {
