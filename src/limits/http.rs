@@ -120,6 +120,10 @@ pub(super) fn each_file_hits<L: std::ops::Deref<Target = Limits>>(
     req: &RequestInfo<'_>,
     hits: &mut Vec<Hit>,
 ) -> Result<(), RequestError> {
+    // No limits, nothing to refuse (as when no rule matches).
+    if files.is_empty() {
+        return Ok(());
+    }
     let host = req.host.map(canonical_host);
     let host = host.as_deref();
     if crate::path::is_ambiguous(req.path) {

@@ -16,7 +16,6 @@ pub use watch::WatchGuard;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use arc_swap::ArcSwap;
@@ -42,22 +41,47 @@ struct InForce {
     catalog: SharedCatalog,
     /// Publishes one at a time, each from the latest limits.
     publishing: Mutex<()>,
-    /// Set while a directory's files are reloaded one by one: the catalog
+    /// Held while a directory's files are reloaded one by one: the catalog
     /// is published once they all are, so two files swapping domains in
     /// one deploy never leave a domain unserved in between.
-    held: AtomicBool,
-    /// A change came while held.
-    pending: AtomicBool,
+    hold: Mutex<Hold>,
     /// Run after every published change (e.g. to drop caches).
     callbacks: Mutex<Vec<Callback>>,
 }
 
+/// Who holds publishing, and whether a change waits for them.
+#[derive(Default)]
+struct Hold {
+    holders: usize,
+    pending: bool,
+}
+
+/// Publishing held until dropped (also on a panic in between).
+struct Held<'a>(&'a InForce);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        let publish = {
+            let mut hold = self.0.hold.lock().unwrap_or_else(|e| e.into_inner());
+            hold.holders = hold.holders.saturating_sub(1);
+            hold.holders == 0 && std::mem::take(&mut hold.pending)
+        };
+        if publish {
+            self.0.publish();
+        }
+    }
+}
+
 impl InForce {
-    /// Builds a catalog of every file's last good limits and swaps it in.
+    /// Builds a catalog of every file's last good limits and swaps it in,
+    /// or, while held, once the last holder lets go.
     fn publish(&self) {
-        if self.held.load(Ordering::SeqCst) {
-            self.pending.store(true, Ordering::SeqCst);
-            return;
+        {
+            let mut hold = self.hold.lock().unwrap_or_else(|e| e.into_inner());
+            if hold.holders > 0 {
+                hold.pending = true;
+                return;
+            }
         }
         {
             let _one = self.publishing.lock().unwrap_or_else(|e| e.into_inner());
@@ -76,17 +100,11 @@ impl InForce {
         }
     }
 
-    /// Holds publishing while several files reload.
-    fn hold(&self) {
-        self.held.store(true, Ordering::SeqCst);
-    }
-
-    /// Ends a hold, publishing if anything changed during it.
-    fn release(&self) {
-        self.held.store(false, Ordering::SeqCst);
-        if self.pending.swap(false, Ordering::SeqCst) {
-            self.publish();
-        }
+    /// Holds publishing while several files reload; a change meanwhile
+    /// is published when the returned guard is dropped.
+    fn hold(&self) -> Held<'_> {
+        self.hold.lock().unwrap_or_else(|e| e.into_inner()).holders += 1;
+        Held(self)
     }
 
     /// Why `limits` cannot be in force beside the other files: another file
@@ -245,8 +263,7 @@ impl LiveFiles {
             merge,
             catalog: Catalog::default().shared(),
             publishing: Mutex::new(()),
-            held: AtomicBool::new(false),
-            pending: AtomicBool::new(false),
+            hold: Mutex::new(Hold::default()),
             callbacks: Mutex::new(Vec::new()),
         });
         in_force.publish();
@@ -291,6 +308,9 @@ impl LiveFiles {
     /// are loaded (a bad one is kept out, with its error said once), gone
     /// ones dropped with their domain, the others reloaded.
     fn rescan(&self, dir: &Path, cause: &str) {
+        // From the first file touched to the last: a file admitted below
+        // is in force only with the rest of the rescan, in its place.
+        let _held = self.in_force.hold();
         let on_disk = match files_in(dir) {
             Ok(list) => list,
             // The directory is gone or unreadable for now: keep serving what
@@ -363,14 +383,12 @@ impl LiveFiles {
                 .sort_by_key(|(p, _, _)| next.iter().position(|f| f.path == *p));
             self.files.store(Arc::new(next.clone()));
         }
-        self.in_force.hold();
         if changed {
             self.in_force.publish();
         }
         for f in next.iter().filter(|f| on_disk.contains(&f.path)) {
             f.reload_and_log(cause);
         }
-        self.in_force.release();
     }
 
     /// Loads a file that appeared in a directory and puts it in force,
@@ -446,5 +464,29 @@ mod tests {
         assert_eq!(catalog.load().domain("d").unwrap().rules[0].windows[0].requests, 2);
         assert_eq!(catalog.load().domain("f").unwrap().rules[0].windows[0].requests, 1);
         assert!(files.files().iter().all(|f| f.status().last_error.is_none()));
+    }
+
+    #[test]
+    fn a_change_while_held_is_published_when_the_last_holder_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = dir.path().join("a.yaml");
+        std::fs::write(&a, A).unwrap();
+        let files = LiveFiles::load(std::slice::from_ref(&a), false).unwrap();
+        let published = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = published.clone();
+        files.on_change(move || {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        });
+        let requests = || files.catalog().load().domain("d").unwrap().rules[0].windows[0].requests;
+        let (one, two) = (files.in_force.hold(), files.in_force.hold());
+        std::fs::write(&a, B).unwrap();
+        assert_eq!(files.files()[0].reload().unwrap(), Reloaded::Changed);
+        assert_eq!(requests(), 1, "held: not yet in force");
+        drop(one);
+        assert_eq!(requests(), 1, "still held by another rescan");
+        assert_eq!(published.load(std::sync::atomic::Ordering::SeqCst), 0);
+        drop(two);
+        assert_eq!(requests(), 2, "in force once the last holder lets go");
+        assert_eq!(published.load(std::sync::atomic::Ordering::SeqCst), 1, "published once");
     }
 }

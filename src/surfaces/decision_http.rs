@@ -71,7 +71,9 @@ impl DecisionHttp {
     }
 
     async fn decide(&self, surface: Surface, info: &RequestInfo<'_>) -> Result<Decision, String> {
-        match self.catalog.load().http_hits(info) {
+        // The catalog guard is let go before the decision awaits.
+        let hits = self.catalog.load().http_hits(info);
+        match hits {
             Ok(hits) => {
                 let decision = self.limiter.decide(&hits).await;
                 metrics::get().request(surface, decision.verdict.into());

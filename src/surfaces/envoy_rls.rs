@@ -89,8 +89,9 @@ impl RlsService {
 
     /// Decides one RLS request.
     pub async fn decide(&self, req: &RateLimitRequest) -> RateLimitResponse {
-        let catalog = self.catalog.load();
-        let Some(limits) = catalog.domain(&req.domain) else {
+        // The catalog guard is let go before the decision awaits: arc-swap
+        // guards are cheap only while few are held at once on a thread.
+        let Some(limits) = self.catalog.load().domain(&req.domain).cloned() else {
             // envoyproxy/ratelimit answers OK for domains it does not know.
             metrics::get().unknown_domain();
             metrics::get().request(Surface::Rls, metrics::Answer::Allowed);
@@ -103,7 +104,7 @@ impl RlsService {
         };
         let request_hits = u64::from(if req.hits_addend == 0 { 1 } else { req.hits_addend });
         let descriptors: Vec<Descriptor<'_>> = req.descriptors.iter().map(|d| descriptor(d, request_hits)).collect();
-        let Resolved { rules, hits, hit_of } = limits::resolve(limits, &descriptors, self.quota_mode);
+        let Resolved { rules, hits, hit_of } = limits::resolve(&limits, &descriptors, self.quota_mode);
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Rls, decision.verdict.into());
 

@@ -102,7 +102,7 @@ impl Proxy {
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
         let host = admitted.host.as_deref();
-        let (upstream_req, body_sent) = match self.upstream_request(req, admitted.normal, peer, host, upgrade) {
+        let (upstream_req, body_sent) = match self.upstream_request(req, peer, host, upgrade) {
             Ok(r) => r,
             Err(status) => return plain(status, "request target cannot be forwarded"),
         };
@@ -133,20 +133,18 @@ impl Proxy {
             Ok(host) => host.map(str::to_owned),
             Err(e) => return Err(bad_request(&e)),
         };
-        // Normalised once: the limits match it and the upstream gets it.
-        // `None` when the path is normal already.
-        let normal = match crate::path::normalize(req.uri().path()) {
-            Cow::Borrowed(_) => None,
-            Cow::Owned(normal) => Some(normal),
-        };
+        // The path as sent: the limits refuse an ambiguous one before any
+        // normalising could hide what made it so (`/a%2F/../b`).
         let info = RequestInfo {
             method: req.method(),
-            path: normal.as_deref().unwrap_or(req.uri().path()),
+            path: req.uri().path(),
             query: req.uri().query(),
             host: host.as_deref(),
             headers: req.headers(),
             client_ip,
         };
+        // The catalog guard is let go at the end of this statement, before
+        // the decision awaits.
         let hits = match self.catalog.load().http_hits(&info) {
             Ok(hits) => hits,
             Err(e) => return Err(bad_request(&e)),
@@ -156,7 +154,7 @@ impl Proxy {
         if !decision.verdict.admits() {
             return Err(refusal(&decision));
         }
-        Ok(Admitted { decision, host, normal })
+        Ok(Admitted { decision, host })
     }
 
     /// Sends the request upstream and waits for the response headers: 400
@@ -210,24 +208,22 @@ impl Proxy {
     fn upstream_request(
         &self,
         req: Request<Incoming>,
-        normal: Option<String>,
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
     ) -> Result<(Request<ClientBody>, tokio::sync::oneshot::Receiver<()>), StatusCode> {
         let (mut parts, body) = req.into_parts();
         let (body, sent) = ClientBody::new(body, self.options.body_timeout);
-        // The upstream sees the normalised path the limits were matched on.
-        let path = match (normal, parts.uri.path_and_query()) {
+        // The upstream sees the normalised path the limits were matched on
+        // (less the `;params` matching ignores: the upstream reads them).
+        let normal = crate::path::normalize(parts.uri.path());
+        let path = match (&normal, parts.uri.path_and_query()) {
             // Already normal: the same bytes, shared rather than parsed again.
-            (None, Some(pq)) => Ok(pq.clone()),
-            (normal, _) => {
-                let normal = normal.as_deref().unwrap_or(parts.uri.path());
-                match parts.uri.query() {
-                    Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
-                    None => PathAndQuery::try_from(normal),
-                }
-            }
+            (Cow::Borrowed(_), Some(pq)) => Ok(pq.clone()),
+            (_, _) => match parts.uri.query() {
+                Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
+                None => PathAndQuery::try_from(normal.as_ref()),
+            },
         }
         .map_err(|_| StatusCode::BAD_REQUEST)?;
         parts.uri = Uri::from(path);
@@ -326,12 +322,10 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     }
 }
 
-/// An admitted request: its decision (for the RateLimit headers), its
-/// host, and its path when normalising changed it.
+/// An admitted request: its decision (for the RateLimit headers) and host.
 struct Admitted {
     decision: Decision,
     host: Option<String>,
-    normal: Option<String>,
 }
 
 /// Relays an upstream's `101`: the two upgraded connections are joined end
