@@ -4,42 +4,15 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{ArgAction, Parser, Subcommand};
+use clap::Parser;
 use tollgate::reload::LiveFiles;
 use tollgate::server::Server;
-use tollgate::settings::{LogFormat, Settings};
+use tollgate::settings::{Cli, Command, LogFormat};
 
 // Many small short-lived allocations per request (headers, keys); glibc's
 // allocator showed up at ~5% of proxy CPU in profiles, mimalloc much less.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-#[derive(Parser)]
-#[command(
-    name = "tollgate",
-    version,
-    about = "HTTP rate-limit sidecar with exact sliding windows"
-)]
-#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
-struct Cli {
-    #[command(subcommand)]
-    command: Option<Command>,
-    #[command(flatten)]
-    run: Settings,
-}
-
-#[derive(Subcommand)]
-enum Command {
-    /// Validate a limits file and exit (non-zero with file:line: reason on error).
-    Check {
-        /// Limits files (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
-        #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
-        config: Vec<PathBuf>,
-        /// Merge envoyproxy/ratelimit files that declare the same domain.
-        #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
-        merge_domain_config: bool,
-    },
-}
 
 fn main() -> ExitCode {
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());

@@ -6,7 +6,38 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::{ArgAction, Parser, ValueEnum};
+use clap::{ArgAction, Parser, Subcommand, ValueEnum};
+
+/// The `tollgate` command line.
+#[derive(Parser)]
+#[command(
+    name = "tollgate",
+    version,
+    about = "HTTP rate-limit sidecar with exact sliding windows"
+)]
+#[command(args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
+pub struct Cli {
+    /// A subcommand, or none to run.
+    #[command(subcommand)]
+    pub command: Option<Command>,
+    /// What to run with.
+    #[command(flatten)]
+    pub run: Settings,
+}
+
+/// What `tollgate <command>` does instead of running.
+#[derive(Subcommand)]
+pub enum Command {
+    /// Validate a limits file and exit (non-zero with file:line: reason on error).
+    Check {
+        /// Limits files (YAML or JSON; tollgate's format or envoyproxy/ratelimit's).
+        #[arg(long, env = "TOLLGATE_CONFIG", value_delimiter = ',', required = true)]
+        config: Vec<PathBuf>,
+        /// Merge envoyproxy/ratelimit files that declare the same domain.
+        #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
+        merge_domain_config: bool,
+    },
+}
 
 /// Everything `tollgate` is started with (each flag also read from its
 /// `TOLLGATE_*` environment variable).
