@@ -724,6 +724,9 @@ rules:
         ("POST", "/log%69n", &[], "limited"),
         ("post", "/login", &[], "bad"),
         ("POST", "/x%2Flogin", &[], "bad"),
+        // An encoded separator in a segment normalising would drop.
+        ("POST", "/x%2F/../login", &[], "bad"),
+        ("POST", "/x%5c/./../login", &[], "bad"),
         ("GET", "/k", &[("x-key", "K")], "admitted"),
         ("GET", "/k", &[("x-key", "K"), ("x-key", "K2")], "bad"),
         ("GET", "/k", &[("x-key", "K")], "limited"),

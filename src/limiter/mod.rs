@@ -263,79 +263,9 @@ impl FailureLog {
             } else {
                 "failing open"
             };
-            tracing::warn!(%error, failures = folded.saturating_add(1), "counter store unavailable, {mode}");
+            tracing::warn!(%error, transient = error.is_transient(), failures = folded.saturating_add(1), "counter store unavailable, {mode}");
         }
     }
 }
 
-// The limiter's behaviour on both stores: integration/limiter.rs.
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::config::parse_str;
-
-    fn hits(yaml_rules: &str) -> Vec<Hit> {
-        let limits = parse_str(&format!("domain: t\nrules:\n{yaml_rules}"), "t.yaml").unwrap();
-        limits
-            .rules
-            .iter()
-            .map(|r| Hit {
-                rule: r.clone(),
-                key: format!("k:{}", r.name),
-                cost: 1,
-            })
-            .collect()
-    }
-
-    #[tokio::test]
-    async fn a_caller_refused_from_the_cache_is_not_evicted_by_a_flood() {
-        // README: a caller that keeps asking while refused stays refused. Its
-        // refusals come from the denial cache, yet its counter must count as
-        // used, or a flood of fresh keys evicts it and the caller comes back
-        // to a fresh window.
-        let clock = Arc::new(ManualClock::new(1_000_000));
-        let l = Limiter::with_clock(
-            Store::Memory(MemoryStore::new(clock.clone()).with_max_counters(1_000)),
-            Duration::from_millis(50),
-            clock.clone(),
-        );
-        let caller = hits("  - name: pace\n    limits: [{requests: 5, per: 10s}]\n");
-        // One unit now, four a second later.
-        assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
-        clock.advance(1_000);
-        for _ in 0..4 {
-            assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
-        }
-        let mut flood = hits("  - name: flood\n    limits: [{requests: 5, per: 10s}]\n");
-        for i in 0..8_990u64 {
-            clock.advance(1);
-            if let Some(h) = flood.first_mut() {
-                h.key = format!("fresh:{i}");
-            }
-            l.decide(&flood).await;
-            if i % 20 == 0 {
-                assert_eq!(l.decide(&caller).await.verdict, Verdict::Limited, "at {i}");
-            }
-        }
-        // The first unit has left; the four others have not: one fits.
-        clock.advance(20);
-        assert_eq!(l.decide(&caller).await.verdict, Verdict::Allowed);
-        assert_eq!(
-            l.decide(&caller).await.verdict,
-            Verdict::Limited,
-            "the caller's window survived the flood"
-        );
-    }
-
-    #[tokio::test]
-    async fn store_failure_applies_the_failure_mode() {
-        let store = RedisStore::connect(&["redis://127.0.0.1:1/".to_string()], &RedisMode::Standalone, None).unwrap();
-        let l = Limiter::new(Store::Redis(store), Duration::from_millis(50));
-        let open = hits("  - name: r\n    limits: [{requests: 1, per: 1s}]\n");
-        assert_eq!(l.decide(&open).await.verdict, Verdict::FailedOpen);
-        let closed = hits("  - name: r\n    failure_mode: closed\n    limits: [{requests: 1, per: 1s}]\n");
-        let d = l.decide(&closed).await;
-        assert_eq!(d.verdict, Verdict::FailedClosed);
-        assert_eq!(d.status(), http::StatusCode::SERVICE_UNAVAILABLE);
-    }
-}
+// Tested at the limiter level, on both stores: integration/limiter.rs.
