@@ -336,3 +336,108 @@ async fn a_directory_deleted_and_made_again_is_watched_again() {
     let took = wait_for_limit(&tg, 4, Duration::from_secs(3)).await;
     eprintln!("after the directory came back: {took:?}");
 }
+
+/// A file of 10,000 rules, one per service prefix (`/svcI/*`, limit
+/// `I % 3 + shift`), a few exact paths and hosts among them, and a catch-all.
+fn many_rules(shift: u64) -> String {
+    let mut text = String::from("domain: many\nrules:\n");
+    for i in 0..10_000u64 {
+        let (path, host) = match i % 100 {
+            // Every hundredth rule an exact path, every hundred-and-first on one host.
+            0 => (format!("/svc{i}/exact"), String::new()),
+            1 => (format!("/svc{i}/*"), ", host: api.example.com".to_string()),
+            _ => (format!("/svc{i}/*"), String::new()),
+        };
+        text.push_str(&format!(
+            "  - {{ name: svc{i}, match: {{ path: '{path}'{host} }}, by: ['header:x-probe'], limits: [{{ requests: {}, per: 60s }}] }}\n",
+            i % 3 + shift
+        ));
+    }
+    text.push_str("  - { name: all, by: ['header:x-probe'], limits: [{ requests: 1000000, per: 60s }] }\n");
+    text
+}
+
+/// How many requests to `path` (on `host`) a fresh caller gets through
+/// before its first 429.
+async fn enforced_on(tg: &Tollgate, path: &str, host: &str) -> usize {
+    let c = client();
+    let key = format!("m{}", PROBE.fetch_add(1, Ordering::SeqCst));
+    for admitted in 0..20 {
+        let a = get(&c, &tg.url(path), &[("x-probe", &key), ("host", host)]).await;
+        match a.status {
+            StatusCode::OK => continue,
+            StatusCode::TOO_MANY_REQUESTS => return admitted,
+            other => panic!("unexpected {other} for {path}"),
+        }
+    }
+    20
+}
+
+#[tokio::test]
+async fn ten_thousand_rules_match_by_path_and_host_and_reload_under_load() {
+    let upstream = TestUpstream::start().await;
+    let tg = Arc::new(Tollgate::start(&many_rules(1), upstream.addr, &[]));
+    let expect = |i: u64, shift: u64| (i % 3 + shift) as usize;
+    for (i, path) in [(2, "/svc2/x"), (9_999, "/svc9999/a/b"), (4_567, "/svc4567/")] {
+        assert_eq!(enforced_on(&tg, path, "localhost").await, expect(i, 1), "{path}");
+    }
+    // An exact rule matches its path (and with a trailing slash), not below it.
+    assert_eq!(enforced_on(&tg, "/svc300/exact/", "localhost").await, expect(300, 1));
+    assert_eq!(
+        enforced_on(&tg, "/svc300/other", "localhost").await,
+        20,
+        "only the catch-all"
+    );
+    // A host rule matches on its host only, whatever the case and port.
+    assert_eq!(
+        enforced_on(&tg, "/svc301/x", "API.example.com:8080").await,
+        expect(301, 1)
+    );
+    assert_eq!(enforced_on(&tg, "/svc301/x", "other.example.com").await, 20);
+    // /svc1/* (limit 2) does not cover /svc11/x (limit 3).
+    assert_eq!(enforced_on(&tg, "/svc11/x", "localhost").await, expect(11, 1));
+
+    // Requests keep flowing while the file is rewritten and re-indexed.
+    let stop = Arc::new(AtomicBool::new(false));
+    let failures = Arc::new(AtomicUsize::new(0));
+    let mut load = Vec::new();
+    for n in 0..4 {
+        let (tg, stop, failures) = (tg.clone(), stop.clone(), failures.clone());
+        load.push(tokio::spawn(async move {
+            let c = client();
+            while !stop.load(Ordering::SeqCst) {
+                let a = get(&c, &tg.url("/svc5000/load"), &[("x-probe", &format!("load{n}"))]).await;
+                if a.status != StatusCode::OK && a.status != StatusCode::TOO_MANY_REQUESTS {
+                    failures.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }));
+    }
+    write_via_rename(&tg.config, &many_rules(2));
+    let started = Instant::now();
+    while enforced_on(&tg, "/svc9999/x", "localhost").await != expect(9_999, 2) {
+        assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for t in load {
+        t.await.unwrap();
+    }
+    assert_eq!(
+        failures.load(Ordering::SeqCst),
+        0,
+        "no request failed during the reload"
+    );
+    assert_eq!(enforced_on(&tg, "/svc2/x", "localhost").await, expect(2, 2));
+    // The line is written just after the swap.
+    let started = Instant::now();
+    while !tg.logged("limits reloaded") && started.elapsed() < Duration::from_secs(5) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let log = tg.log_text();
+    let line = log.lines().find(|l| l.contains("limits reloaded")).unwrap_or_default();
+    assert!(
+        line.contains("rules=10001") && line.contains("took_ms=") && line.contains("index_ms="),
+        "{log}"
+    );
+}

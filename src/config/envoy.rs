@@ -256,12 +256,7 @@ impl EnvoyFile {
         let mut tree = DescriptorTree::default();
         let mut path = Vec::new();
         add_level(self.descriptors.0, &mut path, &mut rules, &mut tree)?;
-        Ok(Limits {
-            domain: self.domain.0,
-            format: Format::EnvoyRatelimit,
-            rules,
-            tree,
-        })
+        Ok(Limits::new(self.domain.0, Format::EnvoyRatelimit, rules, tree))
     }
 }
 

@@ -148,27 +148,25 @@ pub(super) fn deserialize<T: serde::de::DeserializeOwned>(text: &str, file: &str
 /// `descriptors` key (even with nothing after it) and no `rules`.
 fn looks_like_envoy(text: &str, file: &str) -> bool {
     type Shape = std::collections::HashMap<String, serde::de::IgnoredAny>;
-    let shape: Option<Shape> = if file.ends_with(".json") {
-        serde_json::from_str(text).ok()
-    } else {
-        yaml_serde::from_str(text).ok()
-    };
-    match shape {
-        Some(s) => s.contains_key("descriptors") && !s.contains_key("rules"),
-        // Not parseable as a whole (a syntax error further down): judge by
-        // the top-level keys as written, so the error is reported in terms
-        // of the format the file is in.
-        None if !file.ends_with(".json") => {
-            let top = |key: &str| {
-                text.lines().any(|l| {
-                    l.strip_prefix(key)
-                        .is_some_and(|rest| rest.trim_start().starts_with(':'))
-                })
-            };
-            top("descriptors") && !top("rules")
-        }
-        None => false,
+    if file.ends_with(".json") {
+        let shape: Option<Shape> = serde_json::from_str(text).ok();
+        return shape.is_some_and(|s| s.contains_key("descriptors") && !s.contains_key("rules"));
     }
+    // In block style (every file seen in practice), the top-level keys are
+    // the lines that start with a key; reading them saves parsing a large
+    // file twice. A file not written that way is parsed for its shape.
+    let top = |key: &str| {
+        text.lines().any(|l| {
+            l.strip_prefix(key)
+                .is_some_and(|rest| rest.trim_start().starts_with(':'))
+        })
+    };
+    let (descriptors, rules) = (top("descriptors"), top("rules"));
+    if descriptors || rules || text.lines().any(|l| l.starts_with("domain:")) {
+        return descriptors && !rules;
+    }
+    let shape: Option<Shape> = yaml_serde::from_str(text).ok();
+    shape.is_some_and(|s| s.contains_key("descriptors") && !s.contains_key("rules"))
 }
 
 /// Both parsers append "at line N column M"; the line is reported separately.

@@ -7,12 +7,14 @@
 
 mod envoy;
 mod file;
+mod index;
 mod lint;
 mod schema;
 mod tree;
 
 pub use envoy::unit_ms as envoy_unit_ms;
 pub use file::{ConfigError, MAX_FILE_BYTES, parse_str, read_limits};
+pub use index::RuleIndex;
 pub use lint::surface_warnings;
 pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
 
@@ -39,6 +41,9 @@ pub struct Limits {
     /// Rules that match Envoy descriptors, arranged for lookup.
     #[serde(skip)]
     pub tree: DescriptorTree,
+    /// The HTTP rules, arranged for lookup.
+    #[serde(skip)]
+    pub index: Arc<RuleIndex>,
 }
 
 /// The two limits file formats tollgate reads.
@@ -52,6 +57,18 @@ pub enum Format {
 }
 
 impl Limits {
+    /// Limits of `domain` with these rules, indexed for lookup.
+    pub fn new(domain: String, format: Format, rules: Vec<Arc<Rule>>, tree: DescriptorTree) -> Limits {
+        let index = Arc::new(RuleIndex::new(&rules));
+        Limits {
+            domain,
+            format,
+            rules,
+            tree,
+            index,
+        }
+    }
+
     /// Several envoyproxy/ratelimit files of one domain as one (its
     /// `MERGE_DOMAIN_CONFIG`): their top-level descriptors side by side, in
     /// file order; a composite key declared twice is an error. tollgate's
@@ -71,6 +88,7 @@ impl Limits {
             merged.tree.merge(&part.tree).map_err(|e| e.to_string())?;
             merged.rules.extend(part.rules.iter().cloned());
         }
+        merged.index = Arc::new(RuleIndex::new(&merged.rules));
         Ok(merged)
     }
 

@@ -38,12 +38,7 @@ impl RawLimits {
             }
             rules.push(rule);
         }
-        Limits {
-            domain: self.domain.0,
-            format: super::Format::Tollgate,
-            rules,
-            tree,
-        }
+        Limits::new(self.domain.0, super::Format::Tollgate, rules, tree)
     }
 }
 

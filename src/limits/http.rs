@@ -104,17 +104,22 @@ pub fn request_host<'a>(
     }
 }
 
-/// The counters of every rule that matches the request.
+/// The counters of every rule of `limits` that matches the request, found
+/// by trying every rule in turn: the plain reading of a file, against which
+/// the index the surfaces use ([`crate::config::RuleIndex`]) is tested.
 /// Paths are matched normalised (see [`crate::path`]), whatever the surface
 /// passed in.
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
+    let form = MatchingForm::of(req)?;
+    let (req, host) = (&RequestInfo { path: &form.path, ..*req }, form.host.as_deref());
+    let every = (0..limits.rules.len()).filter(|&at| limits.rules.get(at).is_some_and(|r| r.descriptor.is_none()));
     let mut hits = Vec::new();
-    each_file_hits(&[limits], req, &mut hits)?;
+    file_hits(limits, every, req, host, &mut hits)?;
     Ok(hits)
 }
 
-/// [`hits`] over several files, in order, the request checked and put in
-/// matching form once for all of them.
+/// [`hits`] over several files, in order, each looked up in its index, the
+/// request checked and put in matching form once for all of them.
 pub(super) fn each_file_hits<L: std::ops::Deref<Target = Limits>>(
     files: &[L],
     req: &RequestInfo<'_>,
@@ -124,25 +129,48 @@ pub(super) fn each_file_hits<L: std::ops::Deref<Target = Limits>>(
     if files.is_empty() {
         return Ok(());
     }
-    let host = req.host.map(canonical_host);
-    let host = host.as_deref();
-    if crate::path::is_ambiguous(req.path) {
-        return Err(RequestError::AmbiguousPath);
-    }
-    if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
-        return Err(RequestError::MethodCase);
-    }
-    let path = crate::path::matching_form(req.path);
-    let req = &RequestInfo { path: &path, ..*req };
+    let form = MatchingForm::of(req)?;
+    let (req, host) = (&RequestInfo { path: &form.path, ..*req }, form.host.as_deref());
     for limits in files {
-        file_hits(limits, req, host, hits)?;
+        let candidates = limits.index.candidates(req.path, host);
+        file_hits(limits, candidates.into_iter(), req, host, hits)?;
     }
     Ok(())
 }
 
-/// The counters of one file's rules that match a request in matching form.
-fn file_hits(limits: &Limits, req: &RequestInfo<'_>, host: Option<&str>, hits: &mut Vec<Hit>) -> Result<(), RequestError> {
-    for rule in limits.http_rules() {
+/// The path and host of a request as rules compare them.
+struct MatchingForm<'a> {
+    path: std::borrow::Cow<'a, str>,
+    host: Option<std::borrow::Cow<'a, str>>,
+}
+
+impl<'a> MatchingForm<'a> {
+    /// The request's matching form, or why it cannot be matched at all.
+    fn of(req: &RequestInfo<'a>) -> Result<MatchingForm<'a>, RequestError> {
+        if crate::path::is_ambiguous(req.path) {
+            return Err(RequestError::AmbiguousPath);
+        }
+        if req.method.as_str().bytes().any(|b| b.is_ascii_lowercase()) {
+            return Err(RequestError::MethodCase);
+        }
+        Ok(MatchingForm {
+            path: crate::path::matching_form(req.path),
+            host: req.host.map(canonical_host),
+        })
+    }
+}
+
+/// The counters of the rules at `positions` (in file order) of one file
+/// that match a request in matching form.
+fn file_hits(
+    limits: &Limits,
+    positions: impl Iterator<Item = usize>,
+    req: &RequestInfo<'_>,
+    host: Option<&str>,
+    hits: &mut Vec<Hit>,
+) -> Result<(), RequestError> {
+    for at in positions {
+        let Some(rule) = limits.rules.get(at) else { continue };
         if !rule.matcher.matches(req.method, req.path, host, req.headers) {
             continue;
         }
@@ -429,6 +457,89 @@ rules:
                     proptest::prop_assert!(hit.key.len() < 400, "{}", hit.key);
                     proptest::prop_assert!(hit.cost >= 1 && hit.cost <= crate::config::MAX_UNITS);
                 }
+            }
+        }
+    }
+
+    /// One rule of a random file, as YAML.
+    fn rule_yaml(
+        (n, methods, path, ignore_case, host, header, by): (usize, Vec<&str>, Option<String>, bool, Option<&str>, bool, &str),
+    ) -> String {
+        let mut m = Vec::new();
+        if !methods.is_empty() {
+            m.push(format!("methods: [{}]", methods.join(", ")));
+        }
+        if let Some(p) = path {
+            m.push(format!("path: '{p}'"));
+        }
+        if ignore_case {
+            m.push("ignore_case: true".into());
+        }
+        if let Some(h) = host {
+            m.push(format!("host: '{h}'"));
+        }
+        if header {
+            m.push("headers: { x-t: v }".into());
+        }
+        format!(
+            "  - name: r{n}\n    match: {{ {} }}\n    by: [{by}]\n    limits: [{{ requests: 5, per: 1s }}]\n",
+            m.join(", ")
+        )
+    }
+
+    /// A path written from pieces the normaliser and the matcher treat
+    /// specially: case, encoded letters, dot segments, empty segments.
+    fn path_strategy() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let segment = prop::sample::select(vec!["a", "A", "b", "ab", "aB", "%61", "%41", ".", "..", "", "a;x", "%7e"]);
+        prop::collection::vec(segment, 0..4).prop_map(|s| format!("/{}", s.join("/")))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 2000, ..Default::default() })]
+        /// The index finds exactly the rules, in the order, and with the
+        /// counters, that trying every rule in turn finds.
+        #[test]
+        fn the_index_matches_what_the_linear_scan_matches(
+            rules in proptest::collection::vec((
+                proptest::sample::subsequence(vec!["GET", "POST", "HEAD"], 0..=2),
+                proptest::option::of((path_strategy(), 0..3u8)),
+                proptest::bool::ANY,
+                proptest::option::of(proptest::sample::select(vec!["a.com", "A.com", "b.com", "a.com."])),
+                proptest::bool::weighted(0.2),
+                proptest::sample::select(vec!["", "path", "host", "method"]),
+            ), 0..14),
+            requests in proptest::collection::vec((
+                proptest::sample::select(vec!["GET", "POST", "HEAD", "PUT"]),
+                path_strategy(),
+                proptest::option::of(proptest::sample::select(vec!["a.com", "A.COM:8080", "a.com.", "b.com", "[::1]:80", "c.com"])),
+                proptest::bool::ANY,
+            ), 1..20),
+        ) {
+            let mut yaml = String::from("domain: d\nrules:\n");
+            for (n, (methods, path, ignore_case, host, header, by)) in rules.into_iter().enumerate() {
+                // 0: exact; 1: a prefix; 2: a prefix ending in a slash.
+                let path = path.map(|(p, shape)| match shape {
+                    0 => p,
+                    1 => format!("{p}*"),
+                    _ => format!("{}/*", p.trim_end_matches('/')),
+                });
+                yaml.push_str(&rule_yaml((n, methods, path, ignore_case, host, header, by)));
+            }
+            let Ok(limits) = parse_str(&yaml, "r.yaml") else { return Ok(()) };
+            let limits = std::sync::Arc::new(limits);
+            for (method, path, host, header) in requests {
+                let method = Method::from_bytes(method.as_bytes()).unwrap();
+                let mut headers = HeaderMap::new();
+                if header {
+                    headers.insert("x-t", "v".parse().unwrap());
+                }
+                let req = RequestInfo { method: &method, path: &path, query: None, host, headers: &headers, client_ip: "10.0.0.1".parse().unwrap() };
+                let seen = |hits: Vec<Hit>| hits.into_iter().map(|h| (h.rule.name.clone(), h.key, h.cost)).collect::<Vec<_>>();
+                let scan = hits(&limits, &req).map(seen);
+                let mut indexed = Vec::new();
+                let indexed = each_file_hits(std::slice::from_ref(&limits), &req, &mut indexed).map(|()| seen(indexed));
+                proptest::prop_assert_eq!(scan, indexed, "{} {:?} on {:?}\n{}", method, path, host, yaml);
             }
         }
     }

@@ -243,11 +243,20 @@ impl LiveFile {
         let error_before = self.status().last_error.clone();
         // The poll is a backstop for lost events: it looks at the file's
         // stamp first. An event or an operator's SIGHUP always reads.
+        let started = std::time::Instant::now();
         match self.reload_inner(cause != "poll") {
             Ok(Reloaded::Changed) => {
                 let status = self.status();
                 let limits = self.active.load();
-                tracing::info!(cause, file = %status.file, version = %status.version, rules = limits.rules.len(), "limits reloaded");
+                tracing::info!(
+                    cause,
+                    file = %status.file,
+                    version = %status.version,
+                    rules = limits.rules.len(),
+                    took_ms = %super::millis(started.elapsed()),
+                    index_ms = %super::millis(limits.index.built_in()),
+                    "limits reloaded"
+                );
             }
             // Only an operator's SIGHUP expects an answer when nothing changed.
             Ok(Reloaded::Unchanged) if cause == "SIGHUP" => {

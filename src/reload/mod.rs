@@ -10,9 +10,11 @@
 
 mod file;
 mod watch;
+mod worker;
 
 pub use file::{LiveFile, ReloadError, ReloadStatus, Reloaded};
 pub use watch::WatchGuard;
+pub(crate) use worker::run as in_background;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -346,7 +348,7 @@ impl LiveFiles {
                 Ok(live) => {
                     self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(path);
                     let limits = live.active().load_full();
-                    tracing::info!(cause, file = %path.display(), domain = %limits.domain, rules = limits.rules.len(), "limits file added");
+                    tracing::info!(cause, file = %path.display(), domain = %limits.domain, rules = limits.rules.len(), index_ms = %millis(limits.index.built_in()), "limits file added");
                     next.push(live);
                     changed = true;
                 }
@@ -425,6 +427,11 @@ impl LiveFiles {
             }
         }
     }
+}
+
+/// A duration as milliseconds with one decimal, for log lines.
+pub(crate) fn millis(d: std::time::Duration) -> String {
+    format!("{:.1}", d.as_secs_f64() * 1e3)
 }
 
 #[cfg(test)]

@@ -65,7 +65,7 @@ impl LiveFile {
                             return;
                         }
                         let live = live.clone();
-                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("file changed")).await;
+                        super::worker::run(move || live.reload_and_log("file changed")).await;
                     }
                     _ = poll.tick() => {
                         // A directory deleted and made again is a new one:
@@ -88,7 +88,7 @@ impl LiveFile {
                             };
                         }
                         let live = live.clone();
-                        let _ = tokio::task::spawn_blocking(move || live.reload_and_log("poll")).await;
+                        super::worker::run(move || live.reload_and_log("poll")).await;
                     }
                 }
             }
@@ -155,7 +155,7 @@ impl LiveFiles {
                     }
                 };
                 let (catalog, dir) = (catalog.clone(), dir.clone());
-                let _ = tokio::task::spawn_blocking(move || catalog.rescan(&dir, cause)).await;
+                super::worker::run(move || catalog.rescan(&dir, cause)).await;
             }
         });
         Ok(WatchGuard { task })

@@ -113,7 +113,7 @@ impl Server {
         for f in files.files().iter() {
             let limits = f.active().load();
             let status = f.status();
-            tracing::info!(file = %status.file, domain = %limits.domain, format = ?limits.format, rules = limits.rules.len(), version = %status.version, "limits loaded");
+            tracing::info!(file = %status.file, domain = %limits.domain, format = ?limits.format, rules = limits.rules.len(), index_ms = %crate::reload::millis(limits.index.built_in()), version = %status.version, "limits loaded");
         }
         let watch_guard = match settings.watch_config {
             true => Some(files.watch()?),
@@ -178,7 +178,7 @@ impl Server {
     /// Reloads every limits file and rescans every directory (SIGHUP).
     pub async fn reload(&self, cause: &'static str) {
         let files = self.files.clone();
-        let _ = tokio::task::spawn_blocking(move || files.reload_all(cause)).await;
+        crate::reload::in_background(move || files.reload_all(cause)).await;
     }
 
     /// Stops accepting, lets requests in flight finish (within the
