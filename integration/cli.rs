@@ -171,3 +171,42 @@ fn check_warns_about_statuses_a_decision_surface_cannot_carry() {
         "{err}"
     );
 }
+
+#[test]
+fn check_reports_rules_that_can_never_match() {
+    let dir = tempfile::tempdir().unwrap();
+    let http = dir.path().join("http.yaml");
+    std::fs::write(
+        &http,
+        "domain: d\nrules:\n  - { name: v1, match: { path: '/api//v1*' }, by: [client_ip], limits: [{ requests: 1, per: 1s }] }\n  - { name: fine, match: { path: '/api/v1*' }, by: [client_ip], limits: [{ requests: 1, per: 1s }] }\n",
+    )
+    .unwrap();
+    let envoy = dir.path().join("envoy.yaml");
+    std::fs::write(
+        &envoy,
+        "domain: e\ndescriptors:\n  - key: path\n    value: 'foo*'\n    rate_limit: { unit: second, requests_per_unit: 1 }\n  - key: path\n    value: 'foobar*'\n    rate_limit: { unit: second, requests_per_unit: 2 }\n",
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .args([
+            "check",
+            "--config",
+            http.to_str().unwrap(),
+            "--config",
+            envoy.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    // Warnings, not errors: the files load as they are.
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains("http.yaml: warning: rule \"v1\" never matches") && err.contains("write \"/api/v1*\""),
+        "{err}"
+    );
+    assert!(!err.contains("\"fine\""), "{err}");
+    assert!(
+        err.contains("envoy.yaml: warning: descriptor path_foobar* never matches: the wildcard \"path_foo*\""),
+        "{err}"
+    );
+}

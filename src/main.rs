@@ -64,7 +64,7 @@ fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
             for f in files.files().iter() {
                 let (limits, file) = (f.active().load(), f.status().file.clone());
                 println!("{file}: ok (domain {}, {} rules)", limits.domain, limits.rules.len());
-                for warning in tollgate::config::surface_warnings(&limits) {
+                for warning in tollgate::config::warnings(&limits) {
                     eprintln!("{file}: warning: {warning}");
                 }
             }

@@ -8,6 +8,57 @@ use http::StatusCode;
 
 use super::{FailureMode, Limits, Part, PathPattern, Rule};
 
+/// Everything `tollgate check` warns about in one file.
+pub fn warnings(limits: &Limits) -> Vec<String> {
+    let mut out = never_matching(limits);
+    out.extend(surface_warnings(limits));
+    out
+}
+
+/// Rules no request can ever reach. Every matching HTTP rule applies, so an
+/// HTTP rule is unreachable only through its own pattern: a prefix that
+/// no normalised path starts with (`/api//v1*`, `/%7Euser*`). Envoy
+/// descriptors are tried in order at each level, so a wildcard there can
+/// be shadowed by an earlier one (`foo*` before `foobar*`), and a key
+/// without a value by a wildcard that takes every value (`key_*`).
+pub fn never_matching(limits: &Limits) -> Vec<String> {
+    let mut out = Vec::new();
+    for rule in limits.http_rules() {
+        if let Some(PathPattern::Prefix(prefix)) = &rule.matcher.path
+            && let Some(reachable) = unreachable_prefix(prefix, rule.matcher.ignore_case)
+        {
+            out.push(format!(
+                "rule \"{}\" never matches: request paths are normalised before matching (see Security notes), and none starts with \"{prefix}\"; write \"{reachable}*\"",
+                rule.name
+            ));
+        }
+    }
+    for shadowed in limits.tree.shadowed() {
+        out.push(format!(
+            "descriptor {} never matches: the wildcard \"{}\", tried before it at its level, matches every value it would",
+            shadowed.path.join(" > "),
+            shadowed.by
+        ));
+    }
+    out
+}
+
+/// For a prefix that no path in matching form starts with, the prefix
+/// those paths would be written with instead. Exact paths and prefixes
+/// ending in `/` are normalised when the file is read; a prefix ending
+/// mid-segment is kept as written, so it is judged by what normalising a
+/// path that continues it gives.
+fn unreachable_prefix(prefix: &str, ignore_case: bool) -> Option<String> {
+    let continued = format!("{prefix}x");
+    let normal = crate::path::normalize(&continued);
+    let reachable = if ignore_case {
+        normal.to_ascii_lowercase().starts_with(&prefix.to_ascii_lowercase())
+    } else {
+        normal.starts_with(prefix)
+    };
+    (!reachable).then(|| normal.strip_suffix('x').unwrap_or(&normal).to_string())
+}
+
 /// What the decision surfaces cannot say the way a rule asks, for
 /// `tollgate check`: Envoy's ext_authz treats a 5xx from the service as its
 /// own failure (and may let the request through), and NGINX's auth_request
@@ -84,4 +135,71 @@ fn unbounded_counters(limits: &Limits, rule: &Rule) -> Option<String> {
         keys.join(", "),
         longest / 1000
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn never(text: &str) -> Vec<String> {
+        never_matching(&crate::config::parse_str(text, "t.yaml").unwrap())
+    }
+
+    #[test]
+    fn prefixes_no_normalised_path_starts_with_are_reported() {
+        let rules = |path: &str, ignore_case: bool| {
+            format!(
+                "domain: d\nrules:\n  - {{ name: r, match: {{ path: '{path}', ignore_case: {ignore_case} }}, limits: [{{ requests: 1, per: 1s }}] }}\n"
+            )
+        };
+        for (path, instead) in [
+            ("/api//v1*", "/api/v1"),
+            ("/%7Euser*", "/~user"),
+            ("/a/./b*", "/a/b"),
+            ("/a%3a*", "/a%3A"),
+        ] {
+            let found = never(&rules(path, false));
+            assert_eq!(found.len(), 1, "{path}: {found:?}");
+            assert!(found[0].contains(&format!("write \"{instead}*\"")), "{found:?}");
+        }
+        for path in [
+            "/api/v1*",
+            "/api/v1/*",
+            "/a/..x*",
+            "/a/.*",
+            "/a%3A*",
+            "/a%*",
+            "/*",
+            "/exact",
+            "/a//b/",
+        ] {
+            assert_eq!(never(&rules(path, false)), Vec::<String>::new(), "{path}");
+        }
+        // Without regard to case, %3a is how %3A is written.
+        assert_eq!(never(&rules("/a%3a*", true)), Vec::<String>::new());
+    }
+
+    #[test]
+    fn descriptors_behind_an_earlier_wildcard_are_reported() {
+        let text = "domain: d\ndescriptors:\n  - key: path\n    value: 'foo*'\n    rate_limit: { unit: second, requests_per_unit: 1 }\n  - key: path\n    value: 'foobar*'\n    rate_limit: { unit: second, requests_per_unit: 2 }\n  - key: path\n    value: '*bar'\n    rate_limit: { unit: second, requests_per_unit: 3 }\n  - key: remote_address\n    descriptors:\n      - key: path\n        value: '*'\n        rate_limit: { unit: second, requests_per_unit: 4 }\n      - key: path\n        rate_limit: { unit: second, requests_per_unit: 5 }\n      - key: path\n        value: exact\n        rate_limit: { unit: second, requests_per_unit: 6 }\n";
+        let found = never(text);
+        // As the lookup answers: the earlier wildcard takes the values.
+        let limits = crate::config::parse_str(text, "t.yaml").unwrap();
+        let limit_of = |entries: &[(&str, &str)]| {
+            limits
+                .tree
+                .lookup(entries.iter().copied())
+                .map(|m| m.rule.windows[0].requests)
+        };
+        assert_eq!(limit_of(&[("path", "foobar1")]), Some(1));
+        assert_eq!(limit_of(&[("remote_address", "a"), ("path", "anything")]), Some(4));
+        assert_eq!(limit_of(&[("remote_address", "a"), ("path", "exact")]), Some(6));
+        assert_eq!(
+            found,
+            vec![
+                "descriptor path_foobar* never matches: the wildcard \"path_foo*\", tried before it at its level, matches every value it would",
+                "descriptor remote_address > path never matches: the wildcard \"path_*\", tried before it at its level, matches every value it would",
+            ]
+        );
+    }
 }

@@ -15,8 +15,8 @@ mod tree;
 pub use envoy::unit_ms as envoy_unit_ms;
 pub use file::{ConfigError, MAX_FILE_BYTES, parse_str, read_limits};
 pub use index::RuleIndex;
-pub use lint::surface_warnings;
-pub use tree::{DescriptorTree, EntryPattern, ValuePattern};
+pub use lint::{never_matching, surface_warnings, warnings};
+pub use tree::{DescriptorTree, EntryPattern, Shadowed, ValuePattern};
 
 use std::sync::Arc;
 

@@ -89,6 +89,9 @@ struct Node {
     /// For a `share_threshold` wildcard: the value that names the shared
     /// counter (the pattern itself, `files*`).
     shared_value: Option<String>,
+    /// Written as a key without a value: reached by any value that no
+    /// exact value or wildcard of its level takes first.
+    any_value: bool,
     children: Level,
 }
 
@@ -184,6 +187,74 @@ request_path! {
     }
 }
 
+/// A level of the tree no request can reach, for `tollgate check`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Shadowed {
+    /// The composite keys from the top down to the unreachable level.
+    pub path: Vec<String>,
+    /// The earlier wildcard that takes every request it would see.
+    pub by: String,
+}
+
+impl DescriptorTree {
+    /// The levels that can never match: a wildcard whose every value an
+    /// earlier wildcard of its level matches first, or a bare key (any
+    /// value) whose every value a wildcard of its level matches first.
+    pub fn shadowed(&self) -> Vec<Shadowed> {
+        let mut out = Vec::new();
+        self.root.shadowed(&mut Vec::new(), &mut out);
+        out
+    }
+}
+
+impl Level {
+    fn shadowed(&self, path: &mut Vec<String>, out: &mut Vec<Shadowed>) {
+        for (at, later) in self.wildcards.iter().enumerate() {
+            let earlier = self.wildcards.iter().take(at).find(|w| w.covers(&later.pieces));
+            if let Some(w) = earlier {
+                out.push(Shadowed {
+                    path: path.iter().cloned().chain([later.composite.clone()]).collect(),
+                    by: w.composite.clone(),
+                });
+            }
+        }
+        let mut composites: Vec<&String> = self.nodes.keys().collect();
+        composites.sort();
+        for composite in composites {
+            let Some(node) = self.nodes.get(composite) else {
+                continue;
+            };
+            // A key without a value is any value: the pattern `key_*`.
+            let any_value = [format!("{composite}_"), String::new()];
+            if node.any_value
+                && let Some(w) = self.wildcards.iter().find(|w| w.covers(&any_value))
+            {
+                out.push(Shadowed {
+                    path: path.iter().cloned().chain([composite.clone()]).collect(),
+                    by: w.composite.clone(),
+                });
+            }
+            path.push(composite.clone());
+            node.children.shadowed(path, out);
+            path.pop();
+        }
+    }
+}
+
+impl Wildcard {
+    /// Whether this wildcard matches every text the pattern written as
+    /// `pieces` (split at its `*`s) matches. Decided only for a wildcard of
+    /// one `*`: `a*b` covers `c*...*d` exactly when `c` starts with `a` and
+    /// `d` ends with `b`.
+    fn covers(&self, pieces: &[String]) -> bool {
+        let [a, b] = self.pieces.as_slice() else { return false };
+        match (pieces.first(), pieces.last()) {
+            (Some(c), Some(d)) if pieces.len() >= 2 => c.starts_with(a.as_str()) && d.ends_with(b.as_str()),
+            _ => false,
+        }
+    }
+}
+
 impl Level {
     fn node_mut(&mut self, entry: &EntryPattern) -> &mut Node {
         let composite = entry.composite();
@@ -194,6 +265,7 @@ impl Level {
             });
         }
         let node = self.nodes.entry(composite).or_default();
+        node.any_value |= entry.value == ValuePattern::Any;
         if entry.shared
             && let ValuePattern::Wildcard(v) = &entry.value
         {
@@ -274,7 +346,38 @@ mod tests {
         }
     }
 
+    /// Every text over `ab` up to `len` characters.
+    fn texts(len: usize) -> Vec<String> {
+        let mut all = vec![String::new()];
+        let mut last = vec![String::new()];
+        for _ in 0..len {
+            last = last.iter().flat_map(|t| [format!("{t}a"), format!("{t}b")]).collect();
+            all.extend(last.iter().cloned());
+        }
+        all
+    }
+
     proptest! {
+        /// `covers` never claims more than the definition: whatever a
+        /// covered pattern matches, the covering one matches too.
+        #[test]
+        fn a_covering_wildcard_matches_all_the_covered_one_matches(earlier in "[ab]{0,3}\\*[ab]{0,3}", later in "[ab]{0,3}\\*[ab*]{0,4}") {
+            let (w, l) = (wildcard(&earlier), wildcard(&later));
+            if w.covers(&l.pieces) {
+                for text in texts(8) {
+                    if reference_match(later.as_bytes(), text.as_bytes()) {
+                        prop_assert!(reference_match(earlier.as_bytes(), text.as_bytes()), "{earlier} covers {later} but not {text}");
+                    }
+                }
+            } else if l.pieces.len() == 2 {
+                // Decided exactly for one-star patterns: some text tells them apart.
+                let witness = texts(8).into_iter().any(|t| {
+                    reference_match(later.as_bytes(), t.as_bytes()) && !reference_match(earlier.as_bytes(), t.as_bytes())
+                });
+                prop_assert!(witness, "{earlier} does not cover {later}, yet no text tells them apart");
+            }
+        }
+
         #[test]
         fn wildcard_matching_agrees_with_its_definition(pattern in "[ab*]{0,8}", text in "[ab]{0,10}") {
             let pattern = format!("k_{pattern}*");
