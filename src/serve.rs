@@ -117,7 +117,15 @@ pub async fn serve<F, Fut, B>(
         .timer(TokioTimer::new())
         .max_header_list_size(limits.max_header_bytes as u32);
     let mut connections = JoinSet::new();
-    while let Some((stream, peer)) = accept(&listener, &mut shutdown).await {
+    loop {
+        // Finished connections are reaped as they finish, not at the next
+        // accept: each holds its task's memory until joined, and after a
+        // burst closes there may be no next accept for a long time.
+        let accepted = tokio::select! {
+            accepted = accept(&listener, &mut shutdown) => accepted,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let Some((stream, peer)) = accepted else { break };
                 let handler = handler.clone();
                 let activity = Arc::new(Activity::new());
                 let seen = activity.clone();
@@ -161,8 +169,6 @@ pub async fn serve<F, Fut, B>(
                         }
                     }
                 });
-                // Reap finished connections so the set holds live ones only.
-                while connections.try_join_next().is_some() {}
     }
     drop(listener);
     let drained = async { while connections.join_next().await.is_some() {} };

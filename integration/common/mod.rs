@@ -593,6 +593,18 @@ impl Nginx {
 
 impl Drop for Nginx {
     fn drop(&mut self) {
+        // A killed master leaves its worker running (and listening): ask
+        // the master to stop its workers first, and kill only if it hangs.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
