@@ -206,7 +206,7 @@ fn check_reports_rules_that_can_never_match() {
     );
     assert!(!err.contains("\"fine\""), "{err}");
     assert!(
-        err.contains("envoy.yaml: warning: descriptor path_foobar* never matches: the wildcard \"path_foo*\""),
+        err.contains("envoy.yaml: warning: descriptor path_foobar* is shadowed: the wildcard \"path_foo*\""),
         "{err}"
     );
 }

@@ -496,6 +496,35 @@ async fn http2_cleartext_clients_are_served() {
 }
 
 #[tokio::test]
+async fn a_refused_head_over_http2_has_no_body() {
+    // A response to HEAD carries no body; sent one over HTTP/2, curl
+    // reports PROTOCOL_ERROR. Refusals and tollgate's own 400s alike.
+    let upstream = TestUpstream::start().await;
+    let limits = "domain: h\nrules:\n  - name: g\n    match: { methods: [GET] }\n    by: ['header:x-probe']\n    limits: [{ requests: 1, per: 60s }]\n";
+    let tg = Tollgate::start(limits, upstream.addr, &[]);
+    let mut sender = h2_sender(tg.addr).await;
+    use http_body_util::BodyExt;
+    let mut statuses = Vec::new();
+    for probes in [&["p1"][..], &["p1"], &["p2", "p3"]] {
+        let mut req = http::Request::head(format!("http://{}/x", tg.addr));
+        for p in probes {
+            req = req.header("x-probe", *p);
+        }
+        let resp = sender
+            .send_request(req.body(http_body_util::Full::new(bytes::Bytes::new())).unwrap())
+            .await
+            .unwrap();
+        statuses.push(resp.status());
+        let body = resp.into_body().collect().await.expect("the stream ends cleanly");
+        assert!(body.to_bytes().is_empty());
+    }
+    assert_eq!(
+        statuses,
+        [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS, StatusCode::BAD_REQUEST]
+    );
+}
+
+#[tokio::test]
 async fn slow_header_senders_are_cut_off() {
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(LOGIN, upstream.addr, &["--header-read-timeout", "500ms"]);

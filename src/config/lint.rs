@@ -24,6 +24,15 @@ pub fn warnings(limits: &Limits) -> Vec<String> {
 pub fn never_matching(limits: &Limits) -> Vec<String> {
     let mut out = Vec::new();
     for rule in limits.http_rules() {
+        if let Some(PathPattern::Exact(p) | PathPattern::Prefix(p)) = &rule.matcher.path
+            && p.bytes().any(|b| b.is_ascii_whitespace() || b.is_ascii_control())
+        {
+            out.push(format!(
+                "rule \"{}\" never matches: a request path cannot hold spaces or control characters (HTTP servers refuse them); write them percent-encoded (%20)",
+                rule.name
+            ));
+            continue;
+        }
         if let Some(PathPattern::Prefix(prefix)) = &rule.matcher.path
             && let Some(reachable) = unreachable_prefix(prefix, rule.matcher.ignore_case)
         {
@@ -34,8 +43,13 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
         }
     }
     for shadowed in limits.tree.shadowed() {
+        let literal = if shadowed.wildcard {
+            " (only a value spelled as its pattern, `*` included, reaches it)"
+        } else {
+            ""
+        };
         out.push(format!(
-            "descriptor {} never matches: the wildcard \"{}\", tried before it at its level, matches every value it would",
+            "descriptor {} is shadowed: the wildcard \"{}\", tried before it at its level, takes every value it would match{literal}",
             shadowed.path.join(" > "),
             shadowed.by
         ));
@@ -56,7 +70,16 @@ fn unreachable_prefix(prefix: &str, ignore_case: bool) -> Option<String> {
     } else {
         normal.starts_with(prefix)
     };
-    (!reachable).then(|| normal.strip_suffix('x').unwrap_or(&normal).to_string())
+    (!reachable).then(|| {
+        let mut instead = normal.strip_suffix('x').unwrap_or(&normal).to_string();
+        // An escape cut short at the end (`%a`) is completed by the path,
+        // which writes it upper-case.
+        if let Some(at) = instead.rfind('%').filter(|at| instead.len() - at <= 2) {
+            let tail = instead.split_off(at).to_ascii_uppercase();
+            instead.push_str(&tail);
+        }
+        instead
+    })
 }
 
 /// What the decision surfaces cannot say the way a rule asks, for
@@ -175,6 +198,11 @@ mod tests {
         ] {
             assert_eq!(never(&rules(path, false)), Vec::<String>::new(), "{path}");
         }
+        let spaced = never(&rules("/a b*", false));
+        assert!(
+            spaced.len() == 1 && spaced[0].contains("cannot hold spaces"),
+            "{spaced:?}"
+        );
         // Without regard to case, %3a is how %3A is written.
         assert_eq!(never(&rules("/a%3a*", true)), Vec::<String>::new());
     }
@@ -197,8 +225,8 @@ mod tests {
         assert_eq!(
             found,
             vec![
-                "descriptor path_foobar* never matches: the wildcard \"path_foo*\", tried before it at its level, matches every value it would",
-                "descriptor remote_address > path never matches: the wildcard \"path_*\", tried before it at its level, matches every value it would",
+                "descriptor path_foobar* is shadowed: the wildcard \"path_foo*\", tried before it at its level, takes every value it would match (only a value spelled as its pattern, `*` included, reaches it)",
+                "descriptor remote_address > path is shadowed: the wildcard \"path_*\", tried before it at its level, takes every value it would match",
             ]
         );
     }

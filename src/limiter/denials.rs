@@ -14,9 +14,9 @@
 //! [`RejectionLog`]: one log line per refused counter, then a summary of how
 //! many more were refused, at most every few seconds per counter.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::fmt::Write;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,11 @@ use super::{Decision, Hit, Verdict};
 
 /// Most requests remembered at once; past it, expired ones go, then all.
 const MAX_ENTRIES: usize = 100_000;
+/// Most bytes of signatures and keys remembered at once, likewise.
+const MAX_BYTES: usize = 64 << 20;
+/// A request touching more counters than this is not remembered: its
+/// entry would be large, and the cache is for floods of simple requests.
+const MAX_HITS: usize = 64;
 /// How often one counter's refusals are logged at most.
 const LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -40,9 +45,19 @@ struct Denial {
 #[derive(Default)]
 struct Entries {
     /// By request signature (see [`signature`]).
-    by_request: HashMap<String, Denial>,
-    /// Counter key -> signatures of cached requests that read it.
-    by_key: HashMap<String, Vec<String>>,
+    by_request: HashMap<Arc<str>, Denial>,
+    /// Counter key -> signatures of cached requests that read it (shared,
+    /// so a request of N counters costs N handles, not N signatures).
+    by_key: HashMap<String, HashSet<Arc<str>>>,
+    /// About how many bytes the signatures and keys take.
+    bytes: usize,
+}
+
+/// About what one remembered request costs in memory.
+fn weight(signature: &str, keys: &[String]) -> usize {
+    keys.iter()
+        .map(|k| k.len().saturating_mul(2).saturating_add(64))
+        .fold(signature.len(), usize::saturating_add)
 }
 
 /// Exact refusals of whole requests, until their retry time.
@@ -83,7 +98,7 @@ impl DenialCache {
         }
         let signature = signature(hits);
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        let d = entries.by_request.get(&signature)?;
+        let d = entries.by_request.get(signature.as_str())?;
         if d.until <= now {
             return None;
         }
@@ -114,35 +129,33 @@ impl DenialCache {
         let Some(retry) = decision.retry_after_ms() else {
             return;
         };
+        if hits.len() > MAX_HITS {
+            return;
+        }
         let now = asked;
+        let signature: Arc<str> = signature(hits).into();
+        let keys: Vec<String> = hits.iter().map(|h| h.key.clone()).collect();
+        let size = weight(&signature, &keys);
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if entries.by_request.len() >= MAX_ENTRIES {
+        if entries.by_request.len() >= MAX_ENTRIES || entries.bytes.saturating_add(size) > MAX_BYTES {
             entries.by_request.retain(|_, d| d.until > now);
-            if entries.by_request.len() >= MAX_ENTRIES {
+            if entries.by_request.len() >= MAX_ENTRIES || entries.bytes.saturating_add(size) > MAX_BYTES {
                 entries.by_request.clear();
             }
-            let live: std::collections::HashSet<&String> = entries.by_request.keys().collect();
-            let by_key: HashMap<String, Vec<String>> = entries
-                .by_key
-                .iter()
-                .map(|(k, sigs)| {
-                    (
-                        k.clone(),
-                        sigs.iter().filter(|s| live.contains(s)).cloned().collect::<Vec<_>>(),
-                    )
-                })
-                .filter(|(_, sigs)| !sigs.is_empty())
-                .collect();
-            entries.by_key = by_key;
+            let Entries { by_request, by_key, .. } = &mut *entries;
+            by_key.retain(|_, sigs| {
+                sigs.retain(|s| by_request.contains_key(s));
+                !sigs.is_empty()
+            });
+            entries.bytes = entries.by_request.iter().map(|(s, d)| weight(s, &d.keys)).sum();
         }
-        let signature = signature(hits);
-        let keys: Vec<String> = hits.iter().map(|h| h.key.clone()).collect();
+        if let Some(old) = entries.by_request.remove(&signature) {
+            entries.bytes = entries.bytes.saturating_sub(weight(&signature, &old.keys));
+        }
         for key in &keys {
-            let sigs = entries.by_key.entry(key.clone()).or_default();
-            if !sigs.contains(&signature) {
-                sigs.push(signature.clone());
-            }
+            entries.by_key.entry(key.clone()).or_default().insert(signature.clone());
         }
+        entries.bytes = entries.bytes.saturating_add(size);
         entries.by_request.insert(
             signature,
             Denial {
@@ -168,9 +181,13 @@ impl DenialCache {
             }
             for sig in entries.by_key.remove(&hit.key).unwrap_or_default() {
                 if let Some(d) = entries.by_request.remove(&sig) {
+                    entries.bytes = entries.bytes.saturating_sub(weight(&sig, &d.keys));
                     for key in d.keys.iter().filter(|k| **k != hit.key) {
                         if let Some(sigs) = entries.by_key.get_mut(key) {
-                            sigs.retain(|s| *s != sig);
+                            sigs.remove(&sig);
+                            if sigs.is_empty() {
+                                entries.by_key.remove(key);
+                            }
                         }
                     }
                 }
@@ -184,6 +201,7 @@ impl DenialCache {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         entries.by_request.clear();
         entries.by_key.clear();
+        entries.bytes = 0;
         self.len.store(0, Ordering::Relaxed);
     }
 }

@@ -139,7 +139,7 @@ impl LiveFile {
             if !force && stamp.is_some() && *last == stamp && self.status().last_error.is_none() {
                 return Ok(Reloaded::Unchanged);
             }
-            *last = stamp;
+            *last = stamp.clone();
         }
         let name = self.path.display().to_string();
         let text = match config::read_limits(&self.path) {
@@ -168,6 +168,14 @@ impl LiveFile {
                 return Err(ReloadError::Read(name, e));
             }
         };
+        // Written while it was read (an editor or `cp` writing in place): the
+        // text may be torn between two versions. Not used; the writer's next
+        // event, or the poll, reads it again once it holds still.
+        if FileStamp::of(&self.path) != stamp {
+            *self.last_stat.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            tracing::debug!(file = %name, "the file changed while it was read; reading it again when it settles");
+            return Ok(Reloaded::Unchanged);
+        }
         let version = hash(&text);
         {
             let mut last = self.last_seen.lock().unwrap_or_else(|e| e.into_inner());
