@@ -241,6 +241,30 @@ for_each_store! {
         let d = s.decide(&costing(one.clone(), 0)).await;
         assert_eq!(d.rules[0].windows[0].remaining, 0);
     }
+
+    async fn refusals_of_requests_with_a_thousand_counters_stay_cheap(s, clock: ManualClock = ManualClock::new(T0)) {
+        // A request matching N rules once made the denial cache keep its
+        // whole signature once per counter: N^2 bytes per refused caller
+        // (10,000 rules: 4 GB for one refusal). Such requests are now
+        // decided by the store every time, and still refused exactly.
+        let rules: String = (0..1_000).map(|i| format!("  - {{ name: r{i}, limits: [{{requests: 1, per: 1h}}] }}\n")).collect();
+        let many = hits(&rules);
+        for caller in 0..10 {
+            let mine: Vec<Hit> = many.iter().map(|h| Hit { key: format!("{}:{caller}", h.key), ..h.clone() }).collect();
+            assert_eq!(s.decide(&mine).await.verdict, Verdict::Allowed);
+            for _ in 0..3 {
+                let refused = s.decide(&mine).await;
+                assert_eq!(refused.verdict, Verdict::Limited, "caller {caller}");
+                assert_eq!(refused.rules.len(), 1_000);
+            }
+        }
+        // A simple request beside them is still cached and exact.
+        let one = hits("  - name: one\n    limits: [{requests: 1, per: 10s}]\n");
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Limited);
+        clock.advance(10_000);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+    }
 }
 
 // What only one store can show.
@@ -283,45 +307,6 @@ async fn a_caller_refused_from_the_cache_is_not_evicted_by_a_flood() {
         Verdict::Limited,
         "the caller's window survived the flood"
     );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn refusals_of_requests_with_a_thousand_counters_stay_cheap() {
-    // A request matching N rules once made the denial cache keep its whole
-    // signature once per counter: N^2 bytes per refused caller (10,000
-    // rules: 4 GB for one refusal). Such requests are now decided by the
-    // store every time, and still refused exactly.
-    let clock = Arc::new(ManualClock::new(T0));
-    let l = Limiter::with_clock(
-        Store::Memory(MemoryStore::new(clock.clone())),
-        Duration::from_millis(50),
-        clock.clone(),
-    );
-    let rules: String = (0..1_000)
-        .map(|i| format!("  - {{ name: r{i}, limits: [{{requests: 1, per: 1h}}] }}\n"))
-        .collect();
-    let many = hits(&rules);
-    for caller in 0..10 {
-        let mine: Vec<Hit> = many
-            .iter()
-            .map(|h| Hit {
-                key: format!("{}:{caller}", h.key),
-                ..h.clone()
-            })
-            .collect();
-        assert_eq!(l.decide(&mine).await.verdict, Verdict::Allowed);
-        for _ in 0..3 {
-            let refused = l.decide(&mine).await;
-            assert_eq!(refused.verdict, Verdict::Limited, "caller {caller}");
-            assert_eq!(refused.rules.len(), 1_000);
-        }
-    }
-    // A simple request beside them is still cached and exact.
-    let one = hits("  - name: one\n    limits: [{requests: 1, per: 10s}]\n");
-    assert_eq!(l.decide(&one).await.verdict, Verdict::Allowed);
-    assert_eq!(l.decide(&one).await.verdict, Verdict::Limited);
-    clock.advance(10_000);
-    assert_eq!(l.decide(&one).await.verdict, Verdict::Allowed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -498,7 +498,8 @@ async fn http2_cleartext_clients_are_served() {
 #[tokio::test]
 async fn a_refused_head_over_http2_has_no_body() {
     // A response to HEAD carries no body; sent one over HTTP/2, curl
-    // reports PROTOCOL_ERROR. Refusals and tollgate's own 400s alike.
+    // reports PROTOCOL_ERROR. Refusals and tollgate's own 400s alike, on
+    // every listener (they share one accept loop).
     let upstream = TestUpstream::start().await;
     let limits = "domain: h\nrules:\n  - name: g\n    match: { methods: [GET] }\n    by: ['header:x-probe']\n    limits: [{ requests: 1, per: 60s }]\n";
     let tg = Tollgate::start(limits, upstream.addr, &[]);
@@ -522,6 +523,22 @@ async fn a_refused_head_over_http2_has_no_body() {
         statuses,
         [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS, StatusCode::BAD_REQUEST]
     );
+    // The decision listener too: Envoy's ext_authz forwards the method, and
+    // a reset stream is an authorization error that failure_mode_allow admits.
+    let check = tg.check.expect("the check listener");
+    let mut sender = h2_sender(check).await;
+    let mut statuses = Vec::new();
+    for probe in ["e1", "e1"] {
+        let req = http::Request::head(format!("http://{check}/ext_authz/x"))
+            .header("x-probe", probe)
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let resp = sender.send_request(req).await.unwrap();
+        statuses.push(resp.status());
+        let body = resp.into_body().collect().await.expect("the stream ends cleanly");
+        assert!(body.to_bytes().is_empty());
+    }
+    assert_eq!(statuses, [StatusCode::OK, StatusCode::TOO_MANY_REQUESTS]);
 }
 
 #[tokio::test]

@@ -18,6 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
+use http_body_util::{Either, Empty};
 use hyper::body::{Body, Incoming};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -129,10 +130,11 @@ pub async fn serve<F, Fut, B>(
                 let handler = handler.clone();
                 let activity = Arc::new(Activity::new());
                 let seen = activity.clone();
-                let service = service_fn(move |req| {
+                let service = service_fn(move |req: Request<Incoming>| {
                     seen.began();
+                    let head = req.method() == http::Method::HEAD;
                     let response = handler(req, peer);
-                    async move { Ok::<_, Infallible>(response.await) }
+                    async move { Ok::<_, Infallible>(without_body_for_head(response.await, head)) }
                 });
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let mut stop = shutdown.clone();
@@ -175,6 +177,14 @@ pub async fn serve<F, Fut, B>(
     if tokio::time::timeout(limits.shutdown_grace, drained).await.is_err() {
         tracing::warn!(grace = ?limits.shutdown_grace, "connections still open after the shutdown grace period");
     }
+}
+
+/// A response to HEAD has no body (RFC 9110 §9.3.2). hyper drops it on
+/// HTTP/1; on HTTP/2 it would send it and the client resets the stream
+/// (curl: PROTOCOL_ERROR; Envoy's ext_authz client: an error, which
+/// `failure_mode_allow` turns into an admission). Headers stay as they are.
+fn without_body_for_head<B: Body>(response: Response<B>, head: bool) -> Response<Either<B, Empty<B::Data>>> {
+    response.map(|body| if head { Either::Right(Empty::new()) } else { Either::Left(body) })
 }
 
 /// The next connection on `listener`, ready to serve (Nagle off), or

@@ -215,20 +215,19 @@ impl Prefixes {
         // In byte order, the prefixes an entry starts with come before it
         // and are exactly the stack left after popping those it does not.
         let mut stack: Vec<usize> = Vec::new();
-        for at in 0..entries.len() {
-            let Some(prefix) = entries.get(at).map(|e| e.prefix.clone()) else {
-                break;
-            };
-            while let Some(&top) = stack.last() {
-                if entries.get(top).is_some_and(|t| prefix.starts_with(t.prefix.as_ref())) {
+        let mut shorter = Vec::with_capacity(entries.len());
+        for (at, entry) in entries.iter().enumerate() {
+            while let Some(top) = stack.last().and_then(|&top| entries.get(top)) {
+                if entry.prefix.starts_with(top.prefix.as_ref()) {
                     break;
                 }
                 stack.pop();
             }
-            if let Some(entry) = entries.get_mut(at) {
-                entry.shorter = stack.last().copied();
-            }
+            shorter.push(stack.last().copied());
             stack.push(at);
+        }
+        for (entry, shorter) in entries.iter_mut().zip(shorter) {
+            entry.shorter = shorter;
         }
         Prefixes { entries }
     }

@@ -112,7 +112,7 @@ pub fn request_host<'a>(
 pub fn hits(limits: &Limits, req: &RequestInfo<'_>) -> Result<Vec<Hit>, RequestError> {
     let form = MatchingForm::of(req)?;
     let (req, host) = (&RequestInfo { path: &form.path, ..*req }, form.host.as_deref());
-    let every = (0..limits.rules.len()).filter(|&at| limits.rules.get(at).is_some_and(|r| r.descriptor.is_none()));
+    let every = limits.rules.iter().enumerate().filter(|(_, r)| r.descriptor.is_none()).map(|(at, _)| at);
     let mut hits = Vec::new();
     file_hits(limits, every, req, host, &mut hits)?;
     Ok(hits)

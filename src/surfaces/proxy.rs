@@ -94,20 +94,7 @@ impl Proxy {
     }
 
     /// Handles one client request: decide, then forward or refuse.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
-        let head = req.method() == http::Method::HEAD;
-        let response = self.answer(req, peer).await;
-        // A response to HEAD has no body (RFC 9110 §9.3.2). hyper drops it
-        // on HTTP/1; on HTTP/2 it would send it, and clients reset the stream.
-        match response.into_parts() {
-            (parts, Either::Right(_)) if head => Response::from_parts(parts, Either::Right(Full::new(Bytes::new()))),
-            (parts, body) => Response::from_parts(parts, body),
-        }
-    }
-
-    /// The answer to a request: tollgate's own (a refusal, an error), or
-    /// the upstream's.
-    async fn answer(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
         let admitted = match self.decide(&req, peer).await {
             Ok(admitted) => admitted,
             Err(answer) => return answer,
