@@ -712,6 +712,16 @@ rules:
   - name: one-host
     match: { path: /h, host: api.example.com }
     limits: [{ requests: 1, per: 60s }]
+  - name: cafe
+    match: { path: /caf\u{e9} }
+    limits: [{ requests: 1, per: 60s }]
+  - name: brace
+    match: { path: /j/%7Bx%7D }
+    limits: [{ requests: 1, per: 60s }]
+  - name: per-path
+    match: { path: /p/* }
+    by: [path]
+    limits: [{ requests: 1, per: 60s }]
 ";
     // (method, target, headers, what every surface must say)
     type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
@@ -747,6 +757,19 @@ rules:
         ("GET", "/h", &[("host", "api.example.com")], "admitted"),
         ("GET", "/h", &[("host", "API.Example.com.")], "limited"),
         ("HEAD", "/login", &[], "limited"),
+        // A character raw or escaped, in either case, is one path.
+        ("GET", "/caf%C3%A9", &[], "admitted"),
+        ("GET", "/caf\u{e9}", &[], "limited"),
+        ("GET", "/caf%c3%a9", &[], "limited"),
+        ("GET", "/j/{x}", &[], "admitted"),
+        ("GET", "/j/%7bx%7D", &[], "limited"),
+        ("GET", "/p/%E2%82%AC", &[], "admitted"),
+        ("GET", "/p/\u{20ac}", &[], "limited"),
+        ("GET", "/p/%e2%82%ac", &[], "limited"),
+        // An escaped % and bytes that are not UTF-8 are their own paths.
+        ("GET", "/p/%25E2", &[], "admitted"),
+        ("GET", "/p/%E2", &[], "admitted"),
+        ("GET", "/p/%e2", &[], "limited"),
     ];
     for (store, redis) in stores() {
         for surface in [HttpSurface::Proxy, HttpSurface::ExtAuthz, HttpSurface::AuthRequest] {

@@ -6,6 +6,13 @@
 //! 3986 §6.2.2 (percent-decoding of unreserved characters, upper-case hex,
 //! dot-segment removal) plus merging repeated slashes, as NGINX does. An
 //! encoded slash (`%2F`) stays encoded: decoding it would change segments.
+//!
+//! Matching goes one step further than forwarding: NGINX, Tomcat, Express
+//! and Rails decode every escape before routing, so `/caf%C3%A9` and a raw
+//! `/café`, or `%7B` and a raw `{`, name one resource to them. The matching
+//! form folds such spellings into one ([`fold_escapes`]), so none can dodge
+//! a rule or buy a fresh `by: [path]` counter; the upstream still receives
+//! the lighter RFC form.
 
 use std::borrow::Cow;
 
@@ -36,15 +43,84 @@ pub fn is_ambiguous(path: &str) -> bool {
 /// `/login;jsessionid=x` and `/api/..;/login` as `/login`), so a parameter
 /// can neither dodge a rule nor hide a `..`.
 pub fn matching_form(path: &str) -> Cow<'_, str> {
-    if !path.contains(';') {
-        return normalize(path);
+    let normal = if path.contains(';') {
+        let stripped: String = path
+            .split('/')
+            .map(|segment| segment.split(';').next().unwrap_or(""))
+            .collect::<Vec<_>>()
+            .join("/");
+        Cow::Owned(normalize(&stripped).into_owned())
+    } else {
+        normalize(path)
+    };
+    match fold_escapes(&normal) {
+        Cow::Borrowed(_) => normal,
+        Cow::Owned(folded) => Cow::Owned(folded),
     }
-    let stripped: String = path
-        .split('/')
-        .map(|segment| segment.split(';').next().unwrap_or(""))
-        .collect::<Vec<_>>()
-        .join("/");
-    Cow::Owned(normalize(&stripped).into_owned())
+}
+
+/// Whether a byte may stand unescaped in a request path as HTTP servers
+/// accept it (RFC 3986 `pchar`, plus `"`, `{`, `}`, `|`, `[`, `]` and `^`
+/// that clients such as curl send raw), other than the separators `/` and
+/// `;` and the escape character `%` itself.
+pub fn may_stand_raw(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!\"$&'()*+,-.:=@[]^_{|}~".contains(&b)
+}
+
+/// One spelling for every way of writing the same bytes: an escape is
+/// decoded when its byte may stand raw ([`may_stand_raw`]) or belongs to a
+/// UTF-8 character (`%C3%A9` is `é`), and kept, upper-case, when decoding
+/// would change what the path says (`%25`, `%2F`, `%3B`, `%3F`, `%23`), the
+/// byte cannot stand raw (space, controls, `<`, `>`), or the bytes are not
+/// UTF-8. Decoding happens once, so `%2541` stays `%2541`, and folding a
+/// folded path changes nothing.
+pub fn fold_escapes(path: &str) -> Cow<'_, str> {
+    if !path.contains('%') {
+        return Cow::Borrowed(path);
+    }
+    let mut bytes: Vec<u8> = Vec::with_capacity(path.len());
+    let mut rest = path.as_bytes();
+    while let Some((&first, tail)) = rest.split_first() {
+        let escaped = match (first, tail) {
+            (b'%', [h, l, ..]) => hex(*h).zip(hex(*l)).map(|(h, l)| h << 4 | l),
+            _ => None,
+        };
+        match escaped {
+            Some(b) if may_stand_raw(b) || !b.is_ascii() => {
+                bytes.push(b);
+                rest = tail.get(2..).unwrap_or_default();
+            }
+            Some(b) => {
+                push_escape(&mut bytes, b);
+                rest = tail.get(2..).unwrap_or_default();
+            }
+            None => {
+                bytes.push(first);
+                rest = tail;
+            }
+        }
+    }
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        let mut escaped = Vec::with_capacity(chunk.invalid().len().saturating_mul(3));
+        for &b in chunk.invalid() {
+            push_escape(&mut escaped, b);
+        }
+        // Escapes are ASCII, so this is always valid UTF-8.
+        out.push_str(std::str::from_utf8(&escaped).unwrap_or_default());
+    }
+    Cow::Owned(out)
+}
+
+fn push_escape(out: &mut Vec<u8>, b: u8) {
+    const DIGITS: &[u8; 16] = b"0123456789ABCDEF";
+    out.push(b'%');
+    out.extend(
+        [b >> 4, b & 0xF]
+            .iter()
+            .filter_map(|&d| DIGITS.get(usize::from(d)).copied()),
+    );
 }
 
 /// The normalised form of an absolute request path (no query).
@@ -175,6 +251,91 @@ mod tests {
         }
         for p in ["/login", "/a%20b", "/%2", "/%"] {
             assert!(!is_ambiguous(p), "{p}");
+        }
+    }
+
+    #[test]
+    fn every_spelling_of_a_character_is_one_path_to_the_rules() {
+        use super::matching_form;
+        for (spellings, folded) in [
+            (&["/caf\u{e9}", "/caf%C3%A9", "/caf%c3%a9", "/ca%66%C3%A9"][..], "/caf\u{e9}"),
+            (&["/j/{x}", "/j/%7Bx%7D", "/j/%7bx%7d"], "/j/{x}"),
+            (&["/a:b@c", "/a%3Ab%40c"], "/a:b@c"),
+            (&["/a!*+b", "/a%21%2A%2bb"], "/a!*+b"),
+            (&["/%22q%22", "/\"q\""], "/\"q\""),
+        ] {
+            for s in spellings {
+                assert_eq!(matching_form(s), folded, "{s}");
+            }
+        }
+    }
+
+    #[test]
+    fn escapes_that_would_change_the_path_stay_escapes() {
+        use super::matching_form;
+        for (path, folded) in [
+            ("/a%25b", "/a%25b"),
+            ("/a%2541", "/a%2541"),
+            ("/a%3fb", "/a%3Fb"),
+            ("/a%23b", "/a%23b"),
+            ("/a%3bb", "/a%3Bb"),
+            ("/a%20b", "/a%20b"),
+            ("/a%3Cb%3e", "/a%3Cb%3E"),
+            ("/a%0a", "/a%0A"),
+            ("/a%FF", "/a%FF"),
+            ("/a%e9", "/a%E9"),
+            ("/a%C3", "/a%C3"),
+            ("/a%C3\u{e9}", "/a%C3\u{e9}"),
+            ("/a%E2%82", "/a%E2%82"),
+            ("/a%4", "/a%4"),
+            ("/a%zz", "/a%zz"),
+        ] {
+            assert_eq!(matching_form(path), folded, "{path}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Any spelling of any bytes, each byte raw where a path may carry it
+        /// raw or escaped in either case, folds to the matching form of its
+        /// plainest spelling; and folding the result again changes nothing.
+        #[test]
+        fn spellings_fold_to_one_form(
+            bytes in proptest::collection::vec(
+                proptest::prop_oneof![
+                    proptest::sample::select(b"aZ09-._~!$&'()*+,:=@[]^{|}\"%;?# <>`".to_vec()),
+                    proptest::num::u8::ANY,
+                ],
+                0..12,
+            ),
+            choices in proptest::collection::vec(0u8..3, 12),
+        ) {
+            use super::{fold_escapes, matching_form, may_stand_raw};
+            let plain = spell(&bytes, &[0; 12]);
+            let spelled = spell(&bytes, &choices);
+            let want = matching_form(&plain).into_owned();
+            proptest::prop_assert_eq!(matching_form(&spelled), want.as_str(), "{} vs {}", spelled, plain);
+            proptest::prop_assert_eq!(fold_escapes(&want), want.as_str());
+            proptest::prop_assert_eq!(matching_form(&want), want.as_str());
+            fn spell(bytes: &[u8], choices: &[u8]) -> String {
+                let mut out = String::from("/x/");
+                // The bytes that are UTF-8 go raw when `choices` says so.
+                let text = String::from_utf8_lossy(bytes);
+                let lossless = text.as_bytes() == bytes;
+                for (i, &b) in bytes.iter().enumerate() {
+                    let choice = choices.get(i).copied().unwrap_or(0);
+                    let raw_ok = may_stand_raw(b) || (!b.is_ascii() && lossless);
+                    match choice {
+                        0 if raw_ok && b.is_ascii() => out.push(char::from(b)),
+                        1 => out.push_str(&format!("%{b:02x}")),
+                        _ => out.push_str(&format!("%{b:02X}")),
+                    }
+                }
+                // A whole valid text may also be written raw, characters at once.
+                if lossless && choices.first() == Some(&0) && bytes.iter().all(|&b| may_stand_raw(b) || !b.is_ascii()) {
+                    return format!("/x/{text}");
+                }
+                out
+            }
         }
     }
 

@@ -479,7 +479,8 @@ pub async fn send(
 ) -> Answer {
     let mut req = Request::builder().method(method).uri(url);
     for (k, v) in headers {
-        req = req.header(*k, *v);
+        // As bytes, so a value may carry UTF-8 as NGINX forwards it.
+        req = req.header(*k, http::HeaderValue::from_bytes(v.as_bytes()).unwrap());
     }
     let resp = client
         .request(req.body(Full::new(Bytes::from(body))).unwrap())

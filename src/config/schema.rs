@@ -325,12 +325,15 @@ impl RawMatch {
                 Ok((name, value))
             })
             .collect::<Result<_, String>>()?;
-        // Rules see normalised paths, so a pattern is normalised the same way
-        // (a prefix only when it ends at a segment boundary).
+        // Rules see paths in matching form, so a pattern is brought to the
+        // same form (a prefix ending mid-segment only has its escapes folded:
+        // removing dot segments there would change what it continues).
         let path = path.map(|p| match p {
-            PathPattern::Exact(p) => PathPattern::Exact(crate::path::normalize(&p).into_owned()),
-            PathPattern::Prefix(p) if p.ends_with('/') => PathPattern::Prefix(crate::path::normalize(&p).into_owned()),
-            PathPattern::Prefix(p) => PathPattern::Prefix(p),
+            PathPattern::Exact(p) => PathPattern::Exact(crate::path::matching_form(&p).into_owned()),
+            PathPattern::Prefix(p) if p.ends_with('/') => {
+                PathPattern::Prefix(crate::path::matching_form(&p).into_owned())
+            }
+            PathPattern::Prefix(p) => PathPattern::Prefix(crate::path::fold_escapes(&p).into_owned()),
         });
         // Requests are compared without port, trailing dot or case; a rule
         // written otherwise would silently never match.

@@ -488,10 +488,14 @@ rules:
     }
 
     /// A path written from pieces the normaliser and the matcher treat
-    /// specially: case, encoded letters, dot segments, empty segments.
+    /// specially: case, encoded letters, dot segments, empty segments,
+    /// characters raw or escaped, escapes that must stay escapes.
     fn path_strategy() -> impl proptest::strategy::Strategy<Value = String> {
         use proptest::prelude::*;
-        let segment = prop::sample::select(vec!["a", "A", "b", "ab", "aB", "%61", "%41", ".", "..", "", "a;x", "%7e"]);
+        let segment = prop::sample::select(vec![
+            "a", "A", "b", "ab", "aB", "%61", "%41", ".", "..", "", "a;x", "%7e", "\u{e9}", "%C3%A9", "%c3%a9", "{", "%7B",
+            "%25", "%2561", "%20",
+        ]);
         prop::collection::vec(segment, 0..4).prop_map(|s| format!("/{}", s.join("/")))
     }
 
