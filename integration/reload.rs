@@ -338,7 +338,8 @@ async fn a_directory_deleted_and_made_again_is_watched_again() {
 }
 
 /// A file of 10,000 rules, one per service prefix (`/svcI/*`, limit
-/// `I % 3 + shift`), a few exact paths and hosts among them, and a catch-all.
+/// `I % 3 + shift`), a few exact paths, hosts and tenants (`/tenants/*`
+/// with `x-tenant: tI`) among them, and a catch-all.
 fn many_rules(shift: u64) -> String {
     let mut text = String::from("domain: many\nrules:\n");
     for i in 0..10_000u64 {
@@ -346,6 +347,7 @@ fn many_rules(shift: u64) -> String {
             // Every hundredth rule an exact path, every hundred-and-first on one host.
             0 => (format!("/svc{i}/exact"), String::new()),
             1 => (format!("/svc{i}/*"), ", host: api.example.com".to_string()),
+            50 => ("/tenants/*".to_string(), format!(", headers: {{ x-tenant: t{i} }}")),
             _ => (format!("/svc{i}/*"), String::new()),
         };
         text.push_str(&format!(
@@ -360,10 +362,18 @@ fn many_rules(shift: u64) -> String {
 /// How many requests to `path` (on `host`) a fresh caller gets through
 /// before its first 429.
 async fn enforced_on(tg: &Tollgate, path: &str, host: &str) -> usize {
+    enforced_with(tg, path, &[("host", host)]).await
+}
+
+/// How many requests to `path` with `headers` a fresh caller gets through
+/// before its first 429.
+async fn enforced_with(tg: &Tollgate, path: &str, headers: &[(&str, &str)]) -> usize {
     let c = client();
     let key = format!("m{}", PROBE.fetch_add(1, Ordering::SeqCst));
+    let mut headers = headers.to_vec();
+    headers.push(("x-probe", &key));
     for admitted in 0..20 {
-        let a = get(&c, &tg.url(path), &[("x-probe", &key), ("host", host)]).await;
+        let a = get(&c, &tg.url(path), &headers).await;
         match a.status {
             StatusCode::OK => continue,
             StatusCode::TOO_MANY_REQUESTS => return admitted,
@@ -396,6 +406,18 @@ async fn ten_thousand_rules_match_by_path_and_host_and_reload_under_load() {
     assert_eq!(enforced_on(&tg, "/svc301/x", "other.example.com").await, 20);
     // /svc1/* (limit 2) does not cover /svc11/x (limit 3).
     assert_eq!(enforced_on(&tg, "/svc11/x", "localhost").await, expect(11, 1));
+    // A hundred rules on one path, told apart by a header's value: any of
+    // the request's values, without the spaces around it.
+    assert_eq!(
+        enforced_with(&tg, "/tenants/x", &[("x-tenant", "t450")]).await,
+        expect(450, 1)
+    );
+    assert_eq!(
+        enforced_with(&tg, "/tenants/x", &[("x-tenant", "nobody"), ("x-tenant", "t9950")]).await,
+        expect(9_950, 1)
+    );
+    assert_eq!(enforced_with(&tg, "/tenants/x", &[("x-tenant", "t451")]).await, 20);
+    assert_eq!(enforced_with(&tg, "/tenants/x", &[]).await, 20);
 
     // Requests keep flowing while the file is rewritten and re-indexed.
     let stop = Arc::new(AtomicBool::new(false));

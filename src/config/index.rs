@@ -4,17 +4,23 @@
 //! The index narrows a request down to the rules that could match it: by
 //! host (a map), then by path (exact paths in a map; prefixes in a sorted
 //! list where each prefix points at the longest other prefix it starts with,
-//! so every prefix of a path is found with one binary search). Methods and
-//! headers are left to [`Matcher::matches`](super::Matcher::matches), which
-//! decides each survivor exactly as the linear scan does, so the rules that
-//! match, and their order, are the scan's. The index is built when a file is
-//! parsed, off the request path.
+//! so every prefix of a path is found with one binary search), then, where
+//! several rules of one path share a header condition with exact values
+//! (one rule per tenant: `x-tenant: t1`, `x-tenant: t2`, ...), by that
+//! header's value (a map). Methods, and the other header conditions, are
+//! left to [`Matcher::matches`](super::Matcher::matches), which decides each
+//! survivor exactly as the linear scan does, so the rules that match, and
+//! their order, are the scan's. The index is built when a file is parsed,
+//! off the request path.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use super::{PathPattern, Rule};
+use http::{HeaderMap, HeaderName};
+
+use super::{HeaderValueMatch, PathPattern, Rule};
 
 /// The HTTP rules of one file, by host and path; positions are indexes into
 /// the file's `rules`.
@@ -35,11 +41,11 @@ pub struct RuleIndex {
 #[derive(Debug, Default)]
 struct PathIndex {
     /// Rules without a `path` condition.
-    any: Vec<usize>,
+    any: Bucket,
     /// Exact paths, case-sensitive.
-    exact: HashMap<Box<str>, Vec<usize>>,
+    exact: HashMap<Box<str>, Bucket>,
     /// Exact paths with `ignore_case`, lower-cased.
-    exact_folded: HashMap<Box<str>, Vec<usize>>,
+    exact_folded: HashMap<Box<str>, Bucket>,
     /// Prefixes, case-sensitive.
     prefixes: Prefixes,
     /// Prefixes with `ignore_case`, lower-cased.
@@ -55,14 +61,14 @@ struct Prefixes {
 #[derive(Debug)]
 struct PrefixEntry {
     prefix: Box<str>,
-    rules: Vec<usize>,
+    rules: Bucket,
     /// The longest other prefix in the list that this one starts with.
     shorter: Option<usize>,
 }
 
 impl RuleIndex {
     /// Indexes the HTTP rules (those without a `descriptor`) of `rules`.
-    pub fn new(rules: &[std::sync::Arc<Rule>]) -> RuleIndex {
+    pub fn new(rules: &[Arc<Rule>]) -> RuleIndex {
         let started = Instant::now();
         let mut any_host = PathBuilder::default();
         let mut hosts: HashMap<Box<str>, PathBuilder> = HashMap::new();
@@ -80,8 +86,8 @@ impl RuleIndex {
             paths.add(at, m.path.as_ref(), m.ignore_case);
         }
         let mut index = RuleIndex {
-            any_host: any_host.build(),
-            hosts: hosts.into_iter().map(|(h, b)| (h, b.build())).collect(),
+            any_host: any_host.build(rules),
+            hosts: hosts.into_iter().map(|(h, b)| (h, b.build(rules))).collect(),
             folds,
             built_in: Duration::ZERO,
         };
@@ -96,15 +102,16 @@ impl RuleIndex {
 
     /// The positions, in file order, of the rules that may match a request
     /// for `path` (in matching form, see [`crate::path::matching_form`]) on
-    /// `host` (without port); every rule that matches is among them.
-    pub fn candidates(&self, path: &str, host: Option<&str>) -> Vec<usize> {
+    /// `host` (without port) with `headers`; every rule that matches is
+    /// among them.
+    pub fn candidates(&self, path: &str, host: Option<&str>, headers: &HeaderMap) -> Vec<usize> {
         let folded = if self.folds && path.bytes().any(|b| b.is_ascii_uppercase()) {
             Cow::Owned(path.to_ascii_lowercase())
         } else {
             Cow::Borrowed(path)
         };
         let mut out = Vec::new();
-        self.any_host.collect(path, &folded, &mut out);
+        self.any_host.collect(path, &folded, headers, &mut out);
         if let Some(host) = host {
             let host = if host.bytes().any(|b| b.is_ascii_uppercase()) {
                 Cow::Owned(host.to_ascii_lowercase())
@@ -112,7 +119,7 @@ impl RuleIndex {
                 Cow::Borrowed(host)
             };
             if let Some(paths) = self.hosts.get(host.as_ref()) {
-                paths.collect(path, &folded, &mut out);
+                paths.collect(path, &folded, headers, &mut out);
             }
         }
         out.sort_unstable();
@@ -123,23 +130,23 @@ impl RuleIndex {
 
 impl PathIndex {
     /// Adds the rules that may match `path` (`folded`: it lower-cased).
-    fn collect(&self, path: &str, folded: &str, out: &mut Vec<usize>) {
-        out.extend_from_slice(&self.any);
+    fn collect(&self, path: &str, folded: &str, headers: &HeaderMap, out: &mut Vec<usize>) {
+        self.any.collect(headers, out);
         // An exact path also matches its spelling with a trailing slash.
-        let exact = |map: &HashMap<Box<str>, Vec<usize>>, p: &str, out: &mut Vec<usize>| {
+        let exact = |map: &HashMap<Box<str>, Bucket>, p: &str, out: &mut Vec<usize>| {
             if map.is_empty() {
                 return;
             }
             for p in [Some(p), p.strip_suffix('/')].into_iter().flatten() {
                 if let Some(rules) = map.get(p) {
-                    out.extend_from_slice(rules);
+                    rules.collect(headers, out);
                 }
             }
         };
         exact(&self.exact, path, out);
         exact(&self.exact_folded, folded, out);
-        self.prefixes.collect(path, out);
-        self.prefixes_folded.collect(folded, out);
+        self.prefixes.collect(path, headers, out);
+        self.prefixes_folded.collect(folded, headers, out);
     }
 }
 
@@ -150,7 +157,7 @@ impl Prefixes {
     /// order, and every string there starts with `q`; so each such `q` is a
     /// prefix of the greatest entry not above `path`, and is found on that
     /// entry's chain of shorter prefixes.
-    fn collect(&self, path: &str, out: &mut Vec<usize>) {
+    fn collect(&self, path: &str, headers: &HeaderMap, out: &mut Vec<usize>) {
         let below = match self
             .entries
             .binary_search_by(|e| e.prefix.as_bytes().cmp(path.as_bytes()))
@@ -161,9 +168,92 @@ impl Prefixes {
         let mut next = below;
         while let Some(entry) = next.and_then(|at| self.entries.get(at)) {
             if path.starts_with(entry.prefix.as_ref()) {
-                out.extend_from_slice(&entry.rules);
+                entry.rules.collect(headers, out);
             }
             next = entry.shorter;
+        }
+    }
+}
+
+/// The rules that share one path key (or have no path), in file order.
+/// Where at least two of them require the same header to hold an exact
+/// value, those are found by the request's value of it instead of tried
+/// one by one.
+#[derive(Debug, Default)]
+struct Bucket {
+    /// Rules tried one by one.
+    rules: Vec<usize>,
+    /// Rules found by their value of one header.
+    keyed: Option<Box<HeaderKeyed>>,
+}
+
+#[derive(Debug)]
+struct HeaderKeyed {
+    name: HeaderName,
+    by_value: HashMap<Box<[u8]>, Vec<usize>>,
+}
+
+impl Bucket {
+    /// Keys the rules at `positions` by the header most of them name with
+    /// an exact value.
+    fn new(positions: Vec<usize>, rules: &[Arc<Rule>]) -> Bucket {
+        let exact_values = |at: usize| {
+            rules
+                .get(at)
+                .into_iter()
+                .flat_map(|rule| rule.matcher.headers.iter())
+                .filter_map(|(name, want)| match want {
+                    HeaderValueMatch::Exact(value) => Some((name, value)),
+                    HeaderValueMatch::Any => None,
+                })
+        };
+        let mut uses: HashMap<&HeaderName, usize> = HashMap::new();
+        for &at in &positions {
+            for (name, _) in exact_values(at) {
+                *uses.entry(name).or_default() += 1;
+            }
+        }
+        // The most used name; ties go to the first in byte order, so a file
+        // always gets the same index.
+        let Some(name) = uses
+            .into_iter()
+            .filter(|&(_, n)| n >= 2)
+            .max_by(|a, b| a.1.cmp(&b.1).then_with(|| b.0.as_str().cmp(a.0.as_str())))
+            .map(|(name, _)| name.clone())
+        else {
+            return Bucket {
+                rules: positions,
+                keyed: None,
+            };
+        };
+        let mut plain = Vec::new();
+        let mut by_value: HashMap<Box<[u8]>, Vec<usize>> = HashMap::new();
+        for at in positions {
+            // A rule may name the header twice with different values; it
+            // then matches only a request carrying both, so either value
+            // finds it.
+            match exact_values(at).find(|(n, _)| **n == name) {
+                Some((_, value)) => by_value.entry(value.as_bytes().into()).or_default().push(at),
+                None => plain.push(at),
+            }
+        }
+        Bucket {
+            rules: plain,
+            keyed: Some(Box::new(HeaderKeyed { name, by_value })),
+        }
+    }
+
+    /// Adds the rules that may match a request with `headers`.
+    fn collect(&self, headers: &HeaderMap, out: &mut Vec<usize>) {
+        out.extend_from_slice(&self.rules);
+        if let Some(keyed) = &self.keyed {
+            // As the matcher compares: any of the values, without the
+            // spaces and tabs around it.
+            for value in headers.get_all(&keyed.name) {
+                if let Some(rules) = keyed.by_value.get(value.as_bytes().trim_ascii()) {
+                    out.extend_from_slice(rules);
+                }
+            }
         }
     }
 }
@@ -190,19 +280,22 @@ impl PathBuilder {
         map.entry(key.into()).or_default().push(at);
     }
 
-    fn build(self) -> PathIndex {
+    fn build(self, rules: &[Arc<Rule>]) -> PathIndex {
+        let buckets = |map: HashMap<Box<str>, Vec<usize>>| -> HashMap<Box<str>, Bucket> {
+            map.into_iter().map(|(k, at)| (k, Bucket::new(at, rules))).collect()
+        };
         PathIndex {
-            any: self.any,
-            exact: self.exact,
-            exact_folded: self.exact_folded,
-            prefixes: Prefixes::new(self.prefixes),
-            prefixes_folded: Prefixes::new(self.prefixes_folded),
+            any: Bucket::new(self.any, rules),
+            exact: buckets(self.exact),
+            exact_folded: buckets(self.exact_folded),
+            prefixes: Prefixes::new(buckets(self.prefixes)),
+            prefixes_folded: Prefixes::new(buckets(self.prefixes_folded)),
         }
     }
 }
 
 impl Prefixes {
-    fn new(by_prefix: HashMap<Box<str>, Vec<usize>>) -> Prefixes {
+    fn new(by_prefix: HashMap<Box<str>, Bucket>) -> Prefixes {
         let mut entries: Vec<PrefixEntry> = by_prefix
             .into_iter()
             .map(|(prefix, rules)| PrefixEntry {
@@ -238,7 +331,18 @@ mod tests {
     use super::*;
 
     fn prefixes(list: &[&str]) -> Prefixes {
-        Prefixes::new(list.iter().enumerate().map(|(i, p)| (Box::from(*p), vec![i])).collect())
+        Prefixes::new(
+            list.iter()
+                .enumerate()
+                .map(|(i, p)| {
+                    let bucket = Bucket {
+                        rules: vec![i],
+                        keyed: None,
+                    };
+                    (Box::from(*p), bucket)
+                })
+                .collect(),
+        )
     }
 
     #[test]
@@ -247,7 +351,7 @@ mod tests {
         let p = prefixes(&list);
         for path in ["/", "/a", "/a/b/c", "/ab", "/abc", "/a/bd", "/a/c", "/c", "", "/a/"] {
             let mut got = Vec::new();
-            p.collect(path, &mut got);
+            p.collect(path, &HeaderMap::new(), &mut got);
             got.sort_unstable();
             let want: Vec<usize> = (0..list.len()).filter(|&i| path.starts_with(list[i])).collect();
             assert_eq!(got, want, "{path}");
@@ -262,10 +366,19 @@ mod tests {
         )
         .unwrap();
         let index = &limits.index;
-        assert_eq!(index.candidates("/Login", Some("Api.Example.COM")), vec![0, 2]);
-        assert_eq!(index.candidates("/Login/", Some("api.example.com")), vec![0, 2]);
-        assert_eq!(index.candidates("/login", Some("api.example.com")), vec![2]);
-        assert_eq!(index.candidates("/API/x", None), vec![1, 2]);
-        assert_eq!(index.candidates("/Apix", None), vec![2]);
+        assert_eq!(
+            index.candidates("/Login", Some("Api.Example.COM"), &HeaderMap::new()),
+            vec![0, 2]
+        );
+        assert_eq!(
+            index.candidates("/Login/", Some("api.example.com"), &HeaderMap::new()),
+            vec![0, 2]
+        );
+        assert_eq!(
+            index.candidates("/login", Some("api.example.com"), &HeaderMap::new()),
+            vec![2]
+        );
+        assert_eq!(index.candidates("/API/x", None, &HeaderMap::new()), vec![1, 2]);
+        assert_eq!(index.candidates("/Apix", None, &HeaderMap::new()), vec![2]);
     }
 }

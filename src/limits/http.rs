@@ -132,7 +132,7 @@ pub(super) fn each_file_hits<L: std::ops::Deref<Target = Limits>>(
     let form = MatchingForm::of(req)?;
     let (req, host) = (&RequestInfo { path: &form.path, ..*req }, form.host.as_deref());
     for limits in files {
-        let candidates = limits.index.candidates(req.path, host);
+        let candidates = limits.index.candidates(req.path, host, req.headers);
         file_hits(limits, candidates.into_iter(), req, host, hits)?;
     }
     Ok(())
@@ -461,10 +461,12 @@ rules:
         }
     }
 
+    /// One rule of a random file: its number, methods, path, `ignore_case`,
+    /// host, header conditions and `by`.
+    type RandomRule<'a> = (usize, Vec<&'a str>, Option<String>, bool, Option<&'a str>, Option<&'a str>, &'a str);
+
     /// One rule of a random file, as YAML.
-    fn rule_yaml(
-        (n, methods, path, ignore_case, host, header, by): (usize, Vec<&str>, Option<String>, bool, Option<&str>, bool, &str),
-    ) -> String {
+    fn rule_yaml((n, methods, path, ignore_case, host, header, by): RandomRule<'_>) -> String {
         let mut m = Vec::new();
         if !methods.is_empty() {
             m.push(format!("methods: [{}]", methods.join(", ")));
@@ -478,8 +480,8 @@ rules:
         if let Some(h) = host {
             m.push(format!("host: '{h}'"));
         }
-        if header {
-            m.push("headers: { x-t: v }".into());
+        if let Some(h) = header {
+            m.push(format!("headers: {{ {h} }}"));
         }
         format!(
             "  - name: r{n}\n    match: {{ {} }}\n    by: [{by}]\n    limits: [{{ requests: 5, per: 1s }}]\n",
@@ -510,14 +512,19 @@ rules:
                 proptest::option::of((path_strategy(), 0..3u8)),
                 proptest::bool::ANY,
                 proptest::option::of(proptest::sample::select(vec!["a.com", "A.com", "b.com", "a.com."])),
-                proptest::bool::weighted(0.2),
+                // Header conditions, several rules often keyed on one name.
+                proptest::option::weighted(0.5, proptest::sample::select(vec![
+                    "x-t: v", "x-t: w", "x-t: v", "x-t: '*'", "x-u: v", "x-t: v, x-u: w", "X-T: v, x-t: w", "x-t: ' v'", "x-t: ''",
+                ])),
                 proptest::sample::select(vec!["", "path", "host", "method"]),
             ), 0..14),
             requests in proptest::collection::vec((
                 proptest::sample::select(vec!["GET", "POST", "HEAD", "PUT"]),
                 path_strategy(),
                 proptest::option::of(proptest::sample::select(vec!["a.com", "A.COM:8080", "a.com.", "b.com", "[::1]:80", "c.com"])),
-                proptest::bool::ANY,
+                proptest::collection::vec(proptest::sample::select(vec![
+                    ("x-t", "v"), ("x-t", " v\t"), ("x-t", "w"), ("x-t", "V"), ("x-t", ""), ("x-u", "w"), ("x-u", "v"),
+                ]), 0..3),
             ), 1..20),
         ) {
             let mut yaml = String::from("domain: d\nrules:\n");
@@ -535,15 +542,15 @@ rules:
             for (method, path, host, header) in requests {
                 let method = Method::from_bytes(method.as_bytes()).unwrap();
                 let mut headers = HeaderMap::new();
-                if header {
-                    headers.insert("x-t", "v".parse().unwrap());
+                for (name, value) in header {
+                    headers.append(name, value.parse().unwrap());
                 }
                 let req = RequestInfo { method: &method, path: &path, query: None, host, headers: &headers, client_ip: "10.0.0.1".parse().unwrap() };
                 let seen = |hits: Vec<Hit>| hits.into_iter().map(|h| (h.rule.name.clone(), h.key, h.cost)).collect::<Vec<_>>();
                 let scan = hits(&limits, &req).map(seen);
                 let mut indexed = Vec::new();
                 let indexed = each_file_hits(std::slice::from_ref(&limits), &req, &mut indexed).map(|()| seen(indexed));
-                proptest::prop_assert_eq!(scan, indexed, "{} {:?} on {:?}\n{}", method, path, host, yaml);
+                proptest::prop_assert_eq!(scan, indexed, "{} {:?} on {:?} with {:?}\n{}", method, path, host, headers, yaml);
             }
         }
     }
