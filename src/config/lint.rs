@@ -43,6 +43,11 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
             ));
         }
     }
+    for rule in limits.http_rules() {
+        if let Some(why) = impossible_condition(rule) {
+            out.push(format!("rule \"{}\" never matches: {why}", rule.name));
+        }
+    }
     for shadowed in limits.tree.shadowed() {
         let literal = if shadowed.wildcard {
             " (only a value spelled as its pattern, `*` included, reaches it)"
@@ -56,6 +61,25 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
         ));
     }
     out
+}
+
+/// A condition of `rule` no request meets, written as an author may take
+/// it to mean "anything" or copy it with stray spaces.
+fn impossible_condition(rule: &Rule) -> Option<String> {
+    let m = &rule.matcher;
+    if m.methods.iter().any(|method| method.as_str() == "*") {
+        return Some("\"*\" is not a method (leave `methods` out to match every method)".into());
+    }
+    if m.host.as_deref() == Some("") {
+        return Some("an empty host is no request's host (leave `host` out to match every host)".into());
+    }
+    m.headers.iter().find_map(|(name, want)| match want {
+        super::HeaderValueMatch::Exact(v) if v.trim_ascii() != v => Some(format!(
+            "header {name} is compared without the spaces and tabs around a value, so \"{v}\" never equals one; write \"{}\"",
+            v.trim_ascii()
+        )),
+        _ => None,
+    })
 }
 
 /// For a prefix that no path in matching form starts with, the prefix
@@ -210,6 +234,33 @@ mod tests {
                 found.len() == 1 && found[0].contains("cannot hold spaces"),
                 "{raw}: {found:?}"
             );
+        }
+    }
+
+    #[test]
+    fn conditions_no_request_meets_are_reported() {
+        let rule = |m: &str| {
+            never(&format!(
+                "domain: d\nrules:\n  - {{ name: r, match: {{ {m} }}, limits: [{{ requests: 1, per: 1s }}] }}\n"
+            ))
+        };
+        for (m, says) in [
+            ("methods: ['*']", "is not a method"),
+            ("host: ''", "empty host"),
+            ("headers: { x-t: ' v' }", "write \"v\""),
+            ("headers: { x-t: \"v\\t\" }", "write \"v\""),
+        ] {
+            let found = rule(m);
+            assert!(found.len() == 1 && found[0].contains(says), "{m}: {found:?}");
+        }
+        for m in [
+            "methods: [GET]",
+            "host: a.com",
+            "headers: { x-t: v }",
+            "headers: { x-t: '' }",
+            "headers: { x-t: '*' }",
+        ] {
+            assert_eq!(rule(m), Vec::<String>::new(), "{m}");
         }
     }
 
