@@ -4,6 +4,7 @@
 mod attacks;
 mod cli;
 mod common;
+mod connections;
 mod envoy;
 mod envoy_ratelimit;
 mod limiter;

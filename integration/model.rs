@@ -30,7 +30,7 @@ use tollgate::surfaces::envoy_rls::RlsService;
 
 use crate::common::{RedisServer, TestUpstream, client, get};
 use crate::envoy::descriptor;
-use tollgate::serve::{ConnLimits, serve};
+use tollgate::serve::{ConnLimits, Gate, serve};
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions};
 use tollgate::upstream::Upstream;
 
@@ -268,11 +268,16 @@ impl Rig {
             .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .unwrap();
         let proxy_addr = listener.local_addr().unwrap();
-        self.runtime
-            .spawn(serve(listener, ConnLimits::default(), stopped, move |req, peer| {
+        self.runtime.spawn(serve(
+            listener,
+            ConnLimits::default(),
+            Gate::new("proxy", None),
+            stopped,
+            move |req, peer| {
                 let proxy = proxy.clone();
                 async move { proxy.handle(req, peer).await }
-            }));
+            },
+        ));
         Case {
             proxy: proxy_addr,
             _stop: stop,

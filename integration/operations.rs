@@ -184,16 +184,6 @@ async fn stalling_upstream(head: &'static str, body_start: &'static [u8]) -> std
     addr
 }
 
-/// One counter's value from `/metrics`.
-async fn metric(tg: &Tollgate, name: &str) -> u64 {
-    let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
-    String::from_utf8_lossy(&body)
-        .lines()
-        .find(|l| l.starts_with(name))
-        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
-        .map_or(0, |v| v as u64)
-}
-
 #[tokio::test]
 async fn a_stalled_upstream_body_is_cut_off_not_held_forever() {
     let up = stalling_upstream("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"0123456789").await;

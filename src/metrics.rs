@@ -143,6 +143,11 @@ struct FileLabels {
     file: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ListenerLabels {
+    listener: &'static str,
+}
+
 /// Every metric tollgate exports.
 pub struct Metrics {
     registry: Registry,
@@ -162,6 +167,10 @@ pub struct Metrics {
     unknown_domain: Counter,
     client_body_stalls: Counter,
     upstream_body_stalls: Counter,
+    client_connections: Family<ListenerLabels, Gauge>,
+    connections_deferred: Family<ListenerLabels, Counter>,
+    accept_errors: Family<ListenerLabels, Counter>,
+    upstream_connections: Gauge,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
@@ -183,6 +192,24 @@ fn latency_buckets() -> Histogram {
 }
 
 static METRICS: LazyLock<Metrics> = LazyLock::new(Metrics::new);
+
+/// One unit of a gauge, held while alive: an open connection counts until
+/// whatever holds it is dropped, however its task ends.
+pub struct Held(Gauge);
+
+impl Held {
+    /// Adds one to `gauge` until the result is dropped.
+    pub fn new(gauge: Gauge) -> Held {
+        gauge.inc();
+        Held(gauge)
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
 
 /// The process's metrics.
 pub fn get() -> &'static Metrics {
@@ -209,6 +236,10 @@ impl Metrics {
             unknown_domain: Counter::default(),
             client_body_stalls: Counter::default(),
             upstream_body_stalls: Counter::default(),
+            client_connections: Family::default(),
+            connections_deferred: Family::default(),
+            accept_errors: Family::default(),
+            upstream_connections: Gauge::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
             request_counters: Default::default(),
@@ -285,6 +316,26 @@ impl Metrics {
             "tollgate_upstream_body_stalls",
             "Upstream response bodies cut off after --upstream-body-timeout without a byte",
             m.upstream_body_stalls.clone(),
+        );
+        registry.register(
+            "tollgate_client_connections",
+            "Client connections open, per listener",
+            m.client_connections.clone(),
+        );
+        registry.register(
+            "tollgate_connections_deferred",
+            "New connections left waiting in the listen backlog because --max-connections were open",
+            m.connections_deferred.clone(),
+        );
+        registry.register(
+            "tollgate_accept_errors",
+            "Connections the operating system failed to hand over (out of file descriptors, mostly)",
+            m.accept_errors.clone(),
+        );
+        registry.register(
+            "tollgate_upstream_connections",
+            "Connections to the upstream open, in use or idle in the keep-alive pool",
+            m.upstream_connections.clone(),
         );
         registry.register(
             "tollgate_rls_unknown_domain",
@@ -418,6 +469,30 @@ impl Metrics {
     /// Records a live counter evicted from the memory store.
     pub fn counter_evicted(&self) {
         self.counters_evicted.inc();
+    }
+
+    /// The gauge of client connections open on `listener`.
+    pub fn client_connections(&self, listener: &'static str) -> Gauge {
+        self.client_connections
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
+    }
+
+    /// Records a new connection on `listener` left waiting for a free slot.
+    pub fn connection_deferred(&self, listener: &'static str) {
+        self.connections_deferred
+            .get_or_create(&ListenerLabels { listener })
+            .inc();
+    }
+
+    /// Records a failed accept on `listener`.
+    pub fn accept_error(&self, listener: &'static str) {
+        self.accept_errors.get_or_create(&ListenerLabels { listener }).inc();
+    }
+
+    /// The gauge of open upstream connections.
+    pub fn upstream_connections(&self) -> &Gauge {
+        &self.upstream_connections
     }
 
     /// Publishes how many counters the memory store holds.

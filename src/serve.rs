@@ -5,9 +5,15 @@
 //! hyper's header read timeout covers HTTP/1 only. So every connection also
 //! has a watchdog: one that has not begun a request within the header read
 //! timeout of opening (an HTTP/2 client sending its preface and a HEADERS
-//! frame it never ends, say) is closed; one that has begun none for
-//! [`IDLE_TIMEOUT`] since is shut down gracefully (HTTP/2 GOAWAY; responses
-//! still streaming finish first).
+//! frame it never ends, say) is closed; one that has begun none for the
+//! keep-alive timeout since is shut down gracefully (HTTP/2 GOAWAY;
+//! responses still streaming finish first).
+//!
+//! A [`Gate`] bounds how many connections a listener (or the proxy's
+//! listeners together) serves at once: at the bound, each listener holds the
+//! one connection it accepted last until a slot frees, and the rest wait in
+//! the kernel's listen backlog, instead of running the process out of file
+//! descriptors (NGINX's `worker_connections`).
 
 use std::convert::Infallible;
 use std::error::Error as StdError;
@@ -24,19 +30,17 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
-/// How long a connection that has served a request may sit without
-/// beginning another (NGINX's `keepalive_timeout` default is 75 s).
-pub const IDLE_TIMEOUT: Duration = Duration::from_secs(75);
-
-/// When a connection last began a request, for its watchdog.
+/// When a connection last began or finished a request, for its watchdog.
 struct Activity {
     opened: Instant,
-    /// Milliseconds after `opened` when the last request began.
+    /// Milliseconds after `opened` when a request last began or finished.
     last_ms: AtomicU64,
     served: AtomicBool,
+    /// Requests whose response has not been handed over yet.
+    in_flight: AtomicU64,
 }
 
 impl Activity {
@@ -45,21 +49,34 @@ impl Activity {
             opened: Instant::now(),
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
+            in_flight: AtomicU64::new(0),
         }
     }
 
-    fn began(&self) {
+    fn touch(&self) {
         let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.last_ms.store(ms, Ordering::Relaxed);
-        self.served.store(true, Ordering::Relaxed);
     }
 
-    /// How long until the connection counts as idle (zero: it is).
-    fn left(&self, first_request: Duration) -> Duration {
+    /// A request began; the connection is busy until the result is dropped.
+    fn began(self: &Arc<Self>) -> Busy {
+        self.touch();
+        self.served.store(true, Ordering::Relaxed);
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        Busy(self.clone())
+    }
+
+    /// How long until the connection counts as idle (zero: it is). Idle
+    /// time counts from the last response handed over, as NGINX's
+    /// `keepalive_timeout` does, never while a request is being handled.
+    fn left(&self, limits: &ConnLimits) -> Duration {
         let limit = if self.served.load(Ordering::Relaxed) {
-            IDLE_TIMEOUT
+            if self.in_flight.load(Ordering::Relaxed) > 0 {
+                return limits.keepalive_timeout.max(WATCH_AT_LEAST);
+            }
+            limits.keepalive_timeout
         } else {
-            first_request
+            limits.header_read_timeout
         };
         let since = self
             .opened
@@ -68,6 +85,20 @@ impl Activity {
         limit.saturating_sub(since)
     }
 }
+
+/// A request being handled on a connection; its end counts as activity.
+struct Busy(Arc<Activity>);
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        self.0.touch();
+    }
+}
+
+/// The shortest a connection's watchdog sleeps, so that a zero keep-alive
+/// timeout does not make it spin before the first request.
+const WATCH_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// Limits applied to client connections.
 #[derive(Debug, Clone, Copy)]
@@ -80,6 +111,9 @@ pub struct ConnLimits {
     pub max_headers: usize,
     /// Largest header block in bytes (HTTP/1 read buffer, HTTP/2 header list).
     pub max_header_bytes: usize,
+    /// How long a connection that has served a request may sit without
+    /// beginning another; zero turns HTTP/1 keep-alive off.
+    pub keepalive_timeout: Duration,
 }
 
 impl Default for ConnLimits {
@@ -89,14 +123,58 @@ impl Default for ConnLimits {
             shutdown_grace: Duration::from_secs(10),
             max_headers: 100,
             max_header_bytes: 64 * 1024,
+            // NGINX's `keepalive_timeout` default.
+            keepalive_timeout: Duration::from_secs(75),
         }
     }
 }
 
-/// Serves `handler` on `listener` until `shutdown` turns true, then drains.
+/// Which listener a connection came in on, and the bound on how many it
+/// may hold open (shared by the listeners of one surface).
+#[derive(Clone)]
+pub struct Gate {
+    name: &'static str,
+    slots: Option<Arc<Semaphore>>,
+    max: usize,
+    /// When a full gate was last logged, in ms since `epoch`, so a flood
+    /// gives one line every few seconds rather than one per connection.
+    last_warned: Arc<AtomicU64>,
+    epoch: Instant,
+}
+
+/// How often a full gate, or a failing accept, is logged at most.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+impl Gate {
+    /// A gate for `name` holding at most `max` connections (none: unbounded).
+    pub fn new(name: &'static str, max: Option<usize>) -> Gate {
+        Gate {
+            name,
+            slots: max.map(|m| Arc::new(Semaphore::new(m.min(Semaphore::MAX_PERMITS)))),
+            max: max.unwrap_or(usize::MAX),
+            last_warned: Arc::new(AtomicU64::new(u64::MAX)),
+            epoch: Instant::now(),
+        }
+    }
+
+    /// Whether enough time passed since the last warning to write another.
+    fn may_warn(&self) -> bool {
+        let now = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let last = self.last_warned.load(Ordering::Relaxed);
+        let due = last == u64::MAX || now.saturating_sub(last) >= WARN_EVERY.as_millis() as u64;
+        due && self
+            .last_warned
+            .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+}
+
+/// Serves `handler` on `listener`, holding no more connections than `gate`
+/// allows, until `shutdown` turns true, then drains.
 pub async fn serve<F, Fut, B>(
     listener: TcpListener,
     limits: ConnLimits,
+    gate: Gate,
     mut shutdown: watch::Receiver<bool>,
     handler: F,
 ) where
@@ -111,6 +189,7 @@ pub async fn serve<F, Fut, B>(
         .http1()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(!limits.keepalive_timeout.is_zero())
         .max_headers(limits.max_headers)
         .max_buf_size(limits.max_header_bytes.max(8192));
     builder
@@ -118,32 +197,59 @@ pub async fn serve<F, Fut, B>(
         .timer(TokioTimer::new())
         .max_header_list_size(limits.max_header_bytes as u32);
     let mut connections = JoinSet::new();
+    let open = crate::metrics::get().client_connections(gate.name);
     loop {
         // Finished connections are reaped as they finish, not at the next
         // accept: each holds its task's memory until joined, and after a
         // burst closes there may be no next accept for a long time.
         let accepted = tokio::select! {
-            accepted = accept(&listener, &mut shutdown) => accepted,
+            accepted = accept(&listener, &gate, &mut shutdown) => accepted,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let Some((stream, peer)) = accepted else { break };
+        // At the bound, this connection waits for a slot and nothing more is
+        // accepted here meanwhile: the rest wait in the backlog. (Taking the
+        // slot before accepting would strand it on one thread's listener
+        // while SO_REUSEPORT hands the next connection to another.)
+        let slot = {
+            let waiting = free_slot(&gate);
+            let mut waiting = std::pin::pin!(waiting);
+            loop {
+                tokio::select! {
+                    slot = &mut waiting => break Some(slot),
+                    Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                    _ = stopped(&mut shutdown) => break None,
+                }
+            }
+        };
+        let Some(slot) = slot else { break };
+        let held = (slot, crate::metrics::Held::new(open.clone()));
                 let handler = handler.clone();
                 let activity = Arc::new(Activity::new());
                 let seen = activity.clone();
                 let service = service_fn(move |req: Request<Incoming>| {
-                    seen.began();
+                    let busy = seen.began();
                     let head = req.method() == http::Method::HEAD;
                     let response = handler(req, peer);
-                    async move { Ok::<_, Infallible>(without_body_for_head(response.await, head)) }
+                    async move {
+                        let response = response.await;
+                        drop(busy);
+                        Ok::<_, Infallible>(without_body_for_head(response, head))
+                    }
                 });
                 let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
                 let mut stop = shutdown.clone();
-                let first_request = limits.header_read_timeout;
                 connections.spawn(async move {
+                    // The slot and the gauge are given back when the task ends.
+                    let _held = held;
                     let mut conn = std::pin::pin!(conn);
                     let mut closing = false;
                     loop {
-                        let left = activity.left(first_request);
+                        // A request beginning does not wake the watchdog, so
+                        // it looks again at least every keep-alive timeout.
+                        let left = activity
+                            .left(&limits)
+                            .min(limits.keepalive_timeout.max(WATCH_AT_LEAST));
                         tokio::select! {
                             result = conn.as_mut() => {
                                 if let Err(e) = result {
@@ -156,7 +262,7 @@ pub async fn serve<F, Fut, B>(
                                 closing = true;
                             }
                             _ = tokio::time::sleep(left), if !closing => {
-                                if activity.left(first_request).is_zero() {
+                                if activity.left(&limits).is_zero() {
                                     tracing::debug!(%peer, "idle connection closed");
                                     if !activity.served.load(Ordering::Relaxed) {
                                         // Nothing was ever in flight: close at once (an
@@ -187,10 +293,34 @@ fn without_body_for_head<B: Body>(response: Response<B>, head: bool) -> Response
     response.map(|body| if head { Either::Right(Empty::new()) } else { Either::Left(body) })
 }
 
+/// A slot for one more connection through `gate` (none when it is
+/// unbounded), waiting while it is full.
+async fn free_slot(gate: &Gate) -> Option<OwnedSemaphorePermit> {
+    let slots = gate.slots.as_ref()?;
+    if let Ok(slot) = slots.clone().try_acquire_owned() {
+        return Some(slot);
+    }
+    crate::metrics::get().connection_deferred(gate.name);
+    if gate.may_warn() {
+        tracing::warn!(
+            listener = gate.name,
+            max_connections = gate.max,
+            "connection limit reached; new connections wait in the listen backlog until one closes (raise --max-connections to hold more)"
+        );
+    }
+    // The semaphore is never closed, so this only waits.
+    slots.clone().acquire_owned().await.ok()
+}
+
 /// The next connection on `listener`, ready to serve (Nagle off), or
 /// `None` once `shutdown` turns true. Accept errors (out of file
-/// descriptors, mostly) back off instead of spinning.
-pub async fn accept(listener: &TcpListener, shutdown: &mut watch::Receiver<bool>) -> Option<(TcpStream, SocketAddr)> {
+/// descriptors, mostly) back off instead of spinning, counted and logged at
+/// most every few seconds.
+pub async fn accept(
+    listener: &TcpListener,
+    gate: &Gate,
+    shutdown: &mut watch::Receiver<bool>,
+) -> Option<(TcpStream, SocketAddr)> {
     loop {
         let accepted = tokio::select! {
             accepted = listener.accept() => accepted,
@@ -204,7 +334,10 @@ pub async fn accept(listener: &TcpListener, shutdown: &mut watch::Receiver<bool>
                 return Some((stream, peer));
             }
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
+                crate::metrics::get().accept_error(gate.name);
+                if gate.may_warn() {
+                    tracing::warn!(listener = gate.name, error = %e, "accept failed; retrying every 50 ms (out of file descriptors? lower --max-connections or raise the file limit)");
+                }
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
@@ -218,4 +351,55 @@ async fn stopped(shutdown: &mut watch::Receiver<bool>) {
             return;
         }
     }
+}
+
+/// File descriptors kept back from client connections for the listeners,
+/// Redis, the limits files and the log.
+const RESERVED_FILES: u64 = 256;
+
+/// The proxy's connection bound for `--max-connections` (`configured`, or
+/// for 0 half of what the file-descriptor limit leaves, so that each client
+/// connection can have an upstream one), raising the soft file limit to
+/// the hard one first as Go's runtime does. `None`: no bound.
+pub fn max_connections(configured: usize) -> Option<usize> {
+    let files = raise_file_limit();
+    let max = match (configured, files) {
+        (0, Some(files)) => usize::try_from(files.saturating_sub(RESERVED_FILES) / 2).unwrap_or(usize::MAX).max(16),
+        (0, None) => return None,
+        (n, _) => n,
+    };
+    match files {
+        Some(files) if (max as u64).saturating_mul(2).saturating_add(RESERVED_FILES) > files => tracing::warn!(
+            max_connections = max,
+            file_limit = files,
+            "--max-connections and their upstream connections may need more file descriptors than the limit allows; accepts will fail (and be retried) when they run out"
+        ),
+        _ => tracing::info!(max_connections = max, file_limit = ?files, "client connections bounded"),
+    }
+    Some(max)
+}
+
+/// Raises the soft limit on open files to the hard limit; the limit now in
+/// force (`None`: unlimited).
+fn raise_file_limit() -> Option<u64> {
+    let mut limit = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit only read and write the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) != 0 {
+            return None;
+        }
+        if limit.rlim_cur < limit.rlim_max {
+            let raised = libc::rlimit {
+                rlim_cur: limit.rlim_max,
+                rlim_max: limit.rlim_max,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &raised) == 0 {
+                limit = raised;
+            }
+        }
+    }
+    (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur)
 }

@@ -136,6 +136,16 @@ pub struct Settings {
     /// How long a client may take to send request headers.
     #[arg(long, env = "TOLLGATE_HEADER_READ_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub header_read_timeout: Duration,
+    /// Most client connections the proxy holds open; more wait in the
+    /// listen backlog until one closes. 0: half the file-descriptor limit
+    /// (raised to its hard limit at start), leaving one for each upstream
+    /// connection.
+    #[arg(long, env = "TOLLGATE_MAX_CONNECTIONS", default_value_t = 0)]
+    pub max_connections: usize,
+    /// How long an idle keep-alive client connection stays open (0: no
+    /// keep-alive, as NGINX's keepalive_timeout 0).
+    #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT", default_value = "75s", value_parser = humantime::parse_duration)]
+    pub keepalive_timeout: Duration,
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,

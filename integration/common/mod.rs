@@ -499,6 +499,16 @@ pub async fn get(client: &Client<HttpConnector, Full<Bytes>>, url: &str, headers
     send(client, Method::GET, url, headers, Vec::new()).await
 }
 
+/// The value of the first `/metrics` series starting with `name` (0 when absent).
+pub async fn metric(tg: &Tollgate, name: &str) -> u64 {
+    let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
+    String::from_utf8_lossy(&body)
+        .lines()
+        .find(|l| l.starts_with(name))
+        .and_then(|l| l.split_whitespace().last()?.parse::<f64>().ok())
+        .map_or(0, |v| v as u64)
+}
+
 /// Sends raw bytes and reads until the server closes or `limit` passes.
 pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();

@@ -19,7 +19,7 @@ use crate::admin::{Admin, AdminAccess};
 use crate::client_ip::{BadCidr, TrustedProxies};
 use crate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, StoreError, SystemClock};
 use crate::reload::{CatalogError, LiveFiles, WatchGuard};
-use crate::serve::{ConnLimits, serve};
+use crate::serve::{ConnLimits, Gate, serve};
 use crate::settings::{Listen, RedisModeArg, Settings};
 use crate::surfaces::decision_http::DecisionHttp;
 use crate::surfaces::envoy_rls::RlsService;
@@ -139,8 +139,10 @@ impl Server {
             conn_limits: ConnLimits {
                 header_read_timeout: settings.header_read_timeout,
                 shutdown_grace: settings.shutdown_timeout,
+                keepalive_timeout: settings.keepalive_timeout,
                 ..ConnLimits::default()
             },
+            proxy_gate: Gate::new("proxy", crate::serve::max_connections(settings.max_connections)),
             stop: stop_rx,
         };
         let options = upstream.map(|upstream| ProxyOptions {
@@ -289,6 +291,7 @@ struct Parts {
     files: Arc<LiveFiles>,
     trusted: TrustedProxies,
     conn_limits: ConnLimits,
+    proxy_gate: Gate,
     stop: watch::Receiver<bool>,
 }
 
@@ -334,6 +337,7 @@ impl Parts {
                 proxy,
                 grpc,
                 limits: self.conn_limits,
+                gate: self.proxy_gate.clone(),
                 stop: self.stop.clone(),
             };
             let handle = std::thread::Builder::new()
@@ -366,6 +370,7 @@ impl Parts {
         let mut tasks = vec![tokio::spawn(serve(
             admin,
             self.conn_limits,
+            Gate::new("admin", None),
             self.stop.clone(),
             move |req, peer| {
                 let admin = admin_handler.clone();
@@ -389,6 +394,7 @@ impl Parts {
             tasks.push(tokio::spawn(serve(
                 listener,
                 check_limits,
+                Gate::new("check", None),
                 self.stop.clone(),
                 move |req, peer| {
                     let check = check.clone();
@@ -400,6 +406,7 @@ impl Parts {
             tasks.push(tokio::spawn(serve(
                 listener,
                 self.conn_limits,
+                Gate::new("health", None),
                 self.stop.clone(),
                 Admin::health_only,
             )));

@@ -14,7 +14,7 @@ use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::StartError;
-use crate::serve::{ConnLimits, accept, serve};
+use crate::serve::{ConnLimits, Gate, accept, serve};
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::Proxy;
 
@@ -26,6 +26,8 @@ pub(super) struct Worker {
     pub grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
     /// Limits on client connections.
     pub limits: ConnLimits,
+    /// The bound on proxy connections, shared by every worker.
+    pub gate: Gate,
     /// Turns true when the server stops.
     pub stop: watch::Receiver<bool>,
 }
@@ -44,6 +46,7 @@ impl Worker {
             proxy,
             grpc,
             limits,
+            gate,
             stop,
         } = self;
         runtime.block_on(async move {
@@ -59,7 +62,7 @@ impl Worker {
                     }
                 };
                 let proxy = Arc::new(proxy);
-                serve(listener, limits, stop.clone(), move |req, peer| {
+                serve(listener, limits, gate, stop.clone(), move |req, peer| {
                     let proxy = proxy.clone();
                     async move { proxy.handle(req, peer).await }
                 })
@@ -113,7 +116,8 @@ pub(super) async fn deal_grpc(
     mut stop: watch::Receiver<bool>,
 ) {
     let mut next = 0usize;
-    while let Some((stream, _)) = accept(&listener, &mut stop).await {
+    let gate = Gate::new("grpc", None);
+    while let Some((stream, _)) = accept(&listener, &gate, &mut stop).await {
         let mut stream = match stream.into_std() {
             Ok(stream) => stream,
             Err(e) => {

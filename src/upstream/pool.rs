@@ -206,7 +206,10 @@ impl UpstreamPool {
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
         let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
+        let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
         tokio::spawn(async move {
+            // Counted until the task ends, however it ends.
+            let _open = open;
             if let Err(e) = conn.with_upgrades().await {
                 tracing::debug!(error = %e, "upstream connection ended with an error");
             }

@@ -1,0 +1,213 @@
+//! Many clients, bounded cost (issue 19): the connection bound an operator
+//! sets and what a client sees at it, the keep-alive timeout, running out
+//! of file descriptors, and the connection gauges in `/metrics`.
+
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::common::*;
+
+const NO_RULES: &str = "domain: d\nrules: []\n";
+
+/// A keep-alive connection that has had one request answered.
+async fn served(tg: &Tollgate) -> TcpStream {
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    assert!(
+        answer(&mut s, Duration::from_secs(5)).await.is_some(),
+        "a first request is answered"
+    );
+    s
+}
+
+/// Sends one GET on `s`; its status line, or `None` when nothing comes
+/// within `limit`.
+async fn answer(s: &mut TcpStream, limit: Duration) -> Option<String> {
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n").await.ok()?;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = async {
+        // The test upstream answers a short body; the head is enough.
+        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(limit, read).await.ok()?;
+    let text = String::from_utf8_lossy(&got).into_owned();
+    text.lines()
+        .next()
+        .filter(|l| l.starts_with("HTTP/1.1"))
+        .map(str::to_string)
+}
+
+/// Whether the server closes `s` within `limit`.
+async fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
+    let mut buf = [0u8; 4096];
+    let until = Instant::now() + limit;
+    loop {
+        let left = until.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return true,
+            Ok(Ok(_)) => continue,
+            Err(_) => return false,
+        }
+    }
+}
+
+#[tokio::test]
+async fn at_the_connection_bound_new_clients_wait_and_are_served_when_one_closes() {
+    let up = TestUpstream::start().await;
+    // Several proxy threads: the bound is the process's, not each thread's.
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "3", "--proxy-threads", "2"]);
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(served(&tg).await);
+    }
+    assert_eq!(metric(&tg, "tollgate_client_connections{listener=\"proxy\"}").await, 3);
+    // The fourth is accepted by the kernel but not served while three are open.
+    let mut waiting = TcpStream::connect(tg.addr).await.unwrap();
+    let early = tokio::spawn(async move {
+        let status = answer(&mut waiting, Duration::from_secs(10)).await;
+        (status, Instant::now(), waiting)
+    });
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(!early.is_finished(), "a connection over the bound was served");
+    assert!(tg.logged("connection limit reached"), "{}", tg.log_text());
+    assert!(metric(&tg, "tollgate_connections_deferred_total{listener=\"proxy\"}").await >= 1);
+    // One closes: the waiting client is served.
+    let closed_at = Instant::now();
+    drop(held.pop());
+    let (status, at, _waiting) = early.await.unwrap();
+    assert_eq!(status.as_deref(), Some("HTTP/1.1 200 OK"));
+    assert!(at.duration_since(closed_at) < Duration::from_secs(2));
+    // The warning is not repeated for every connection that waits.
+    let lines = tg.log_text().matches("connection limit reached").count();
+    assert_eq!(lines, 1, "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn idle_keep_alive_connections_are_closed_after_the_keepalive_timeout() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--keepalive-timeout", "1s"]);
+    let mut s = served(&tg).await;
+    let started = Instant::now();
+    assert!(closed_within(&mut s, Duration::from_secs(5)).await, "closed when idle");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(800), "not before the timeout: {took:?}");
+    // A connection in use is not cut: requests one after another keep it.
+    let mut busy = served(&tg).await;
+    for _ in 0..4 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(answer(&mut busy, Duration::from_secs(2)).await.is_some());
+    }
+    let gauge = "tollgate_client_connections{listener=\"proxy\"}";
+    let until = Instant::now() + Duration::from_secs(5);
+    while metric(&tg, gauge).await != 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(metric(&tg, gauge).await, 0, "every connection counted out when closed");
+}
+
+#[tokio::test]
+async fn keepalive_timeout_zero_closes_after_each_response() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--keepalive-timeout", "0"]);
+    let answer = raw(tg.addr, b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n", Duration::from_secs(5)).await;
+    // `raw` reads until the server closes, so the answer came whole.
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.to_ascii_lowercase().contains("connection: close"), "{answer}");
+}
+
+#[tokio::test]
+async fn out_of_file_descriptors_the_proxy_keeps_serving_and_says_so_once() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--max-connections", "100000", "--proxy-threads", "1"],
+    );
+    // Lower the running process's file limit to what it holds plus a few.
+    let open = std::fs::read_dir(format!("/proc/{}/fd", tg.pid())).unwrap().count();
+    let limit = open + 8;
+    let status = std::process::Command::new("prlimit")
+        .args(["--pid", &tg.pid().to_string(), &format!("--nofile={limit}:{limit}")])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let mut flood = Vec::new();
+    for _ in 0..40 {
+        flood.push(TcpStream::connect(tg.addr).await.unwrap());
+    }
+    // Retried every 50 ms for two seconds, logged once.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let log = tg.log_text();
+    let lines = log
+        .lines()
+        .filter(|l| l.contains("accept failed") && l.contains("proxy"))
+        .count();
+    assert_eq!(lines, 1, "one line, not one per retry: {log}");
+    assert!(log.contains("file descriptors"), "{log}");
+    // Once the flood goes, everyone is served again.
+    drop(flood);
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = tokio::time::timeout(Duration::from_secs(1), get(&client(), &tg.url("/x"), &[])).await;
+        if let Ok(a) = r
+            && a.status == http::StatusCode::OK
+        {
+            break;
+        }
+        assert!(Instant::now() < until, "not served after the flood: {}", tg.log_text());
+    }
+    assert!(metric(&tg, "tollgate_accept_errors_total{listener=\"proxy\"}").await > 0);
+}
+
+/// An upstream that answers each request and closes its connection.
+async fn closing_upstream() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let mut got = Vec::new();
+                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match s.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn upstream_connections_are_counted_open_and_closed() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/x"), &[]).await.status, http::StatusCode::OK);
+    }
+    let gauge = "tollgate_upstream_connections ";
+    assert!(metric(&tg, gauge).await >= 1, "a pooled upstream connection is open");
+    // An upstream that closes after each answer leaves nothing open.
+    let tg = Tollgate::start(NO_RULES, closing_upstream().await, &[]);
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/x"), &[]).await.status, http::StatusCode::OK);
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while metric(&tg, gauge).await != 0 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(metric(&tg, gauge).await, 0, "closed by the upstream, counted out");
+}
