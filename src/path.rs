@@ -21,8 +21,11 @@ use std::borrow::Cow;
 /// what these mean (some decode `%2F` to `/`, Windows servers read `\` as
 /// `/`), so no single reading can be matched safely; such requests are
 /// refused, as Envoy's `path_with_escaped_slashes_action: REJECT_REQUEST`.
+/// So is a dot segment with parameters (`/api/..;/orders`): Tomcat strips
+/// the parameter and climbs out of `/api/`, NGINX and Express read a
+/// segment named `..;` and route under it.
 pub fn is_ambiguous(path: &str) -> bool {
-    if path.contains('\\') {
+    if path.contains('\\') || has_dot_segment_with_params(path) {
         return true;
     }
     let bytes = path.as_bytes();
@@ -36,6 +39,32 @@ pub fn is_ambiguous(path: &str) -> bool {
                 (Some(b'2'), Some(b'F')) | (Some(b'5'), Some(b'C')) | (Some(b'0'), Some(b'0'))
             )
     })
+}
+
+/// `text` without regard to case, for `ignore_case` rules: Unicode
+/// lower case (`/ÉCOLE` is `/école`, as case-insensitive routers that
+/// read Unicode take it), borrowed when nothing changes.
+pub fn fold_case(text: &str) -> Cow<'_, str> {
+    if text.is_ascii() {
+        if text.bytes().any(|b| b.is_ascii_uppercase()) {
+            return Cow::Owned(text.to_ascii_lowercase());
+        }
+        return Cow::Borrowed(text);
+    }
+    let lower = text.to_lowercase();
+    if lower == text { Cow::Borrowed(text) } else { Cow::Owned(lower) }
+}
+
+/// Whether a segment is `.` or `..` (escaped or not) followed by `;params`.
+fn has_dot_segment_with_params(path: &str) -> bool {
+    path.contains(';')
+        && path.split('/').any(|segment| {
+            let Some((head, _)) = segment.split_once(';') else {
+                return false;
+            };
+            let dots = head.to_ascii_lowercase().replace("%2e", ".");
+            dots == "." || dots == ".."
+        })
 }
 
 /// The path rules are matched on: `;parameters` removed from every segment
@@ -238,7 +267,6 @@ mod tests {
     fn parameters_neither_dodge_nor_hide() {
         use super::matching_form;
         assert_eq!(matching_form("/login;jsessionid=x"), "/login");
-        assert_eq!(matching_form("/api/..;/login"), "/login");
         assert_eq!(matching_form("/a;x/b;y/"), "/a/b/");
         assert_eq!(matching_form("/plain"), "/plain");
     }
@@ -246,10 +274,21 @@ mod tests {
     #[test]
     fn hidden_separators_are_ambiguous() {
         use super::is_ambiguous;
-        for p in ["/login%2F", "/a%2fb", "/a%5Cb", "/a\\b", "/a%00"] {
+        for p in [
+            "/login%2F",
+            "/a%2fb",
+            "/a%5Cb",
+            "/a\\b",
+            "/a%00",
+            "/api/..;/login",
+            "/api/.;/login",
+            "/api/%2e%2E;x/login",
+            "/api/.%2e;/",
+            "/..;",
+        ] {
             assert!(is_ambiguous(p), "{p}");
         }
-        for p in ["/login", "/a%20b", "/%2", "/%"] {
+        for p in ["/login", "/a%20b", "/%2", "/%", "/login;x", "/a/...;x/b", "/a/;x/b", "/a..;/b"] {
             assert!(!is_ambiguous(p), "{p}");
         }
     }
@@ -337,6 +376,15 @@ mod tests {
                 out
             }
         }
+    }
+
+    #[test]
+    fn case_folds_beyond_ascii() {
+        use super::fold_case;
+        assert_eq!(fold_case("/\u{c9}COLE"), "/\u{e9}cole");
+        assert_eq!(fold_case("/Login"), "/login");
+        assert!(matches!(fold_case("/login"), std::borrow::Cow::Borrowed(_)));
+        assert!(matches!(fold_case("/\u{e9}t\u{e9}"), std::borrow::Cow::Borrowed(_)));
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub struct RuleIndex {
     /// Rules with one, by lower-cased host.
     hosts: HashMap<Box<str>, PathIndex>,
     /// Any rule matches regardless of case, so paths are also looked up
-    /// lower-cased.
+    /// lower-cased (see [`crate::path::fold_case`]).
     folds: bool,
     /// How long building took, for the reload log line.
     built_in: Duration,
@@ -105,8 +105,8 @@ impl RuleIndex {
     /// `host` (without port) with `headers`; every rule that matches is
     /// among them.
     pub fn candidates(&self, path: &str, host: Option<&str>, headers: &HeaderMap) -> Vec<usize> {
-        let folded = if self.folds && path.bytes().any(|b| b.is_ascii_uppercase()) {
-            Cow::Owned(path.to_ascii_lowercase())
+        let folded = if self.folds {
+            crate::path::fold_case(path)
         } else {
             Cow::Borrowed(path)
         };
@@ -273,9 +273,9 @@ impl PathBuilder {
         let (map, key) = match (path, ignore_case) {
             (None, _) => return self.any.push(at),
             (Some(PathPattern::Exact(p)), false) => (&mut self.exact, p.clone()),
-            (Some(PathPattern::Exact(p)), true) => (&mut self.exact_folded, p.to_ascii_lowercase()),
+            (Some(PathPattern::Exact(p)), true) => (&mut self.exact_folded, crate::path::fold_case(p).into_owned()),
             (Some(PathPattern::Prefix(p)), false) => (&mut self.prefixes, p.clone()),
-            (Some(PathPattern::Prefix(p)), true) => (&mut self.prefixes_folded, p.to_ascii_lowercase()),
+            (Some(PathPattern::Prefix(p)), true) => (&mut self.prefixes_folded, crate::path::fold_case(p).into_owned()),
         };
         map.entry(key.into()).or_default().push(at);
     }

@@ -34,6 +34,15 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
             ));
             continue;
         }
+        if let Some(PathPattern::Exact(p) | PathPattern::Prefix(p)) = &rule.matcher.path
+            && has_malformed_escape(p)
+        {
+            out.push(format!(
+                "rule \"{}\" matches only paths with a malformed escape (% not followed by two hex digits), which NGINX and most servers refuse with 400",
+                rule.name
+            ));
+            continue;
+        }
         if let Some(PathPattern::Prefix(prefix)) = &rule.matcher.path
             && let Some(reachable) = unreachable_prefix(prefix, rule.matcher.ignore_case)
         {
@@ -61,6 +70,15 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
         ));
     }
     out
+}
+
+/// Whether `path` holds a `%` that does not begin a two-digit escape.
+fn has_malformed_escape(path: &str) -> bool {
+    path.match_indices('%').any(|(at, _)| {
+        path.as_bytes()
+            .get(at + 1..at + 3)
+            .is_none_or(|digits| !digits.iter().all(u8::is_ascii_hexdigit))
+    })
 }
 
 /// A condition of `rule` no request meets, written as an author may take
@@ -91,7 +109,7 @@ fn unreachable_prefix(prefix: &str, ignore_case: bool) -> Option<String> {
     let continued = format!("{prefix}x");
     let normal = crate::path::matching_form(&continued);
     let reachable = if ignore_case {
-        normal.to_ascii_lowercase().starts_with(&prefix.to_ascii_lowercase())
+        crate::path::fold_case(&normal).starts_with(&*crate::path::fold_case(prefix))
     } else {
         normal.starts_with(prefix)
     };
@@ -211,12 +229,12 @@ mod tests {
             "/a/..x*",
             "/a/.*",
             "/a%3A*",
+            "/a%25*",
             // Escapes are folded when the file is read, as in requests.
             "/%7Euser*",
             "/a%3a*",
             "/caf%C3%A9*",
             "/a%20b*",
-            "/a%*",
             "/*",
             "/exact",
             "/a//b/",
@@ -228,6 +246,13 @@ mod tests {
             spaced.len() == 1 && spaced[0].contains("cannot hold spaces"),
             "{spaced:?}"
         );
+        for malformed in ["/a%", "/a%4*", "/a%G1", "/p%zz/*"] {
+            let found = never(&rules(malformed, false));
+            assert!(
+                found.len() == 1 && found[0].contains("malformed escape"),
+                "{malformed}: {found:?}"
+            );
+        }
         for raw in ["/a<b", "/a`b*", "/a\tb"] {
             let found = never(&rules(raw, false));
             assert!(

@@ -314,14 +314,21 @@ request_path! {
                     // An exact path also matches its spelling with a trailing
                     // slash, which Express, Rails and Django route alike.
                     (PathPattern::Exact(p), false) => path == p || path.strip_suffix('/') == Some(p),
-                    (PathPattern::Exact(p), true) => {
+                    (PathPattern::Exact(p), true) if path.is_ascii() && p.is_ascii() => {
                         path.eq_ignore_ascii_case(p) || path.strip_suffix('/').is_some_and(|q| q.eq_ignore_ascii_case(p))
                     }
+                    (PathPattern::Exact(p), true) => {
+                        let (path, p) = (crate::path::fold_case(path), crate::path::fold_case(p));
+                        path == p || path.strip_suffix('/') == Some(&*p)
+                    }
                     (PathPattern::Prefix(p), false) => path.starts_with(p.as_str()),
-                    (PathPattern::Prefix(p), true) => path
+                    (PathPattern::Prefix(p), true) if path.is_ascii() && p.is_ascii() => path
                         .as_bytes()
                         .get(..p.len())
                         .is_some_and(|head| head.eq_ignore_ascii_case(p.as_bytes())),
+                    (PathPattern::Prefix(p), true) => {
+                        crate::path::fold_case(path).starts_with(&*crate::path::fold_case(p))
+                    }
                 };
                 if !ok {
                     return false;

@@ -69,8 +69,8 @@ pub enum RequestError {
     /// POST rule and still reach a POST handler. NGINX refuses them too.
     #[error("the method must be upper case")]
     MethodCase,
-    /// An encoded slash or backslash in the path (see [`crate::path::is_ambiguous`]).
-    #[error("the path holds an encoded slash, backslash or NUL, which servers read differently")]
+    /// A path servers read differently (see [`crate::path::is_ambiguous`]).
+    #[error("the path holds an encoded slash, backslash or NUL, or a dot segment with ;parameters, which servers read differently")]
     AmbiguousPath,
 }
 
@@ -252,7 +252,7 @@ fn part_value(
             // A rule that matches regardless of case counts every casing
             // of a path as one path.
             text(if rule.matcher.ignore_case {
-                path.to_ascii_lowercase()
+                crate::path::fold_case(path).into_owned()
             } else {
                 path.to_string()
             })
@@ -496,7 +496,7 @@ rules:
         use proptest::prelude::*;
         let segment = prop::sample::select(vec![
             "a", "A", "b", "ab", "aB", "%61", "%41", ".", "..", "", "a;x", "%7e", "\u{e9}", "%C3%A9", "%c3%a9", "{", "%7B",
-            "%25", "%2561", "%20",
+            "%25", "%2561", "%20", "\u{c9}", "%C3%89", "\u{c9}T\u{c9}", "\u{212a}",
         ]);
         prop::collection::vec(segment, 0..4).prop_map(|s| format!("/{}", s.join("/")))
     }
