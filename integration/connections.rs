@@ -166,8 +166,9 @@ async fn out_of_file_descriptors_the_proxy_keeps_serving_and_says_so_once() {
     assert!(metric(&tg, "tollgate_accept_errors_total{listener=\"proxy\"}").await > 0);
 }
 
-/// An upstream that answers each request and closes its connection.
-async fn closing_upstream() -> std::net::SocketAddr {
+/// An upstream that answers each request with `status_line` and closes its
+/// connection.
+async fn closing_upstream(status_line: &'static str) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -181,9 +182,8 @@ async fn closing_upstream() -> std::net::SocketAddr {
                         Ok(n) => got.extend_from_slice(&buf[..n]),
                     }
                 }
-                let _ = s
-                    .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
-                    .await;
+                let answer = format!("{status_line}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
+                let _ = s.write_all(answer.as_bytes()).await;
             });
         }
     });
@@ -201,7 +201,7 @@ async fn upstream_connections_are_counted_open_and_closed() {
     let gauge = "tollgate_upstream_connections ";
     assert!(metric(&tg, gauge).await >= 1, "a pooled upstream connection is open");
     // An upstream that closes after each answer leaves nothing open.
-    let tg = Tollgate::start(NO_RULES, closing_upstream().await, &[]);
+    let tg = Tollgate::start(NO_RULES, closing_upstream("HTTP/1.1 200 OK").await, &[]);
     for _ in 0..3 {
         assert_eq!(get(&c, &tg.url("/x"), &[]).await.status, http::StatusCode::OK);
     }
@@ -210,4 +210,31 @@ async fn upstream_connections_are_counted_open_and_closed() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(metric(&tg, gauge).await, 0, "closed by the upstream, counted out");
+}
+
+#[tokio::test]
+async fn an_http_1_0_upstream_does_not_end_the_clients_keep_alive() {
+    let tg = Tollgate::start(NO_RULES, closing_upstream("HTTP/1.0 200 OK").await, &[]);
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    for i in 0..3 {
+        s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+        // The whole response: its head and the two-byte body.
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        let read = async {
+            while !got.ends_with(b"\r\n\r\nok") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+        };
+        let _ = tokio::time::timeout(Duration::from_secs(5), read).await;
+        let text = String::from_utf8_lossy(&got);
+        assert!(
+            text.starts_with("HTTP/1.1 200 OK\r\n"),
+            "request {i} on one connection: {text:?}"
+        );
+        assert!(text.ends_with("ok"), "request {i}: {text:?}");
+    }
 }

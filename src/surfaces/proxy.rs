@@ -115,6 +115,10 @@ impl Proxy {
         }
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers, false);
+        // The client talks to us, not to the upstream: an HTTP/1.0 upstream
+        // would otherwise make hyper answer "HTTP/1.0" and close the client's
+        // keep-alive connection after every response (NGINX answers 1.1).
+        parts.version = http::Version::HTTP_11;
         if self.options.ratelimit_headers {
             render::admission_headers(&admitted.decision, &mut parts.headers);
         }
