@@ -25,23 +25,36 @@ async fn served(tg: &Tollgate) -> TcpStream {
 /// within `limit`.
 async fn answer(s: &mut TcpStream, limit: Duration) -> Option<String> {
     s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n").await.ok()?;
-    let mut got = Vec::new();
-    let mut buf = [0u8; 4096];
-    let read = async {
-        // The test upstream answers a short body; the head is enough.
-        while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-            }
-        }
-    };
-    tokio::time::timeout(limit, read).await.ok()?;
+    // The test upstream answers an empty body; the head is enough.
+    let got = read_until(s, limit, has_head).await?;
     let text = String::from_utf8_lossy(&got).into_owned();
     text.lines()
         .next()
         .filter(|l| l.starts_with("HTTP/1.1"))
         .map(str::to_string)
+}
+
+/// What `s` sends until `done` holds of it all, or `None` when the peer
+/// closes first or `limit` passes.
+async fn read_until(s: &mut TcpStream, limit: Duration, done: impl Fn(&[u8]) -> bool) -> Option<Vec<u8>> {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    let read = async {
+        while !done(&got) {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+        Some(())
+    };
+    tokio::time::timeout(limit, read).await.ok()??;
+    Some(got)
+}
+
+/// Whether `bytes` hold a whole message head.
+fn has_head(bytes: &[u8]) -> bool {
+    bytes.windows(4).any(|w| w == b"\r\n\r\n")
 }
 
 /// Whether the server closes `s` within `limit`.
@@ -174,13 +187,8 @@ async fn closing_upstream(status_line: &'static str) -> std::net::SocketAddr {
     tokio::spawn(async move {
         while let Ok((mut s, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let mut buf = [0u8; 4096];
-                let mut got = Vec::new();
-                while !got.windows(4).any(|w| w == b"\r\n\r\n") {
-                    match s.read(&mut buf).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => got.extend_from_slice(&buf[..n]),
-                    }
+                if read_until(&mut s, Duration::from_secs(30), has_head).await.is_none() {
+                    return;
                 }
                 let answer = format!("{status_line}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok");
                 let _ = s.write_all(answer.as_bytes()).await;
@@ -219,18 +227,8 @@ async fn an_http_1_0_upstream_does_not_end_the_clients_keep_alive() {
     for i in 0..3 {
         s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
         // The whole response: its head and the two-byte body.
-        let mut got = Vec::new();
-        let mut buf = [0u8; 4096];
-        let read = async {
-            while !got.ends_with(b"\r\n\r\nok") {
-                match s.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => got.extend_from_slice(&buf[..n]),
-                }
-            }
-        };
-        let _ = tokio::time::timeout(Duration::from_secs(5), read).await;
-        let text = String::from_utf8_lossy(&got);
+        let got = read_until(&mut s, Duration::from_secs(5), |b| b.ends_with(b"\r\n\r\nok")).await;
+        let text = String::from_utf8_lossy(got.as_deref().unwrap_or_default());
         assert!(
             text.starts_with("HTTP/1.1 200 OK\r\n"),
             "request {i} on one connection: {text:?}"

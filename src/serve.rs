@@ -72,7 +72,7 @@ impl Activity {
     fn left(&self, limits: &ConnLimits) -> Duration {
         let limit = if self.served.load(Ordering::Relaxed) {
             if self.in_flight.load(Ordering::Relaxed) > 0 {
-                return limits.keepalive_timeout.max(WATCH_AT_LEAST);
+                return limits.recheck_every();
             }
             limits.keepalive_timeout
         } else {
@@ -96,10 +96,6 @@ impl Drop for Busy {
     }
 }
 
-/// The shortest a connection's watchdog sleeps, so that a zero keep-alive
-/// timeout does not make it spin before the first request.
-const WATCH_AT_LEAST: Duration = Duration::from_secs(1);
-
 /// Limits applied to client connections.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnLimits {
@@ -114,6 +110,15 @@ pub struct ConnLimits {
     /// How long a connection that has served a request may sit without
     /// beginning another; zero turns HTTP/1 keep-alive off.
     pub keepalive_timeout: Duration,
+}
+
+impl ConnLimits {
+    /// How often a connection's watchdog looks again at the latest: a
+    /// request beginning or ending does not wake it. At least a second, so
+    /// a zero keep-alive timeout does not make it spin.
+    fn recheck_every(&self) -> Duration {
+        self.keepalive_timeout.max(Duration::from_secs(1))
+    }
 }
 
 impl Default for ConnLimits {
@@ -224,59 +229,57 @@ pub async fn serve<F, Fut, B>(
         };
         let Some(slot) = slot else { break };
         let held = (slot, crate::metrics::Held::new(open.clone()));
-                let handler = handler.clone();
-                let activity = Arc::new(Activity::new());
-                let seen = activity.clone();
-                let service = service_fn(move |req: Request<Incoming>| {
-                    let busy = seen.began();
-                    let head = req.method() == http::Method::HEAD;
-                    let response = handler(req, peer);
-                    async move {
-                        let response = response.await;
-                        drop(busy);
-                        Ok::<_, Infallible>(without_body_for_head(response, head))
+        let handler = handler.clone();
+        let activity = Arc::new(Activity::new());
+        let seen = activity.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let busy = seen.began();
+            let head = req.method() == http::Method::HEAD;
+            let response = handler(req, peer);
+            async move {
+                let response = response.await;
+                drop(busy);
+                Ok::<_, Infallible>(without_body_for_head(response, head))
+            }
+        });
+        let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
+        let mut stop = shutdown.clone();
+        connections.spawn(async move {
+            // The slot and the gauge are given back when the task ends.
+            let _held = held;
+            let mut conn = std::pin::pin!(conn);
+            let mut closing = false;
+            loop {
+                // A request beginning does not wake the watchdog, so
+                // it looks again at least every keep-alive timeout.
+                let left = activity.left(&limits).min(limits.recheck_every());
+                tokio::select! {
+                    result = conn.as_mut() => {
+                        if let Err(e) = result {
+                            tracing::debug!(%peer, error = %e, "connection ended with an error");
+                        }
+                        return;
                     }
-                });
-                let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service).into_owned();
-                let mut stop = shutdown.clone();
-                connections.spawn(async move {
-                    // The slot and the gauge are given back when the task ends.
-                    let _held = held;
-                    let mut conn = std::pin::pin!(conn);
-                    let mut closing = false;
-                    loop {
-                        // A request beginning does not wake the watchdog, so
-                        // it looks again at least every keep-alive timeout.
-                        let left = activity
-                            .left(&limits)
-                            .min(limits.keepalive_timeout.max(WATCH_AT_LEAST));
-                        tokio::select! {
-                            result = conn.as_mut() => {
-                                if let Err(e) = result {
-                                    tracing::debug!(%peer, error = %e, "connection ended with an error");
-                                }
+                    _ = stopped(&mut stop), if !closing => {
+                        conn.as_mut().graceful_shutdown();
+                        closing = true;
+                    }
+                    _ = tokio::time::sleep(left), if !closing => {
+                        if activity.left(&limits).is_zero() {
+                            tracing::debug!(%peer, "idle connection closed");
+                            if !activity.served.load(Ordering::Relaxed) {
+                                // Nothing was ever in flight: close at once (an
+                                // HTTP/2 GOAWAY would wait for a PING the
+                                // client may never answer).
                                 return;
                             }
-                            _ = stopped(&mut stop), if !closing => {
-                                conn.as_mut().graceful_shutdown();
-                                closing = true;
-                            }
-                            _ = tokio::time::sleep(left), if !closing => {
-                                if activity.left(&limits).is_zero() {
-                                    tracing::debug!(%peer, "idle connection closed");
-                                    if !activity.served.load(Ordering::Relaxed) {
-                                        // Nothing was ever in flight: close at once (an
-                                        // HTTP/2 GOAWAY would wait for a PING the
-                                        // client may never answer).
-                                        return;
-                                    }
-                                    conn.as_mut().graceful_shutdown();
-                                    closing = true;
-                                }
-                            }
+                            conn.as_mut().graceful_shutdown();
+                            closing = true;
                         }
                     }
-                });
+                }
+            }
+        });
     }
     drop(listener);
     let drained = async { while connections.join_next().await.is_some() {} };
