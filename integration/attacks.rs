@@ -724,6 +724,12 @@ rules:
     match: { path: /p/* }
     by: [path]
     limits: [{ requests: 1, per: 60s }]
+  - name: tenant-a
+    match: { path: /tn, headers: { x-tenant: a } }
+    limits: [{ requests: 1, per: 60s }]
+  - name: tenant-b
+    match: { path: /tn, headers: { x-tenant: b } }
+    limits: [{ requests: 1, per: 60s }]
   - name: ecole
     match: { path: /\u{c9}COLE/*, ignore_case: true }
     by: [path]
@@ -779,6 +785,14 @@ rules:
         ("GET", "/p/%25E2", &[], "admitted"),
         ("GET", "/p/%E2", &[], "admitted"),
         ("GET", "/p/%e2", &[], "limited"),
+        // Rules told apart by a header's value (found by it in the index):
+        // any of a repeated header's values, compared exactly.
+        ("GET", "/tn", &[("x-tenant", "a")], "admitted"),
+        ("GET", "/tn", &[("x-tenant", "a")], "limited"),
+        ("GET", "/tn", &[("x-tenant", "c"), ("x-tenant", "a")], "limited"),
+        ("GET", "/tn", &[("x-tenant", "B")], "admitted"),
+        ("GET", "/tn", &[("x-tenant", "b")], "admitted"),
+        ("GET", "/tn", &[("x-tenant", "b")], "limited"),
         // Without regard to case beyond ASCII, and one counter for every casing.
         ("GET", "/%C3%A9cole/x", &[], "admitted"),
         ("GET", "/\u{c9}COLE/X", &[], "limited"),

@@ -236,3 +236,28 @@ async fn an_http_1_0_upstream_does_not_end_the_clients_keep_alive() {
         assert!(text.ends_with("ok"), "request {i}: {text:?}");
     }
 }
+
+#[tokio::test]
+async fn the_default_bound_is_half_the_raised_file_limit_left_after_a_reserve() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--keepalive-timeout", "500000000y"]);
+    assert!(tg.logged("client connections bounded"), "{}", tg.log_text());
+    // The soft limit was raised to the hard one.
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", tg.pid())).unwrap();
+    let files: Vec<u64> = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap()
+        .split_whitespace()
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert_eq!(files.first(), files.get(1), "{limits}");
+    let want = (files[0] - 256) / 2;
+    assert!(
+        tg.log_text().contains(&format!("max_connections={want} ")),
+        "{}",
+        tg.log_text()
+    );
+    // A keep-alive timeout far past any clock still serves.
+    assert!(answer(&mut served(&tg).await, Duration::from_secs(5)).await.is_some());
+}
