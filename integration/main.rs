@@ -11,6 +11,7 @@ mod limiter;
 mod model;
 mod nginx;
 mod operations;
+mod parking;
 mod production;
 mod proxy;
 mod reload;

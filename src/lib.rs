@@ -25,8 +25,9 @@
 //! Around it: `config` parses and validates limits files; `reload` keeps
 //! them live (`reload::watch` decides when) and publishes a new
 //! `limits::Catalog` on every change; `client_ip` and `path` normalise what
-//! callers send; `serve` is the accept loop every listener shares; `admin`
-//! and `metrics` report. `settings` holds every flag; `server` starts what
+//! callers send; `serve` is the accept loop every listener shares and
+//! `serve::connection` one client connection's life; `admin` and `metrics`
+//! report; `heap` gives freed memory back. `settings` holds every flag; `server` starts what
 //! they describe (worker threads in `server::workers`, listeners, the
 //! store) and stops it; `main.rs` parses the flags and waits for signals.
 
@@ -53,6 +54,7 @@ macro_rules! request_path {
 
 pub mod admin;
 pub mod config;
+pub mod heap;
 pub mod metrics;
 pub mod ratelimit_env;
 pub mod reload;

@@ -15,6 +15,7 @@ use tollgate::settings::{Cli, Command, LogFormat};
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
+    tollgate::heap::no_transparent_huge_pages();
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.get(1).and_then(|a| a.to_str()) != Some("check") {

@@ -168,6 +168,7 @@ pub struct Metrics {
     client_body_stalls: Counter,
     upstream_body_stalls: Counter,
     client_connections: Family<ListenerLabels, Gauge>,
+    waiting_connections: Family<ListenerLabels, Gauge>,
     connections_deferred: Family<ListenerLabels, Counter>,
     accept_errors: Family<ListenerLabels, Counter>,
     upstream_connections: Gauge,
@@ -237,6 +238,7 @@ impl Metrics {
             client_body_stalls: Counter::default(),
             upstream_body_stalls: Counter::default(),
             client_connections: Family::default(),
+            waiting_connections: Family::default(),
             connections_deferred: Family::default(),
             accept_errors: Family::default(),
             upstream_connections: Gauge::default(),
@@ -321,6 +323,11 @@ impl Metrics {
             "tollgate_client_connections",
             "Client connections open, per listener",
             m.client_connections.clone(),
+        );
+        registry.register(
+            "tollgate_client_connections_waiting",
+            "Client connections waiting for a request with no HTTP state held (before the first, or parked idle between two), per listener",
+            m.waiting_connections.clone(),
         );
         registry.register(
             "tollgate_connections_deferred",
@@ -474,6 +481,13 @@ impl Metrics {
     /// The gauge of client connections open on `listener`.
     pub fn client_connections(&self, listener: &'static str) -> Gauge {
         self.client_connections
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
+    }
+
+    /// The gauge of `listener`'s connections waiting for a request.
+    pub fn waiting_connections(&self, listener: &'static str) -> Gauge {
+        self.waiting_connections
             .get_or_create(&ListenerLabels { listener })
             .clone()
     }

@@ -1,33 +1,67 @@
-//! One client connection, from accept to close: hyper serves its requests
-//! (HTTP/1.1 with upgrades, or h2c) while a watchdog closes it when it sits
-//! idle too long, before or between requests, and shuts it down gracefully
-//! when the server stops.
+//! One client connection, from accept to close.
 //!
-//! hyper's header read timeout covers HTTP/1 only. So the watchdog also
-//! closes a connection that has not begun a request within the header read
-//! timeout of opening (an HTTP/2 client sending its preface and a HEADERS
-//! frame it never ends, say); one that has begun none for the keep-alive
-//! timeout since is shut down gracefully (HTTP/2 GOAWAY; responses still
-//! streaming finish first).
+//! hyper serves the requests (HTTP/1.1 with upgrades, or h2c told apart by
+//! its preface), and a watchdog around it closes a connection that sits
+//! idle too long, before or between requests, and shuts it down gracefully
+//! when the server stops. hyper's header read timeout covers HTTP/1 only, so
+//! the watchdog also closes a connection that has not begun a request within
+//! the header read timeout of opening (an HTTP/2 client sending its preface
+//! and a HEADERS frame it never ends, say); one that has begun none for the
+//! keep-alive timeout since is shut down gracefully (HTTP/2 GOAWAY;
+//! responses still streaming finish first).
+//!
+//! An idle connection costs only its socket and a small task. hyper keeps
+//! ~30 KB per HTTP/1 connection for as long as it serves one (read and
+//! write buffers, the boxed request handler), so a connection holds no hyper
+//! state until its first bytes arrive, and one idle for [`PARK_AFTER`]
+//! between requests is *parked*: hyper is asked to close it as it would at
+//! the end of keep-alive (it finishes writing and has no message in
+//! progress), the socket is kept (shutting it down is skipped), and a new
+//! hyper connection takes over when the client sends again, starting from
+//! any bytes hyper had read and not yet used. NGINX frees a keep-alive
+//! connection's buffers the same way.
 
 use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::future::Future;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::{Either, Empty};
+use http_body_util::{BodyExt, Either, Empty};
 use hyper::body::{Body, Incoming};
+use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::watch;
 
 use super::{ConnLimits, stopped};
+use crate::metrics::Held;
+
+/// How long an HTTP/1 connection sits idle before hyper's state for it is
+/// dropped. Long enough that back-to-back keep-alive requests never pay
+/// for rebuilding it, short enough that idle clients cost almost nothing.
+pub(super) const PARK_AFTER: Duration = Duration::from_secs(1);
+
+/// The first bytes of every HTTP/2 connection (RFC 9113 §3.4).
+const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// The HTTP/1 and HTTP/2 settings every connection of a listener is served
+/// with.
+#[derive(Clone)]
+pub(super) struct Protocols {
+    pub http1: http1::Builder,
+    pub http2: http2::Builder<TokioExecutor>,
+}
 
 /// When a connection last began or finished a request, for its watchdog.
 struct Activity {
@@ -35,8 +69,19 @@ struct Activity {
     /// Milliseconds after `opened` when a request last began or finished.
     last_ms: AtomicU64,
     served: AtomicBool,
-    /// Requests whose response has not been handed over yet.
+    /// Requests begun on the connection.
+    begun: AtomicU64,
+    /// A request asked for the connection to close after its response
+    /// (HTTP/1.0, `Connection: close`): it is never parked, so hyper's
+    /// close (which may be how the response ends) is not skipped.
+    closes: AtomicBool,
+    /// Requests whose response has not been sent to the end yet.
     in_flight: AtomicU64,
+    /// The watchdog asked hyper to let go of the connection while idle.
+    parking: AtomicBool,
+    /// hyper read from the socket after that: it was not idle after all
+    /// (draining a request body, say), so the connection is not reused.
+    read_while_parking: AtomicBool,
 }
 
 impl Activity {
@@ -45,7 +90,11 @@ impl Activity {
             opened: Instant::now(),
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
+            begun: AtomicU64::new(0),
+            closes: AtomicBool::new(false),
             in_flight: AtomicU64::new(0),
+            parking: AtomicBool::new(false),
+            read_while_parking: AtomicBool::new(false),
         }
     }
 
@@ -54,12 +103,35 @@ impl Activity {
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
-    /// A request began; the connection is busy until the result is dropped.
-    fn began(self: &Arc<Self>) -> Busy {
+    /// A request began (`closes`: asking to close the connection after
+    /// it); the connection is busy until the result is dropped.
+    fn began(self: &Arc<Self>, closes: bool) -> Busy {
         self.touch();
         self.served.store(true, Ordering::Relaxed);
+        self.begun.fetch_add(1, Ordering::Relaxed);
+        if closes {
+            self.closes.store(true, Ordering::Relaxed);
+        }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Busy(self.clone())
+    }
+
+    /// How long until an idle connection should be parked (zero: now);
+    /// `None` while a request is in flight or before the first.
+    fn park_in(&self) -> Option<Duration> {
+        if !self.served.load(Ordering::Relaxed)
+            || self.in_flight.load(Ordering::Relaxed) > 0
+            || self.closes.load(Ordering::Relaxed)
+        {
+            return None;
+        }
+        Some(PARK_AFTER.saturating_sub(self.since_last()))
+    }
+
+    fn since_last(&self) -> Duration {
+        self.opened
+            .elapsed()
+            .saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)))
     }
 
     /// How long until the connection counts as idle (zero: it is). Idle
@@ -74,15 +146,12 @@ impl Activity {
         } else {
             limits.header_read_timeout
         };
-        let since = self
-            .opened
-            .elapsed()
-            .saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)));
-        limit.saturating_sub(since)
+        limit.saturating_sub(self.since_last())
     }
 }
 
-/// A request being handled on a connection; its end counts as activity.
+/// A request being handled on a connection, until its response has been
+/// sent to the end; its end counts as activity.
 struct Busy(Arc<Activity>);
 
 impl Drop for Busy {
@@ -92,40 +161,276 @@ impl Drop for Busy {
     }
 }
 
+/// The client's socket as hyper reads and writes it: bytes already read
+/// (the protocol sniff, or what hyper had buffered when it was parked) are
+/// read again first, and while parking, shutting down is skipped so the
+/// socket outlives the hyper connection that lets go of it.
+struct ClientIo {
+    stream: TcpStream,
+    replay: Bytes,
+    activity: Arc<Activity>,
+}
+
+impl AsyncRead for ClientIo {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        if !self.replay.is_empty() {
+            let n = self.replay.len().min(buf.remaining());
+            let replayed = self.replay.split_to(n);
+            buf.put_slice(&replayed);
+            return Poll::Ready(Ok(()));
+        }
+        if self.activity.parking.load(Ordering::Relaxed) {
+            self.activity.read_while_parking.store(true, Ordering::Relaxed);
+        }
+        Pin::new(&mut self.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for ClientIo {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.activity.parking.load(Ordering::Relaxed) {
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Which protocol a connection's first bytes speak.
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+impl ClientIo {
+    /// Reads until the first bytes tell HTTP/2's preface from anything else
+    /// (HTTP/1), keeping them to be read again. `None`: the client closed.
+    async fn sniff(&mut self) -> io::Result<Option<Protocol>> {
+        let mut first = [0u8; H2_PREFACE.len()];
+        let mut len = 0;
+        loop {
+            self.stream.readable().await?;
+            let Some(free) = first.get_mut(len..) else {
+                return Ok(Some(Protocol::Http2));
+            };
+            match self.stream.try_read(free) {
+                Ok(0) => return Ok(None),
+                Ok(n) => len = len.saturating_add(n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                Err(e) => return Err(e),
+            }
+            let read = first.get(..len).unwrap_or_default();
+            self.replay = Bytes::copy_from_slice(read);
+            if !H2_PREFACE.starts_with(read) {
+                return Ok(Some(Protocol::Http1));
+            }
+            if len == H2_PREFACE.len() {
+                return Ok(Some(Protocol::Http2));
+            }
+        }
+    }
+}
+
 /// Serves `handler` on one accepted connection until it closes.
 pub(super) async fn serve<F, Fut, B>(
     stream: TcpStream,
     peer: SocketAddr,
     handler: F,
-    builder: auto::Builder<TokioExecutor>,
+    protocols: Protocols,
     limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
+    waiting: Gauge,
 ) where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
     let activity = Arc::new(Activity::new());
+    let mut io = ClientIo {
+        stream,
+        replay: Bytes::new(),
+        activity: activity.clone(),
+    };
+    let held = Held::new(waiting.clone());
+    let protocol = tokio::select! {
+        sniffed = io.sniff() => sniffed,
+        _ = tokio::time::sleep(limits.header_read_timeout) => {
+            tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
+            return;
+        }
+        _ = stopped(&mut stop) => return,
+    };
+    drop(held);
     let seen = activity.clone();
     let service = service_fn(move |req: Request<Incoming>| {
-        let busy = seen.began();
+        let busy = seen.began(asks_to_close(&req));
         let head = req.method() == http::Method::HEAD;
         let response = handler(req, peer);
         async move {
             let response = response.await;
-            drop(busy);
-            Ok::<_, Infallible>(without_body_for_head(response, head))
+            Ok::<_, Infallible>(until_sent(response, head, busy))
         }
     });
-    let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
-    let mut conn = std::pin::pin!(conn);
+    match protocol {
+        Ok(Some(Protocol::Http1)) => serve_http1(io, service, &protocols.http1, peer, &limits, stop, waiting).await,
+        Ok(Some(Protocol::Http2)) => {
+            let conn = protocols.http2.serve_connection(TokioIo::new(io), service);
+            watch_http2(conn, &activity, peer, &limits, stop).await
+        }
+        Ok(None) => {}
+        Err(e) => tracing::debug!(%peer, error = %e, "connection failed before its first request"),
+    }
+}
+
+/// Serves HTTP/1 requests on `io`, parking the connection whenever it sits
+/// idle, until it closes.
+async fn serve_http1<S, B>(
+    mut io: ClientIo,
+    mut service: S,
+    http1: &http1::Builder,
+    peer: SocketAddr,
+    limits: &ConnLimits,
+    mut stop: watch::Receiver<bool>,
+    waiting: Gauge,
+) where
+    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    let activity = io.activity.clone();
+    // Without keep-alive hyper closes after every response: nothing to park.
+    let keep_alive = !limits.keepalive_timeout.is_zero();
+    // Requests begun when hyper was last rebuilt after a park. Until one
+    // more begins it is not parked again: a new hyper connection counts as
+    // busy until its first message is done, and asked to close then, it
+    // would answer that message with `Connection: close`; and parking one
+    // handed part of a request would spin until the rest came.
+    let mut rebuilt_at: Option<u64> = None;
+    loop {
+        // Boxed, so that while parked the task holds none of it.
+        let mut conn = Box::new(http1.serve_connection(TokioIo::new(io), service).with_upgrades());
+        activity.parking.store(false, Ordering::Relaxed);
+        activity.read_while_parking.store(false, Ordering::Relaxed);
+        let mut closing = false;
+        let mut parking = false;
+        let ended = loop {
+            // A request beginning or ending does not wake the watchdog, so
+            // it looks again at least every keep-alive timeout, and while
+            // the connection is busy, every PARK_AFTER (parking it at most
+            // twice that after it fell idle).
+            let may_park = keep_alive && !closing && rebuilt_at != Some(activity.begun.load(Ordering::Relaxed));
+            let mut wake = activity.left(limits).min(limits.recheck_every());
+            if may_park {
+                wake = wake.min(activity.park_in().unwrap_or(PARK_AFTER));
+            }
+            tokio::select! {
+                result = Pin::new(&mut *conn) => break result,
+                _ = stopped(&mut stop), if !closing => {
+                    Pin::new(&mut *conn).graceful_shutdown();
+                    closing = true;
+                }
+                _ = tokio::time::sleep(wake), if !closing => {
+                    if activity.left(limits).is_zero() {
+                        tracing::debug!(%peer, "idle connection closed");
+                        Pin::new(&mut *conn).graceful_shutdown();
+                        closing = true;
+                    } else if may_park && activity.park_in().is_some_and(|p| p.is_zero()) {
+                        // hyper has no message in progress: it closes at
+                        // once, having flushed what it wrote.
+                        activity.parking.store(true, Ordering::Relaxed);
+                        Pin::new(&mut *conn).graceful_shutdown();
+                        closing = true;
+                        parking = true;
+                    }
+                }
+            }
+        };
+        if let Err(e) = ended {
+            tracing::debug!(%peer, error = %e, "connection ended with an error");
+            return;
+        }
+        let clean = parking && !activity.read_while_parking.load(Ordering::Relaxed) && activity.park_in().is_some();
+        let Some(parts) = conn.into_parts().filter(|_| clean) else {
+            // Closed for good, or upgraded (the upgrade owns the socket now).
+            return;
+        };
+        // A copy: what hyper hands back shares its whole read buffer, which
+        // is let go of here, not held while parked.
+        let replay = Bytes::copy_from_slice(&parts.read_buf);
+        drop(parts.read_buf);
+        io = parts.io.into_inner();
+        io.replay = replay;
+        service = parts.service;
+        rebuilt_at = Some(activity.begun.load(Ordering::Relaxed));
+        if !io.replay.is_empty() {
+            // The client has begun its next request: serve it at once.
+            continue;
+        }
+        tracing::trace!(%peer, "idle connection parked");
+        let _held = Held::new(waiting.clone());
+        tokio::select! {
+            readable = io.stream.readable() => {
+                if let Err(e) = readable {
+                    tracing::debug!(%peer, error = %e, "parked connection failed");
+                    return;
+                }
+            }
+            _ = tokio::time::sleep(activity.left(limits)) => {
+                tracing::debug!(%peer, "idle connection closed");
+                return;
+            }
+            _ = stopped(&mut stop) => return,
+        }
+    }
+}
+
+/// Watches an HTTP/2 connection until it closes.
+async fn watch_http2<S, B>(
+    conn: http2::Connection<TokioIo<ClientIo>, S, TokioExecutor>,
+    activity: &Activity,
+    peer: SocketAddr,
+    limits: &ConnLimits,
+    mut stop: watch::Receiver<bool>,
+) where
+    S: hyper::service::HttpService<Incoming, ResBody = B>,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    // Boxed, or every connection's task would be as large as an HTTP/2
+    // connection's state, HTTP/1 or not.
+    let mut conn = Box::pin(conn);
     let mut closing = false;
     loop {
         // A request beginning does not wake the watchdog, so
         // it looks again at least every keep-alive timeout.
-        let left = activity.left(&limits).min(limits.recheck_every());
+        let left = activity.left(limits).min(limits.recheck_every());
         tokio::select! {
             result = conn.as_mut() => {
                 if let Err(e) = result {
@@ -138,12 +443,12 @@ pub(super) async fn serve<F, Fut, B>(
                 closing = true;
             }
             _ = tokio::time::sleep(left), if !closing => {
-                if activity.left(&limits).is_zero() {
+                if activity.left(limits).is_zero() {
                     tracing::debug!(%peer, "idle connection closed");
                     if !activity.served.load(Ordering::Relaxed) {
-                        // Nothing was ever in flight: close at once (an
-                        // HTTP/2 GOAWAY would wait for a PING the
-                        // client may never answer).
+                        // Nothing was ever in flight: close at once (a
+                        // GOAWAY would wait for a PING the client may
+                        // never answer).
                         return;
                     }
                     conn.as_mut().graceful_shutdown();
@@ -154,11 +459,40 @@ pub(super) async fn serve<F, Fut, B>(
     }
 }
 
-/// A response to HEAD has no body (RFC 9110 §9.3.2). hyper drops it on
-/// HTTP/1; on HTTP/2 it would send it and the client resets the stream
-/// (curl: PROTOCOL_ERROR; Envoy's ext_authz client: an error, which
-/// `failure_mode_allow` turns into an admission). Headers stay as they are.
-fn without_body_for_head<B: Body>(response: Response<B>, head: bool) -> Response<Either<B, Empty<B::Data>>> {
-    response.map(|body| if head { Either::Right(Empty::new()) } else { Either::Left(body) })
+/// Whether a request asks for its connection to close after the response:
+/// HTTP/1.0 and older (hyper keeps those alive only when asked; never
+/// parking them is the safe side), or `Connection: close`.
+fn asks_to_close(req: &Request<Incoming>) -> bool {
+    req.version() < http::Version::HTTP_11
+        || req.headers().get_all(http::header::CONNECTION).iter().any(|v| {
+            v.as_bytes()
+                .split(|&b| b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"))
+        })
+}
+
+/// The response as hyper sends it: the request stays in flight until the
+/// body has been sent to the end (or given up), and a response to HEAD has
+/// no body (RFC 9110 §9.3.2). hyper drops the body on HTTP/1; on HTTP/2 it
+/// would send it and the client resets the stream (curl: PROTOCOL_ERROR;
+/// Envoy's ext_authz client: an error, which `failure_mode_allow` turns
+/// into an admission). Headers stay as they are.
+#[allow(clippy::type_complexity)]
+fn until_sent<B: Body>(
+    response: Response<B>,
+    head: bool,
+    busy: Busy,
+) -> Response<Either<http_body_util::combinators::MapFrame<B, impl FnMut(hyper::body::Frame<B::Data>) -> hyper::body::Frame<B::Data>>, Empty<B::Data>>> {
+    response.map(|body| {
+        if head {
+            Either::Right(Empty::new())
+        } else {
+            // The closure owns the guard: it ends with the body.
+            Either::Left(body.map_frame(move |frame| {
+                let _ = &busy;
+                frame
+            }))
+        }
+    })
 }
 

@@ -18,7 +18,6 @@ use std::time::{Duration, Instant};
 use http::{Request, Response};
 use hyper::body::{Body, Incoming};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
@@ -112,26 +111,27 @@ pub async fn serve<F, Fut, B>(
     mut shutdown: watch::Receiver<bool>,
     handler: F,
 ) where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + 'static,
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    builder
-        .http1()
+    let mut http1 = hyper::server::conn::http1::Builder::new();
+    http1
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(!limits.keepalive_timeout.is_zero())
         .max_headers(limits.max_headers)
         .max_buf_size(limits.max_header_bytes.max(8192));
-    builder
-        .http2()
+    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    http2
         .timer(TokioTimer::new())
-        .max_header_list_size(limits.max_header_bytes as u32);
+        .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
+    let protocols = connection::Protocols { http1, http2 };
     let mut connections = JoinSet::new();
     let open = crate::metrics::get().client_connections(gate.name);
+    let waiting = crate::metrics::get().waiting_connections(gate.name);
     loop {
         // Finished connections are reaped as they finish, not at the next
         // accept: each holds its task's memory until joined, and after a
@@ -160,11 +160,12 @@ pub async fn serve<F, Fut, B>(
         let held = (slot, crate::metrics::Held::new(open.clone()));
         let handler = handler.clone();
         let stop = shutdown.clone();
-        let builder = builder.clone();
+        let protocols = protocols.clone();
+        let waiting = waiting.clone();
         connections.spawn(async move {
             // The slot and the gauge are given back when the task ends.
             let _held = held;
-            connection::serve(stream, peer, handler, builder, limits, stop).await;
+            connection::serve(stream, peer, handler, protocols, limits, stop, waiting).await;
         });
     }
     drop(listener);

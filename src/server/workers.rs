@@ -50,6 +50,8 @@ impl Worker {
             stop,
         } = self;
         runtime.block_on(async move {
+            // Ends with the runtime.
+            tokio::spawn(crate::heap::return_free_pages());
             let http = async {
                 let Some((listener, proxy)) = proxy else {
                     return;
