@@ -49,6 +49,11 @@ pub enum ReloadError {
     /// The file is invalid; the last good limits stay.
     #[error("{0}; keeping the last good limits")]
     Invalid(ConfigError),
+    /// Valid, but it declares a domain another file holds; not yet
+    /// recorded as a failure (a directory rescan decides once it has read a
+    /// steady version of every file).
+    #[error("{0}; keeping the last good limits")]
+    Clash(ConfigError),
 }
 
 /// What a reload did.
@@ -127,12 +132,31 @@ impl LiveFile {
 
     /// Reads the file and swaps its limits in if it changed and is valid.
     pub fn reload(&self) -> Result<Reloaded, ReloadError> {
-        self.reload_inner(true)
+        self.reload_inner(true, false)
+    }
+
+    /// As [`LiveFile::reload`], but a domain clash is answered as
+    /// [`ReloadError::Clash`] and recorded only by [`LiveFile::refuse`]: in a
+    /// directory changing under a rescan it may be a moment's mix of two
+    /// versions, gone in the next pass.
+    pub(super) fn reload_deferring_clash(&self, cause: &str) -> Result<Reloaded, ReloadError> {
+        self.reload_inner(cause != "poll", true)
+    }
+
+    /// Records a refusal [`LiveFile::reload_deferring_clash`] left unrecorded.
+    pub(super) fn refuse(&self, error: &ReloadError) {
+        crate::metrics::get().reload(&self.path.display().to_string(), false);
+        let message = error.to_string();
+        self.update_status(|s| {
+            s.last_error = Some(message);
+            s.file_present = true;
+            s.reloads_failed = s.reloads_failed.saturating_add(1);
+        });
     }
 
     /// As [`LiveFile::reload`]; unless `force`d, a file whose identity,
     /// size and mtime are those last read is taken as unchanged unread.
-    fn reload_inner(&self, force: bool) -> Result<Reloaded, ReloadError> {
+    fn reload_inner(&self, force: bool, defer_clash: bool) -> Result<Reloaded, ReloadError> {
         let stamp = FileStamp::of(&self.path);
         {
             let mut last = self.last_stat.lock().unwrap_or_else(|e| e.into_inner());
@@ -234,14 +258,11 @@ impl LiveFile {
                 }
                 Ok(Reloaded::Changed)
             }
+            Err(e) if clashed && defer_clash => Err(ReloadError::Clash(e)),
             Err(e) => {
-                crate::metrics::get().reload(&name, false);
-                self.update_status(|s| {
-                    s.last_error = Some(e.to_string());
-                    s.file_present = true;
-                    s.reloads_failed += 1;
-                });
-                Err(ReloadError::Invalid(e))
+                let error = ReloadError::Invalid(e);
+                self.refuse(&error);
+                Err(error)
             }
         }
     }
@@ -252,7 +273,20 @@ impl LiveFile {
         // The poll is a backstop for lost events: it looks at the file's
         // stamp first. An event or an operator's SIGHUP always reads.
         let started = std::time::Instant::now();
-        match self.reload_inner(cause != "poll") {
+        let outcome = self.reload_inner(cause != "poll", false);
+        self.log(cause, error_before.as_deref(), started, outcome);
+    }
+
+    /// Logs what a reload begun at `started` came to, in one line; a
+    /// refusal already said (`error_before`) is not said again.
+    pub(super) fn log(
+        &self,
+        cause: &str,
+        error_before: Option<&str>,
+        started: std::time::Instant,
+        outcome: Result<Reloaded, ReloadError>,
+    ) {
+        match outcome {
             Ok(Reloaded::Changed) => {
                 let status = self.status();
                 let limits = self.active.load();
@@ -273,7 +307,11 @@ impl LiveFile {
             Ok(Reloaded::Unchanged) => tracing::debug!(cause, file = %self.path.display(), "limits unchanged"),
             // The same refusal again (a file waiting for another to give
             // up its domain is re-read on every poll): said once.
-            Err(e) if cause != "SIGHUP" && error_before.is_some() && self.status().last_error == error_before => {
+            Err(e)
+                if cause != "SIGHUP"
+                    && error_before.is_some()
+                    && self.status().last_error.as_deref() == error_before =>
+            {
                 tracing::debug!(cause, "{e}")
             }
             Err(e) => tracing::error!(cause, "{e}"),
@@ -289,7 +327,7 @@ impl LiveFile {
 
 /// What identifies one version of a file without reading it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-struct FileStamp {
+pub(super) struct FileStamp {
     device: u64,
     inode: u64,
     len: u64,
@@ -297,7 +335,7 @@ struct FileStamp {
 }
 
 impl FileStamp {
-    fn of(path: &Path) -> Option<FileStamp> {
+    pub(super) fn of(path: &Path) -> Option<FileStamp> {
         use std::os::unix::fs::MetadataExt;
         let m = std::fs::metadata(path).ok()?;
         Some(FileStamp {

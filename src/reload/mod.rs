@@ -204,6 +204,32 @@ fn files_in(dir: &Path) -> std::io::Result<Vec<PathBuf>> {
     Ok(files)
 }
 
+/// A refusal a rescan pass met, said once the pass proves to be the last.
+enum Refusal {
+    /// A served file's reload failed (begun at the instant given).
+    Reload(Arc<LiveFile>, std::time::Instant, ReloadError),
+    /// A file new to the directory is kept out, for this reason.
+    Admit(String),
+}
+
+/// Passes of one rescan while the directory keeps changing under it; past
+/// them the next watch event or poll reads it again.
+const MAX_PASSES: usize = 5;
+
+/// What identifies the version of every file of a directory, unread.
+fn stamps_in(dir: &Path) -> Option<Vec<(PathBuf, Option<file::FileStamp>)>> {
+    let files = files_in(dir).ok()?;
+    Some(
+        files
+            .into_iter()
+            .map(|p| {
+                let stamp = file::FileStamp::of(&p);
+                (p, stamp)
+            })
+            .collect(),
+    )
+}
+
 /// Deepest sub-directory read (a link loop must not recurse forever).
 const MAX_DEPTH: usize = 8;
 
@@ -313,6 +339,58 @@ impl LiveFiles {
         // From the first file touched to the last: a file admitted below
         // is in force only with the rest of the rescan, in its place.
         let _held = self.in_force.hold();
+        // Files are read one after another, so a volume swapped between two
+        // reads (a ConfigMap's `..data`) would put one file's old version
+        // beside another's new one: two files exchanging domains would leave
+        // one unserved. The pass is repeated until nothing changed while it
+        // ran, so what is published is one version of the directory.
+        // A refusal met in one pass may be such a mix too (a file clashing
+        // with its neighbour's next version): refusals are said once the
+        // last pass is known, each file's latest one.
+        let errors_before: HashMap<PathBuf, Option<String>> = self
+            .files()
+            .iter()
+            .map(|f| (f.path.clone(), f.status().last_error.clone()))
+            .collect();
+        let mut refusals = HashMap::new();
+        for _ in 0..MAX_PASSES {
+            let before = stamps_in(dir);
+            self.rescan_once(dir, cause, &errors_before, &mut refusals);
+            if stamps_in(dir) == before {
+                break;
+            }
+            tracing::debug!(dir = %dir.display(), "the limits directory changed while it was read; reading it again");
+        }
+        for (path, refusal) in refusals {
+            match refusal {
+                Refusal::Reload(f, started, error) => {
+                    if matches!(error, ReloadError::Clash(_)) {
+                        f.refuse(&error);
+                    }
+                    let before = errors_before.get(&path).cloned().flatten();
+                    f.log(cause, before.as_deref(), started, Err(error));
+                }
+                Refusal::Admit(reason) => {
+                    let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+                    if refused.get(&path) != Some(&reason) {
+                        tracing::error!(cause, "{reason}; not served until fixed");
+                        crate::metrics::get().reload(&path.display().to_string(), false);
+                        refused.insert(path, reason);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One pass of [`LiveFiles::rescan`], under its hold: successes are
+    /// said at once, refusals left in `refusals` by file.
+    fn rescan_once(
+        &self,
+        dir: &Path,
+        cause: &str,
+        errors_before: &HashMap<PathBuf, Option<String>>,
+        refusals: &mut HashMap<PathBuf, Refusal>,
+    ) {
         let on_disk = match files_in(dir) {
             Ok(list) => list,
             // The directory is gone or unreadable for now: keep serving what
@@ -346,6 +424,7 @@ impl LiveFiles {
             }
             match self.admit(path) {
                 Ok(live) => {
+                    refusals.remove(path);
                     self.refused.lock().unwrap_or_else(|e| e.into_inner()).remove(path);
                     let limits = live.active().load_full();
                     tracing::info!(cause, file = %path.display(), domain = %limits.domain, rules = limits.rules.len(), index_ms = %millis(limits.index.built_in()), "limits file added");
@@ -353,12 +432,7 @@ impl LiveFiles {
                     changed = true;
                 }
                 Err(reason) => {
-                    let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
-                    if refused.get(path) != Some(&reason) {
-                        tracing::error!(cause, "{reason}; not served until fixed");
-                        crate::metrics::get().reload(&path.display().to_string(), false);
-                        refused.insert(path.clone(), reason);
-                    }
+                    refusals.insert(path.clone(), Refusal::Admit(reason));
                 }
             }
         }
@@ -389,7 +463,20 @@ impl LiveFiles {
             self.in_force.publish();
         }
         for f in next.iter().filter(|f| on_disk.contains(&f.path)) {
-            f.reload_and_log(cause);
+            let started = std::time::Instant::now();
+            match f.reload_deferring_clash(cause) {
+                Err(error) => {
+                    refusals.insert(f.path.clone(), Refusal::Reload(f.clone(), started, error));
+                }
+                // A later pass that finds the file unchanged leaves an
+                // earlier pass's refusal standing: it is still the state.
+                Ok(Reloaded::Unchanged) if refusals.contains_key(&f.path) => {}
+                Ok(done) => {
+                    refusals.remove(&f.path);
+                    let before = errors_before.get(&f.path).cloned().flatten();
+                    f.log(cause, before.as_deref(), started, Ok(done));
+                }
+            }
         }
     }
 
