@@ -39,7 +39,7 @@ const T0: u64 = 1_700_000_000_000;
 /// Per counter, two versions of its rule (a reload switches between them):
 /// windows and whether the rule is in shadow mode.
 fn version(counter: usize, v: usize) -> (Vec<Window>, bool) {
-    let w = |requests, period_ms| Window { requests, period_ms };
+    let w = |requests, period_ms| Window::exact(requests, period_ms);
     match (counter, v) {
         (0, 0) => (vec![w(3, 1_000)], false),
         (0, _) => (vec![w(2, 300), w(3, 1_000)], false),

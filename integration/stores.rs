@@ -53,7 +53,7 @@ fn block<F: std::future::Future<Output = Result<StoreAnswer, tollgate::limiter::
 }
 
 fn w(requests: u64, period_ms: u64) -> Window {
-    Window { requests, period_ms }
+    Window::exact(requests, period_ms)
 }
 
 fn check<'a>(key: &'a str, windows: &'a [Window], cost: u64) -> Check<'a> {
@@ -274,7 +274,7 @@ fn role() -> impl Strategy<Value = u8> {
 fn steps() -> impl Strategy<Value = Vec<Step>> {
     // Costs past a window's limit, and the same counter more than once in a
     // decision (an RLS request repeating a descriptor), are part of the space.
-    let pick = (0usize..3, 0u64..6, role());
+    let pick = (0usize..5, 0u64..6, role());
     prop::collection::vec((0u64..700, prop::collection::vec(pick, 1..4)), 1..60)
 }
 
@@ -282,7 +282,19 @@ fn windows_of(key: usize) -> Vec<Window> {
     match key {
         0 => vec![w(3, 1_000)],
         1 => vec![w(2, 300), w(5, 2_000)],
-        _ => vec![w(4, 500), w(6, 1_500)],
+        2 => vec![w(4, 500), w(6, 1_500)],
+        // Bucketed windows (a precision), beside an exact one and alone,
+        // with a period that is not a multiple of the precision.
+        3 => vec![w(2, 250), bucketed(4, 1_000, 300)],
+        _ => vec![bucketed(3, 700, 200), bucketed(6, 2_000, 500)],
+    }
+}
+
+fn bucketed(requests: u64, period_ms: u64, precision_ms: u64) -> Window {
+    Window {
+        requests,
+        period_ms,
+        precision_ms,
     }
 }
 
@@ -319,7 +331,7 @@ impl StorePair {
             .block_on(async { RedisStore::connect(&[self.redis.url()], &RedisMode::Standalone, Some(clock.clone())) })
             .unwrap()
             .with_compact_entries(compact);
-        let keys = (0..3).map(|k| format!("{prefix}:{n}:{k}")).collect();
+        let keys = (0..5).map(|k| format!("{prefix}:{n}:{k}")).collect();
         (clock, memory, redis, keys)
     }
 }
@@ -385,7 +397,7 @@ type Batch = (u64, Vec<Vec<(usize, usize, u64, u8)>>);
 fn batches() -> impl Strategy<Value = Vec<Batch>> {
     // (key, which of its two window sets, cost, shadow): a reload can change
     // a rule's windows while requests under the old ones are in the same call.
-    let pick = (0usize..3, 0usize..2, 0u64..6, role());
+    let pick = (0usize..4, 0usize..2, 0u64..6, role());
     let request = prop::collection::vec(pick, 1..4);
     prop::collection::vec((0u64..700, prop::collection::vec(request, 1..8)), 1..30)
 }
@@ -406,6 +418,8 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
             [windows_of(0), vec![w(2, 300), w(3, 1_000)]],
             [windows_of(1), vec![w(5, 2_000)]],
             [windows_of(2), vec![w(2, 100), w(6, 1_500)]],
+            // A raised limit widens a bucketed window's counts in Redis.
+            [windows_of(3), vec![w(2, 250), bucketed(9, 1_000, 300)]],
         ];
         for (dt, requests) in batches {
             clock.advance(dt);

@@ -196,6 +196,7 @@ mod tests {
                         window: Window {
                             requests: 5,
                             period_ms: 3000,
+                            precision_ms: 0,
                         },
                         remaining: 0,
                         reset_ms: 1200,
@@ -206,6 +207,7 @@ mod tests {
                         window: Window {
                             requests: 20,
                             period_ms: 60_000,
+                            precision_ms: 0,
                         },
                         remaining: 14,
                         reset_ms: 41_000,

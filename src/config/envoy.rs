@@ -297,6 +297,7 @@ fn rule_for(
             // Absent means 0, as in envoyproxy/ratelimit: every request is over.
             requests: u64::from(rl.requests_per_unit.unwrap_or(0)),
             period_ms,
+            precision_ms: 0,
         }],
         _ => Vec::new(),
     };

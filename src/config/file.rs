@@ -218,11 +218,13 @@ rules:
             vec![
                 Window {
                     requests: 5,
-                    period_ms: 3000
+                    period_ms: 3000,
+                    precision_ms: 0,
                 },
                 Window {
                     requests: 20,
-                    period_ms: 60_000
+                    period_ms: 60_000,
+                    precision_ms: 0,
                 }
             ]
         );
@@ -250,7 +252,8 @@ rules:
             l.rules[0].windows[0],
             Window {
                 requests: 2,
-                period_ms: 1000
+                period_ms: 1000,
+                precision_ms: 0,
             }
         );
         let err = parse_str("{\"domain\":\"api\",\n\"rulez\":[]}", "limits.json").unwrap_err();

@@ -145,24 +145,103 @@ pub struct Rule {
 }
 
 /// `requests` per `period`, over a sliding window.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 pub struct Window {
     /// How many units fit in the window.
     pub requests: u64,
     /// Window length in milliseconds.
     pub period_ms: u64,
+    /// Bucket length in milliseconds of a bucketed window, 0 for an exact
+    /// one. A bucketed window keeps one count per bucket instead of one
+    /// entry per admitted request (bounded memory, see [`Buckets`]).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub precision_ms: u64,
 }
 
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+/// Most buckets one window may keep (its `per / precision`).
+pub const MAX_BUCKETS: u64 = 100_000;
+
 impl Window {
+    /// An exact window of `requests` per `period_ms`.
+    pub const fn exact(requests: u64, period_ms: u64) -> Window {
+        Window {
+            requests,
+            period_ms,
+            precision_ms: 0,
+        }
+    }
+
     /// The longest of `windows`, in milliseconds (0 for none): how long
     /// a counter's entries matter.
     pub fn longest_ms(windows: &[Window]) -> u64 {
         windows.iter().map(|w| w.period_ms).max().unwrap_or(0)
     }
 
+    /// The longest exact window of `windows` (0 for none): how long a
+    /// counter's entry log must reach back.
+    pub fn longest_exact_ms(windows: &[Window]) -> u64 {
+        windows
+            .iter()
+            .filter(|w| w.buckets().is_none())
+            .map(|w| w.period_ms)
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// How a bucketed window cuts time, or `None` for an exact window.
+    pub fn buckets(&self) -> Option<Buckets> {
+        (self.precision_ms > 0).then(|| Buckets::new(self.period_ms, self.precision_ms))
+    }
+
     /// The window length in whole seconds, rounded up (as the headers state it).
     pub fn period_secs(&self) -> u64 {
         self.period_ms.div_ceil(1000)
+    }
+}
+
+/// The buckets of a window with a `precision`: the semantics both stores
+/// implement (and the reference model in the tests states).
+///
+/// Time is cut into buckets of `precision` ms: bucket `j` is
+/// `[j * precision, (j + 1) * precision)`. A unit admitted in bucket `j`
+/// is counted while the current bucket is before `j + len`, where `len` is
+/// `ceil(per / precision) + 1`. So every unit is counted for at least `per`
+/// (never more than `requests` are admitted within any span of `per`, as in
+/// the exact window) and for less than `per + precision` when `per` is a
+/// multiple of `precision`: a bucketed window may refuse for up to one
+/// `precision` longer than the exact one, never admit more.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Buckets {
+    /// Bucket length in ms (at least 1).
+    pub precision: u64,
+    /// Buckets a unit is counted in, the current one included.
+    pub len: u64,
+}
+
+impl Buckets {
+    /// The buckets of a `period_ms` window cut every `precision_ms` (> 0).
+    pub fn new(period_ms: u64, precision_ms: u64) -> Buckets {
+        let precision = precision_ms.max(1);
+        Buckets {
+            precision,
+            len: period_ms.div_ceil(precision).saturating_add(1),
+        }
+    }
+
+    /// The bucket holding `ms`.
+    pub fn of(&self, ms: u64) -> u64 {
+        ms / self.precision
+    }
+
+    /// Milliseconds from `now` until units of bucket `j` stop counting.
+    pub fn leaves_in(&self, j: u64, now: u64) -> u64 {
+        j.saturating_add(self.len)
+            .saturating_mul(self.precision)
+            .saturating_sub(now)
     }
 }
 

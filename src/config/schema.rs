@@ -364,6 +364,9 @@ impl<'de> Deserialize<'de> for WindowSpec {
         struct Raw {
             requests: u64,
             per: String,
+            /// Bucket length: the window keeps one count per bucket.
+            #[serde(default)]
+            precision: Option<String>,
         }
         validated_map(d, "a limit { requests, per }", |raw: Raw| {
             if raw.requests == 0 {
@@ -373,9 +376,30 @@ impl<'de> Deserialize<'de> for WindowSpec {
                 return Err(format!("requests may be at most {} (10^12)", super::MAX_UNITS));
             }
             let period_ms = parse_period(&raw.per)?;
+            let precision_ms = match raw.precision.as_deref() {
+                None => 0,
+                Some(text) => {
+                    let p = parse_period(text).map_err(|e| format!("precision: {e}"))?;
+                    if p > period_ms {
+                        return Err(format!(
+                            "precision \"{text}\" is longer than the window \"{}\"",
+                            raw.per
+                        ));
+                    }
+                    if period_ms.div_ceil(p) > super::MAX_BUCKETS {
+                        return Err(format!(
+                            "precision \"{text}\" cuts the window \"{}\" into more than {} buckets; use a coarser one",
+                            raw.per,
+                            super::MAX_BUCKETS
+                        ));
+                    }
+                    p
+                }
+            };
             Ok(WindowSpec(Window {
                 requests: raw.requests,
                 period_ms,
+                precision_ms,
             }))
         })
     }

@@ -68,6 +68,7 @@ impl Limiter {
         let windows = [Window {
             requests: crate::config::MAX_UNITS,
             period_ms: 1_000,
+            precision_ms: 0,
         }];
         let probe = [Check {
             key: "tg:2{readyz}probe",

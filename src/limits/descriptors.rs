@@ -149,6 +149,7 @@ fn override_rule(o: Override<'_>) -> Option<Arc<Rule>> {
         windows: vec![Window {
             requests: u64::from(o.requests),
             period_ms,
+            precision_ms: 0,
         }],
         // envoyproxy/ratelimit reports an override without a name.
         ..Rule::envoy_limit(format!("override_per_{unit}"))

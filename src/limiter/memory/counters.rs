@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use indexmap::IndexMap;
 
 use super::super::{Check, WindowCount};
+use crate::config::{Buckets, Window};
 
 /// Counters each decision looks at for expiry: enough to shed them faster
 /// than decisions create them, never a scan of the whole store.
@@ -38,9 +39,90 @@ pub(super) struct Counter {
     /// Running total before the oldest kept entry.
     base: u64,
     entries: VecDeque<(u64, u64)>,
+    /// One ring per bucketed window of the rule (its `precision`).
+    rings: Vec<Ring>,
     pub(super) expires_at_ms: u64,
     /// When a decision last read or charged it (the eviction order).
     pub(super) used_ms: u64,
+}
+
+/// A bucketed window's counts: the buckets that hold any, oldest first,
+/// as `(bucket, units)`, within the buckets a unit is counted in (see
+/// [`Buckets`]); the Redis store keeps the same counts in a fixed ring.
+struct Ring {
+    period: u64,
+    buckets: Buckets,
+    counts: VecDeque<(u64, u64)>,
+    /// Units in `counts`.
+    sum: u64,
+    /// The newest bucket seen: a clock that steps back stays in it.
+    cur: u64,
+}
+
+impl Ring {
+    fn new(w: &Window, b: Buckets) -> Ring {
+        Ring {
+            period: w.period_ms,
+            buckets: b,
+            counts: VecDeque::new(),
+            sum: 0,
+            cur: 0,
+        }
+    }
+
+    fn is(&self, w: &Window, b: Buckets) -> bool {
+        self.period == w.period_ms && self.buckets == b
+    }
+
+    /// Drops the buckets that stopped counting by `now`.
+    fn advance(&mut self, now: u64) {
+        self.cur = self.cur.max(self.buckets.of(now));
+        while let Some(&(j, n)) = self.counts.front() {
+            if j.saturating_add(self.buckets.len) > self.cur {
+                break;
+            }
+            self.sum = self.sum.saturating_sub(n);
+            self.counts.pop_front();
+        }
+    }
+
+    fn charge(&mut self, cost: u64) {
+        match self.counts.back_mut() {
+            Some((j, n)) if *j == self.cur => *n = n.saturating_add(cost),
+            _ => self.counts.push_back((self.cur, cost)),
+        }
+        self.sum = self.sum.saturating_add(cost);
+    }
+
+    /// As [`Counter::window`], for this ring (advanced to `now`).
+    fn window(&self, now: u64, limit: u64, claim: u64, cost: u64) -> WindowCount {
+        let used = self.sum.saturating_add(claim);
+        let reset_ms = self
+            .counts
+            .front()
+            .map_or(self.period, |&(j, _)| self.buckets.leaves_in(j, now));
+        let (retry_ms, never) = if used.saturating_add(cost) <= limit {
+            (None, false)
+        } else if claim.saturating_add(cost) > limit {
+            (None, true)
+        } else {
+            // Buckets leave oldest first: the one whose leaving frees enough.
+            let excess = used.saturating_add(cost).saturating_sub(limit);
+            let mut freed = 0u64;
+            let leaving = self.counts.iter().find(|&&(_, n)| {
+                freed = freed.saturating_add(n);
+                freed >= excess
+            });
+            let j = leaving.map_or(self.cur, |&(j, _)| j);
+            (Some(self.buckets.leaves_in(j, now)), false)
+        };
+        WindowCount {
+            used,
+            reset_ms,
+            retry_ms,
+            never,
+        }
+    }
 }
 
 impl Counter {
@@ -55,9 +137,27 @@ impl Counter {
         }
     }
 
-    /// Counts one window and works out when `claim` (units this decision
-    /// already takes from the counter) plus `cost` would fit.
-    pub(super) fn window(&self, now: u64, limit: u64, period: u64, claim: u64, cost: u64) -> WindowCount {
+    /// Moves every bucketed window to `now` (what left them is dropped).
+    pub(super) fn advance(&mut self, now: u64) {
+        for ring in &mut self.rings {
+            ring.advance(now);
+        }
+    }
+
+    /// Counts one window (advanced to `now`, if bucketed) and works out when
+    /// `claim` (units this decision already takes from the counter) plus
+    /// `cost` would fit.
+    pub(super) fn window(&self, now: u64, w: &Window, claim: u64, cost: u64) -> WindowCount {
+        match w.buckets() {
+            Some(b) => match self.rings.iter().find(|r| r.is(w, b)) {
+                Some(ring) => ring.window(now, w.requests, claim, cost),
+                None => Ring::new(w, b).window(now, w.requests, claim, cost),
+            },
+            None => self.exact_window(now, w.requests, w.period_ms, claim, cost),
+        }
+    }
+
+    fn exact_window(&self, now: u64, limit: u64, period: u64, claim: u64, cost: u64) -> WindowCount {
         let start = now.saturating_add(1).saturating_sub(period);
         let first = self.entries.partition_point(|e| e.0 < start);
         let before_first = self.total_before(first);
@@ -194,7 +294,7 @@ impl State {
     /// is every check of the request being charged: none of its counters is
     /// evicted to make room for another, or the request would lose a charge
     /// it was admitted with.
-    pub(super) fn charge(&mut self, key: &str, now: u64, longest: u64, cost: u64, max: usize, decision: &[Check<'_>]) {
+    pub(super) fn charge(&mut self, key: &str, now: u64, windows: &[Window], cost: u64, max: usize, decision: &[Check<'_>]) {
         if !self.counters.contains_key(key) {
             while self.counters.len() >= max {
                 let before = self.counters.len();
@@ -208,6 +308,7 @@ impl State {
                 Counter {
                     base: 0,
                     entries: VecDeque::new(),
+                    rings: Vec::new(),
                     expires_at_ms: 0,
                     used_ms: now,
                 },
@@ -220,14 +321,38 @@ impl State {
         if counter.expires_at_ms <= now {
             counter.base = 0;
             counter.entries.clear();
+            counter.rings.clear();
         }
-        let oldest_kept = now.saturating_add(1).saturating_sub(longest);
-        while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
-            counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
+        let longest = Window::longest_exact_ms(windows);
+        let mut expires = now;
+        if longest > 0 {
+            let oldest_kept = now.saturating_add(1).saturating_sub(longest);
+            while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
+                counter.base = counter.entries.pop_front().map_or(counter.base, |e| e.1);
+            }
+            let total = counter.total().wrapping_add(cost);
+            counter.entries.push_back((now, total));
+            expires = now.saturating_add(longest);
         }
-        let total = counter.total().wrapping_add(cost);
-        counter.entries.push_back((now, total));
-        counter.expires_at_ms = now.saturating_add(longest);
+        // Rings of windows the rule no longer has (a reload) go.
+        counter
+            .rings
+            .retain(|r| windows.iter().any(|w| w.buckets().is_some_and(|b| r.is(w, b))));
+        for (w, b) in windows.iter().filter_map(|w| w.buckets().map(|b| (w, b))) {
+            let i = match counter.rings.iter().position(|r| r.is(w, b)) {
+                Some(i) => i,
+                None => {
+                    counter.rings.push(Ring::new(w, b));
+                    counter.rings.len().saturating_sub(1)
+                }
+            };
+            if let Some(ring) = counter.rings.get_mut(i) {
+                ring.advance(now);
+                ring.charge(cost);
+                expires = expires.max(now.saturating_add(b.leaves_in(ring.cur, now)));
+            }
+        }
+        counter.expires_at_ms = expires;
     }
 }
 

@@ -21,7 +21,6 @@ mod counters;
 use counters::State;
 
 use super::{Check, CheckCount, Clock, CounterStore, StoreAnswer, StoreError, WindowCount};
-use crate::config::Window;
 
 /// The default bound on live counters (`--max-counters`): about 200 MB at
 /// worst for one-request counters on 64-bit targets.
@@ -79,6 +78,7 @@ impl MemoryStore {
                 .get_mut(check.key)
                 .map(|c| {
                     c.used_ms = now;
+                    c.advance(now);
                     &*c
                 })
                 .filter(|c| c.expires_at_ms > now);
@@ -86,7 +86,7 @@ impl MemoryStore {
                 .windows
                 .iter()
                 .map(|w| match counter {
-                    Some(c) => c.window(now, w.requests, w.period_ms, claim, check.cost),
+                    Some(c) => c.window(now, w, claim, check.cost),
                     None => {
                         let demand = claim.saturating_add(check.cost);
                         WindowCount {
@@ -117,8 +117,7 @@ impl MemoryStore {
         for (check, count) in checks.iter().zip(counts.iter_mut()) {
             count.charged &= admitted && check.cost > 0;
             if count.charged {
-                let longest = Window::longest_ms(check.windows);
-                state.charge(check.key, now, longest, check.cost, self.max_counters, checks);
+                state.charge(check.key, now, check.windows, check.cost, self.max_counters, checks);
             }
         }
         crate::metrics::get().memory_counters(state.counters.len());
@@ -180,6 +179,7 @@ mod tests {
         let w = [Window {
             requests: 5,
             period_ms: 1_000,
+            precision_ms: 0,
         }];
         for i in 0..100 {
             store.decide_now(&[check(&format!("k{i}"), &w, 1, false)]);
@@ -200,6 +200,7 @@ mod tests {
         let hour = [Window {
             requests: 3,
             period_ms: 3_600_000,
+            precision_ms: 0,
         }];
         // A caller at its limit, asking again and again while the flood runs.
         for _ in 0..3 {
@@ -232,23 +233,35 @@ mod tests {
 
     impl Model {
         fn used(&self, key: usize, now: u64, period: u64) -> u64 {
+            self.used_in(key, now, Window::exact(u64::MAX, period))
+        }
+
+        /// Units counted in `w` at `now`: an exact window counts the last
+        /// `period` ms; a bucketed one every unit whose bucket is fewer than
+        /// `ceil(period / precision) + 1` buckets before now's.
+        fn used_in(&self, key: usize, now: u64, w: Window) -> u64 {
+            let counted = |t: u64| match w.precision_ms {
+                0 => now - t < w.period_ms,
+                p => now / p - t / p < w.period_ms.div_ceil(p) + 1,
+            };
             self.log
                 .get(&key)
-                .map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
+                .map_or(0, |l| l.iter().filter(|(t, _)| counted(*t)).map(|(_, n)| n).sum())
         }
 
         /// One window of one check, `claim` units already taken by earlier
         /// checks of the same decision on the same key. The retry time is
         /// found by trying every future millisecond.
         fn window(&self, key: usize, now: u64, w: Window, claim: u64, cost: u64) -> ModelWindow {
-            let used = self.used(key, now, w.period_ms) + claim;
+            let used = self.used_in(key, now, w) + claim;
             if used + cost <= w.requests {
                 return (used, None, false);
             }
             if claim + cost > w.requests {
                 return (used, None, true);
             }
-            let retry = (1..=w.period_ms).find(|d| self.used(key, now + d, w.period_ms) + claim + cost <= w.requests);
+            let longest = w.period_ms + 2 * w.precision_ms;
+            let retry = (1..=longest).find(|d| self.used_in(key, now + d, w) + claim + cost <= w.requests);
             (used, retry, false)
         }
 
@@ -294,8 +307,16 @@ mod tests {
 
     fn steps() -> impl Strategy<Value = Vec<Step>> {
         let role = prop_oneof![6 => Just(0u8), 1 => Just(1), 2 => Just(2), 1 => Just(3)];
-        let check = (0usize..3, 0u64..6, role);
+        let check = (0usize..5, 0u64..6, role);
         prop::collection::vec((0u64..700, prop::collection::vec(check, 1..4)), 1..120)
+    }
+
+    fn bucketed(requests: u64, period_ms: u64, precision_ms: u64) -> Window {
+        Window {
+            requests,
+            period_ms,
+            precision_ms,
+        }
     }
 
     /// Three counters with fixed windows; each step picks some of them.
@@ -304,25 +325,34 @@ mod tests {
             0 => vec![Window {
                 requests: 3,
                 period_ms: 1_000,
+                precision_ms: 0,
             }],
             1 => vec![
                 Window {
                     requests: 2,
                     period_ms: 300,
+                    precision_ms: 0,
                 },
                 Window {
                     requests: 5,
                     period_ms: 2_000,
+                    precision_ms: 0,
                 },
             ],
+            // Bucketed windows beside an exact one and alone, one with a
+            // period that is not a multiple of its precision.
+            3 => vec![Window::exact(2, 250), bucketed(4, 1_000, 300)],
+            4 => vec![bucketed(3, 700, 200), bucketed(6, 2_000, 500)],
             _ => vec![
                 Window {
                     requests: 4,
                     period_ms: 500,
+                    precision_ms: 0,
                 },
                 Window {
                     requests: 6,
                     period_ms: 1_500,
+                    precision_ms: 0,
                 },
             ],
         }
@@ -334,7 +364,7 @@ mod tests {
             let clock = Arc::new(ManualClock::new(1_000_000));
             let store = MemoryStore::new(clock.clone());
             let mut model = Model::default();
-            let names = ["k0", "k1", "k2"];
+            let names = ["k0", "k1", "k2", "k3", "k4"];
             for (dt, picks) in steps {
                 clock.advance(dt);
                 // The same key may come more than once in one decision.
@@ -419,6 +449,7 @@ mod tests {
         let w = [Window {
             requests: 200_000,
             period_ms: 3_600_000,
+            precision_ms: 0,
         }];
         for _ in 0..200_000 {
             store.decide_now(&[check("k", &w, 1, false)]);

@@ -37,13 +37,24 @@
 -- then per decision: its key count, dry run (0/1: check with the real costs
 -- but charge nothing), and per key: cost, role (bit 1: shadow, never
 -- refuses; bit 2: quota, refuses only when no quota key of the decision has
--- room), window count, and (limit, period_ms) pairs
+-- room), window count, and (limit, period_ms, precision_ms) triples
+-- (precision 0: an exact window; otherwise a bucketed one, see below)
 --
 -- Reply, per decision: admitted (0/1), then per key: charged (0/1), then per
 -- window: used (before this request, with what earlier keys of the same
 -- decision take from the same counter), reset_ms (until the oldest counted
 -- unit leaves), retry_ms (until this cost fits; -1 when it fits now, -2 when
 -- it never will: it asks more than the window's whole limit).
+--
+-- A bucketed window (a `precision`) is not kept in the counter's entries
+-- but in a ring of its own, key `<counter>|<period>/<precision>` (the same
+-- hash tag, so the same Cluster slot): a string of fixed-width counts read
+-- and written with BITFIELD, one per bucket of `precision` ms, holding the
+-- buckets a unit is counted in (ceil(period / precision) + 1 of them: a unit
+-- counts for at least `period`, less than `period + precision`). Its header:
+-- u8 width of a count, u48 newest bucket, u48 sum of the counts, u48 oldest
+-- bucket that may hold a count. Its memory is fixed by the window, not the
+-- traffic: 100,000 a day at 1 minute is 1,441 counts of 17 bits, ~3 KB.
 --
 -- Running totals are kept modulo M and only ever subtracted from one another:
 -- a window's count stays exact (limits and costs are capped far below M by
@@ -248,6 +259,150 @@ local function retry_after(key, s, f, period, excess)
   return math.min(at + period - now, period)
 end
 
+-- Bucketed windows ------------------------------------------------------
+
+local RING = 152 -- bits before the first count: the header
+local CHUNK = 200 -- BITFIELD operations per call (unpack's stack is small)
+local rings = {}
+local ring_order = {}
+
+-- Bits that hold every count up to `limit`.
+local function bits_for(limit)
+  local w = 1
+  while 2 ^ w <= limit do w = w + 1 end
+  return w
+end
+
+local function slot(s, j)
+  return RING + (j % s.len) * s.w
+end
+
+-- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to 0), in
+-- chunks; returns the counts they held.
+local function ring_fields(s, op, from, to)
+  local out = {}
+  local j = from
+  while j <= to do
+    local upto = math.min(to, j + CHUNK - 1)
+    local args = {}
+    for x = j, upto do
+      args[#args + 1] = op
+      args[#args + 1] = s.type
+      args[#args + 1] = slot(s, x)
+      if op == 'SET' then args[#args + 1] = 0 end
+    end
+    local got = call('BITFIELD', s.key, unpack(args))
+    for i = 1, #got do out[#out + 1] = got[i] end
+    j = upto + 1
+  end
+  return out
+end
+
+-- The count of bucket j, with what this call charged to it.
+local function pending(s, j)
+  if j == s.cur then return s.pend end
+  return 0
+end
+
+-- Moves the ring to bucket b: buckets that left the window are subtracted
+-- from the sum and zeroed (their slots become the new buckets').
+local function advance(s, b)
+  if s.sum == 0 or b - s.cur >= s.len then
+    if s.sum > 0 then call('DEL', s.key) end
+    s.sum, s.first = 0, b
+  else
+    local olds = ring_fields(s, 'SET', s.cur + 1, b)
+    for i = 1, #olds do s.sum = s.sum - olds[i] end
+    if s.first <= b - s.len then
+      -- The oldest counted bucket left: the next one that holds a count.
+      local from = b - s.len + 1
+      local got = ring_fields(s, 'GET', from, s.cur)
+      s.first = b
+      for i = 1, #got do
+        if got[i] > 0 then s.first = from + i - 1 break end
+      end
+    end
+  end
+  s.cur = b
+  s.dirty = true
+end
+
+-- Rewrites the ring with counts of `w` bits (a limit raised past its width).
+local function widen(s, w)
+  local from = s.cur - s.len + 1
+  local counts = ring_fields(s, 'GET', from, s.cur)
+  call('DEL', s.key)
+  s.w, s.type = w, 'u' .. w
+  for i = 1, #counts do
+    if counts[i] > 0 then call('BITFIELD', s.key, 'SET', s.type, slot(s, from + i - 1), counts[i]) end
+  end
+  s.dirty = true
+end
+
+local function ring(key, limit, period, precision)
+  local rkey = key .. '|' .. int(period) .. '/' .. int(precision)
+  local s = rings[rkey]
+  if not s then
+    local b = math.floor(now / precision)
+    local h = call('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
+    s = { key = rkey, len = math.floor((period + precision - 1) / precision) + 1, p = precision,
+          period = period, pend = 0, dirty = false }
+    if h[1] == 0 then
+      s.w, s.cur, s.sum, s.first = bits_for(limit), b, 0, b
+      s.type = 'u' .. s.w
+    else
+      s.w, s.cur, s.sum, s.first = h[1], h[2], h[3], h[4]
+      s.type = 'u' .. s.w
+      -- A clock stepped back stays in the newest bucket.
+      if b > s.cur then advance(s, b) end
+    end
+    rings[rkey] = s
+    ring_order[#ring_order + 1] = s
+  end
+  local need = bits_for(limit)
+  if need > s.w then widen(s, need) end
+  return s
+end
+
+-- When units of bucket j stop counting.
+local function leaves(s, j)
+  return (j + s.len) * s.p - now
+end
+
+-- used, reset_ms, retry_ms of a bucketed window, as for an exact one.
+local function ring_window(s, limit, claim, cost)
+  local used = s.sum + claim
+  local reset = s.period
+  if s.sum > 0 then reset = leaves(s, s.first) end
+  local retry = -1
+  if used + cost > limit then
+    if claim + cost > limit then
+      retry = -2
+    else
+      -- Buckets leave oldest first: the one whose leaving frees enough.
+      local excess = used + cost - limit
+      retry = leaves(s, s.cur)
+      local counts = ring_fields(s, 'GET', s.first, s.cur)
+      local freed = 0
+      for i = 1, #counts do
+        local j = s.first + i - 1
+        freed = freed + counts[i] + pending(s, j)
+        if freed >= excess then
+          retry = leaves(s, j)
+          break
+        end
+      end
+    end
+  end
+  return used, reset, retry
+end
+
+local function ring_charge(s, cost)
+  if s.sum == 0 then s.first = s.cur end
+  s.sum = s.sum + cost
+  s.pend = s.pend + cost
+end
+
 local reply = {}
 local r = 0
 local k = 0
@@ -272,30 +427,40 @@ for _ = 1, num(ARGV[3]) do
     local quota = role >= 2
     local nwin = num(ARGV[a + 2])
     a = a + 3
-    local s = counter(key)
-    local total = s.total
+    local s = nil
     local claim = claims[key] or 0
     local fits = true
     local longest = 0
+    local bucketed = {}
     r = r + 1 -- charged, filled in below
     for w = 1, nwin do
       local limit = num(ARGV[a])
       local period = num(ARGV[a + 1])
-      a = a + 2
-      if period > longest then longest = period end
+      local precision = num(ARGV[a + 2])
+      a = a + 3
       local used, reset, retry = claim, period, -1
-      local f = first_in_window(key, s, period)
-      if f then
-        used = (total - f[1]) % M + f[2] + claim
-        -- Never past a whole period, even if the clock stepped back.
-        reset = math.min(f[3] + period - now, period)
-      end
-      if used + cost > limit then
-        fits = false
-        if claim + cost > limit then
-          retry = -2
-        else
-          retry = retry_after(key, s, f, period, used + cost - limit)
+      if precision > 0 then
+        local rs = ring(key, limit, period, precision)
+        bucketed[#bucketed + 1] = rs
+        used, reset, retry = ring_window(rs, limit, claim, cost)
+        if retry ~= -1 then fits = false end
+      else
+        if period > longest then longest = period end
+        -- The entries are read only for a key with an exact window.
+        if not s then s = counter(key) end
+        local f = first_in_window(key, s, period)
+        if f then
+          used = (s.total - f[1]) % M + f[2] + claim
+          -- Never past a whole period, even if the clock stepped back.
+          reset = math.min(f[3] + period - now, period)
+        end
+        if used + cost > limit then
+          fits = false
+          if claim + cost > limit then
+            retry = -2
+          else
+            retry = retry_after(key, s, f, period, used + cost - limit)
+          end
         end
       end
       reply[r + 1] = used
@@ -310,15 +475,18 @@ for _ = 1, num(ARGV[3]) do
       admitted = 0
     end
     if fits then claims[key] = claim + cost end
-    keys[i] = { key, s, fits, cost, longest, r - 3 * nwin }
+    keys[i] = { key, s or false, fits, cost, longest, r - 3 * nwin, bucketed }
   end
 
   if quotas and not quota_room then admitted = 0 end
   reply[base] = admitted
   for i = 1, nkeys do
-    local key, s, fits, cost, longest, at = unpack(keys[i])
+    local key, s, fits, cost, longest, at, bucketed = unpack(keys[i])
     local charged = 0
     if admitted == 1 and not dry and fits and cost > 0 then
+      for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
+    end
+    if s and admitted == 1 and not dry and fits and cost > 0 then
       if s.pend_n == 0 then
         -- The entry carries this call's clock (never before the last entry,
         -- which a clock step back could otherwise ask for), so no later call
@@ -341,8 +509,8 @@ for _ = 1, num(ARGV[3]) do
         if f == false then s.first[period] = { s.total, cost, s.pend_ms } end
       end
       if longest > s.longest then s.longest = longest end
-      charged = 1
     end
+    if admitted == 1 and not dry and fits and cost > 0 then charged = 1 end
     reply[at] = charged
   end
   k = k + nkeys
@@ -390,6 +558,19 @@ for _, key in ipairs(touched) do
     call('XADD', key, 'MINID', '~', int(now - s.longest + 1), format('%d-%d', s.pend_ms, s.pend_seq),
          'n', int(s.pend_n), 'c', int(s.total))
     expire(key, s)
+  end
+end
+for _, s in ipairs(ring_order) do
+  if s.dirty or s.pend > 0 then
+    local args = { 'SET', 'u8', 0, s.w, 'SET', 'u48', 8, s.cur, 'SET', 'u48', 56, s.sum, 'SET', 'u48', 104, s.first }
+    if s.pend > 0 then
+      args[#args + 1] = 'INCRBY'
+      args[#args + 1] = s.type
+      args[#args + 1] = slot(s, s.cur)
+      args[#args + 1] = s.pend
+    end
+    call('BITFIELD', s.key, unpack(args))
+    if pinned == 0 then call('PEXPIRE', s.key, int(s.len * s.p)) end
   end
 end
 return reply

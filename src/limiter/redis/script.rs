@@ -77,7 +77,7 @@ impl DecideScript {
                 .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
                 .arg(check.windows.len());
             for w in &check.windows {
-                call.arg(w.requests).arg(w.period_ms);
+                call.arg(w.requests).arg(w.period_ms).arg(w.precision_ms);
             }
         }
     }
