@@ -12,7 +12,58 @@ use super::{FailureMode, Limits, Part, PathPattern, Rule};
 pub fn warnings(limits: &Limits) -> Vec<String> {
     let mut out = never_matching(limits);
     out.extend(surface_warnings(limits));
+    out.extend(large_counters(limits));
     out
+}
+
+/// What one admitted request costs an exact window's counter in Redis (a
+/// stream entry, with the shipped `stream-node-max-bytes 256`; BENCHMARKS.md).
+const BYTES_PER_ENTRY: u64 = 45;
+/// One counter larger than this is worth a warning.
+const LARGE_COUNTER_BYTES: u64 = 1 << 20;
+
+/// Exact windows whose limit lets one counter grow past a megabyte: an
+/// exact window remembers every admitted request, so a quota of 100,000 a
+/// day is ~4.5 MB per caller. A `precision` bounds it.
+pub fn large_counters(limits: &Limits) -> Vec<String> {
+    let mut out = Vec::new();
+    for rule in &limits.rules {
+        for w in rule.windows.iter().filter(|w| w.buckets().is_none()) {
+            let bytes = w.requests.saturating_mul(BYTES_PER_ENTRY);
+            if bytes <= LARGE_COUNTER_BYTES {
+                continue;
+            }
+            let precision = suggested_precision(w.period_ms);
+            let buckets = super::Buckets::new(w.period_ms, precision);
+            let bits = u64::from(u64::BITS - w.requests.leading_zeros());
+            let ring = buckets.len.saturating_mul(bits).div_ceil(8);
+            out.push(format!(
+                "rule \"{}\": {} per {} is an exact window, so one counter holds up to ~{} MB in Redis (one entry per admitted request); write precision: {} to keep ~{} KB per counter (counted per {} bucket: a refusal may last up to {} longer)",
+                rule.name,
+                w.requests,
+                humantime::format_duration(std::time::Duration::from_millis(w.period_ms)),
+                bytes.div_ceil(1 << 20),
+                humantime::format_duration(std::time::Duration::from_millis(precision)),
+                ring.div_ceil(1024).max(1),
+                humantime::format_duration(std::time::Duration::from_millis(precision)),
+                humantime::format_duration(std::time::Duration::from_millis(precision)),
+            ));
+        }
+    }
+    out
+}
+
+/// A round bucket length that cuts `period_ms` into at most ~1,440 buckets.
+fn suggested_precision(period_ms: u64) -> u64 {
+    const ROUND: [u64; 10] = [
+        1_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000, 1_800_000, 3_600_000, 86_400_000,
+    ];
+    ROUND
+        .iter()
+        .copied()
+        .find(|p| period_ms.div_ceil(*p) <= 1_440)
+        .unwrap_or(86_400_000)
+        .min(period_ms)
 }
 
 /// Rules no request can ever reach. Every matching HTTP rule applies, so an
@@ -206,6 +257,39 @@ fn unbounded_counters(limits: &Limits, rule: &Rule) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn exact_windows_that_make_large_counters_suggest_a_precision() {
+        let file = |limit: &str| {
+            format!("domain: d\nrules:\n  - {{ name: quota, by: [header:x-api-key], limits: [{limit}] }}\n")
+        };
+        let large =
+            large_counters(&crate::config::parse_str(&file("{ requests: 100000, per: 1d }"), "t.yaml").unwrap());
+        assert_eq!(large.len(), 1, "{large:?}");
+        assert!(large[0].contains("~5 MB"), "{large:?}");
+        assert!(large[0].contains("precision: 1m to keep ~3 KB"), "{large:?}");
+        // The advice works: with it, no warning.
+        let bucketed = file("{ requests: 100000, per: 1d, precision: 1m }");
+        assert!(large_counters(&crate::config::parse_str(&bucketed, "t.yaml").unwrap()).is_empty());
+        assert!(
+            large_counters(&crate::config::parse_str(&file("{ requests: 20000, per: 1h }"), "t.yaml").unwrap())
+                .is_empty()
+        );
+        // A precision the file cannot use is refused with its reason.
+        for (limit, why) in [
+            ("{ requests: 5, per: 1m, precision: 2m }", "longer than the window"),
+            ("{ requests: 5, per: 1d, precision: 1ms }", "more than 100000 buckets"),
+            (
+                "{ requests: 5, per: 1m, precision: soon }",
+                "precision: \"soon\" is not a duration",
+            ),
+        ] {
+            let err = crate::config::parse_str(&file(limit), "t.yaml")
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(why), "{limit}: {err}");
+        }
+    }
 
     fn never(text: &str) -> Vec<String> {
         never_matching(&crate::config::parse_str(text, "t.yaml").unwrap())

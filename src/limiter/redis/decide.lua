@@ -261,146 +261,175 @@ end
 
 -- Bucketed windows ------------------------------------------------------
 
-local RING = 152 -- bits before the first count: the header
-local CHUNK = 200 -- BITFIELD operations per call (unpack's stack is small)
-local rings = {}
-local ring_order = {}
+-- Defined on a call's first bucketed window only: a script's body runs on
+-- every call, and making these closures would cost every exact decision.
+local ring, ring_window, ring_charge, ring_flush
+local ring_order = false
+local function rings_setup()
+  local RING = 152 -- bits before the first count: the header
+  local CHUNK = 200 -- BITFIELD operations per call (unpack's stack is small)
+  local rings = {}
+  ring_order = {}
 
--- Bits that hold every count up to `limit`.
-local function bits_for(limit)
-  local w = 1
-  while 2 ^ w <= limit do w = w + 1 end
-  return w
-end
-
-local function slot(s, j)
-  return RING + (j % s.len) * s.w
-end
-
--- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to 0), in
--- chunks; returns the counts they held.
-local function ring_fields(s, op, from, to)
-  local out = {}
-  local j = from
-  while j <= to do
-    local upto = math.min(to, j + CHUNK - 1)
-    local args = {}
-    for x = j, upto do
-      args[#args + 1] = op
-      args[#args + 1] = s.type
-      args[#args + 1] = slot(s, x)
-      if op == 'SET' then args[#args + 1] = 0 end
-    end
-    local got = call('BITFIELD', s.key, unpack(args))
-    for i = 1, #got do out[#out + 1] = got[i] end
-    j = upto + 1
+  -- Bits that hold every count up to `limit`.
+  local function bits_for(limit)
+    local w = 1
+    while 2 ^ w <= limit do w = w + 1 end
+    return w
   end
-  return out
-end
 
--- The count of bucket j, with what this call charged to it.
-local function pending(s, j)
-  if j == s.cur then return s.pend end
-  return 0
-end
+  local function slot(s, j)
+    return RING + (j % s.len) * s.w
+  end
 
--- Moves the ring to bucket b: buckets that left the window are subtracted
--- from the sum and zeroed (their slots become the new buckets').
-local function advance(s, b)
-  if s.sum == 0 or b - s.cur >= s.len then
-    if s.sum > 0 then call('DEL', s.key) end
-    s.sum, s.first = 0, b
-  else
-    local olds = ring_fields(s, 'SET', s.cur + 1, b)
-    for i = 1, #olds do s.sum = s.sum - olds[i] end
-    if s.first <= b - s.len then
-      -- The oldest counted bucket left: the next one that holds a count.
-      local from = b - s.len + 1
-      local got = ring_fields(s, 'GET', from, s.cur)
-      s.first = b
-      for i = 1, #got do
-        if got[i] > 0 then s.first = from + i - 1 break end
+  -- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to 0), in
+  -- chunks; returns the counts they held.
+  local function ring_fields(s, op, from, to)
+    local out = {}
+    local j = from
+    while j <= to do
+      local upto = math.min(to, j + CHUNK - 1)
+      local args = {}
+      for x = j, upto do
+        args[#args + 1] = op
+        args[#args + 1] = s.type
+        args[#args + 1] = slot(s, x)
+        if op == 'SET' then args[#args + 1] = 0 end
       end
+      local got = call('BITFIELD', s.key, unpack(args))
+      for i = 1, #got do out[#out + 1] = got[i] end
+      j = upto + 1
     end
+    return out
   end
-  s.cur = b
-  s.dirty = true
-end
 
--- Rewrites the ring with counts of `w` bits (a limit raised past its width).
-local function widen(s, w)
-  local from = s.cur - s.len + 1
-  local counts = ring_fields(s, 'GET', from, s.cur)
-  call('DEL', s.key)
-  s.w, s.type = w, 'u' .. w
-  for i = 1, #counts do
-    if counts[i] > 0 then call('BITFIELD', s.key, 'SET', s.type, slot(s, from + i - 1), counts[i]) end
-  end
-  s.dirty = true
-end
-
-local function ring(key, limit, period, precision)
-  local rkey = key .. '|' .. int(period) .. '/' .. int(precision)
-  local s = rings[rkey]
-  if not s then
-    local b = math.floor(now / precision)
-    local h = call('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
-    s = { key = rkey, len = math.floor((period + precision - 1) / precision) + 1, p = precision,
-          period = period, pend = 0, dirty = false }
-    if h[1] == 0 then
-      s.w, s.cur, s.sum, s.first = bits_for(limit), b, 0, b
-      s.type = 'u' .. s.w
-    else
-      s.w, s.cur, s.sum, s.first = h[1], h[2], h[3], h[4]
-      s.type = 'u' .. s.w
-      -- A clock stepped back stays in the newest bucket.
-      if b > s.cur then advance(s, b) end
-    end
-    rings[rkey] = s
-    ring_order[#ring_order + 1] = s
-  end
-  local need = bits_for(limit)
-  if need > s.w then widen(s, need) end
-  return s
-end
-
--- When units of bucket j stop counting.
-local function leaves(s, j)
-  return (j + s.len) * s.p - now
-end
-
--- used, reset_ms, retry_ms of a bucketed window, as for an exact one.
-local function ring_window(s, limit, claim, cost)
-  local used = s.sum + claim
-  local reset = s.period
-  if s.sum > 0 then reset = leaves(s, s.first) end
-  local retry = -1
-  if used + cost > limit then
-    if claim + cost > limit then
-      retry = -2
-    else
-      -- Buckets leave oldest first: the one whose leaving frees enough.
-      local excess = used + cost - limit
-      retry = leaves(s, s.cur)
-      local counts = ring_fields(s, 'GET', s.first, s.cur)
-      local freed = 0
+  -- The first bucket from..to whose count makes `found(count, j)` true, or
+  -- nil. Read in chunks growing from 8: the answer is usually among the
+  -- oldest few buckets, and a walk must not read the whole ring for it.
+  local function ring_find(s, from, to, found)
+    local j, n = from, 8
+    while j <= to do
+      local upto = math.min(to, j + n - 1)
+      local counts = ring_fields(s, 'GET', j, upto)
       for i = 1, #counts do
-        local j = s.first + i - 1
-        freed = freed + counts[i] + pending(s, j)
-        if freed >= excess then
-          retry = leaves(s, j)
-          break
+        if found(counts[i], j + i - 1) then return j + i - 1 end
+      end
+      j, n = upto + 1, math.min(n * 8, CHUNK)
+    end
+    return nil
+  end
+
+  -- The count of bucket j, with what this call charged to it.
+  local function pending(s, j)
+    if j == s.cur then return s.pend end
+    return 0
+  end
+
+  -- Moves the ring to bucket b: buckets that left the window are subtracted
+  -- from the sum and zeroed (their slots become the new buckets').
+  local function advance(s, b)
+    if s.sum == 0 or b - s.cur >= s.len then
+      if s.sum > 0 then call('DEL', s.key) end
+      s.sum, s.first = 0, b
+    else
+      local olds = ring_fields(s, 'SET', s.cur + 1, b)
+      for i = 1, #olds do s.sum = s.sum - olds[i] end
+      if s.first <= b - s.len then
+        -- The oldest counted bucket left: the next one that holds a count.
+        s.first = ring_find(s, b - s.len + 1, s.cur, function(n) return n > 0 end) or b
+      end
+    end
+    s.cur = b
+    s.dirty = true
+  end
+
+  -- Rewrites the ring with counts of `w` bits (a limit raised past its width).
+  local function widen(s, w)
+    local from = s.cur - s.len + 1
+    local counts = ring_fields(s, 'GET', from, s.cur)
+    call('DEL', s.key)
+    s.w, s.type = w, 'u' .. w
+    for i = 1, #counts do
+      if counts[i] > 0 then call('BITFIELD', s.key, 'SET', s.type, slot(s, from + i - 1), counts[i]) end
+    end
+    s.dirty = true
+  end
+
+  function ring(key, limit, period, precision)
+    local rkey = key .. '|' .. int(period) .. '/' .. int(precision)
+    local s = rings[rkey]
+    if not s then
+      local b = math.floor(now / precision)
+      local h = call('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
+      s = { key = rkey, len = math.floor((period + precision - 1) / precision) + 1, p = precision,
+            period = period, pend = 0, dirty = false }
+      if h[1] == 0 then
+        s.w, s.cur, s.sum, s.first = bits_for(limit), b, 0, b
+        s.type = 'u' .. s.w
+      else
+        s.w, s.cur, s.sum, s.first = h[1], h[2], h[3], h[4]
+        s.type = 'u' .. s.w
+        -- A clock stepped back stays in the newest bucket.
+        if b > s.cur then advance(s, b) end
+      end
+      rings[rkey] = s
+      ring_order[#ring_order + 1] = s
+    end
+    local need = bits_for(limit)
+    if need > s.w then widen(s, need) end
+    return s
+  end
+
+  -- When units of bucket j stop counting.
+  local function leaves(s, j)
+    return (j + s.len) * s.p - now
+  end
+
+  -- used, reset_ms, retry_ms of a bucketed window, as for an exact one.
+  function ring_window(s, limit, claim, cost)
+    local used = s.sum + claim
+    local reset = s.period
+    if s.sum > 0 then reset = leaves(s, s.first) end
+    local retry = -1
+    if used + cost > limit then
+      if claim + cost > limit then
+        retry = -2
+      else
+        -- Buckets leave oldest first: the one whose leaving frees enough.
+        local excess = used + cost - limit
+        local freed = 0
+        local j = ring_find(s, s.first, s.cur, function(n, at)
+          freed = freed + n + pending(s, at)
+          return freed >= excess
+        end)
+        retry = leaves(s, j or s.cur)
+      end
+    end
+    return used, reset, retry
+  end
+
+  function ring_charge(s, cost)
+    if s.sum == 0 then s.first = s.cur end
+    s.sum = s.sum + cost
+    s.pend = s.pend + cost
+  end
+
+  -- Writes every ring this call read or charged.
+  function ring_flush()
+    for _, s in ipairs(ring_order) do
+      if s.dirty or s.pend > 0 then
+        local args = { 'SET', 'u8', 0, s.w, 'SET', 'u48', 8, s.cur, 'SET', 'u48', 56, s.sum, 'SET', 'u48', 104, s.first }
+        if s.pend > 0 then
+          args[#args + 1] = 'INCRBY'
+          args[#args + 1] = s.type
+          args[#args + 1] = slot(s, s.cur)
+          args[#args + 1] = s.pend
         end
+        call('BITFIELD', s.key, unpack(args))
+        if pinned == 0 then call('PEXPIRE', s.key, int(s.len * s.p)) end
       end
     end
   end
-  return used, reset, retry
-end
-
-local function ring_charge(s, cost)
-  if s.sum == 0 then s.first = s.cur end
-  s.sum = s.sum + cost
-  s.pend = s.pend + cost
 end
 
 local reply = {}
@@ -431,7 +460,7 @@ for _ = 1, num(ARGV[3]) do
     local claim = claims[key] or 0
     local fits = true
     local longest = 0
-    local bucketed = {}
+    local bucketed = false
     r = r + 1 -- charged, filled in below
     for w = 1, nwin do
       local limit = num(ARGV[a])
@@ -440,7 +469,9 @@ for _ = 1, num(ARGV[3]) do
       a = a + 3
       local used, reset, retry = claim, period, -1
       if precision > 0 then
+        if not ring then rings_setup() end
         local rs = ring(key, limit, period, precision)
+        if not bucketed then bucketed = {} end
         bucketed[#bucketed + 1] = rs
         used, reset, retry = ring_window(rs, limit, claim, cost)
         if retry ~= -1 then fits = false end
@@ -483,7 +514,7 @@ for _ = 1, num(ARGV[3]) do
   for i = 1, nkeys do
     local key, s, fits, cost, longest, at, bucketed = unpack(keys[i])
     local charged = 0
-    if admitted == 1 and not dry and fits and cost > 0 then
+    if bucketed and admitted == 1 and not dry and fits and cost > 0 then
       for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
     end
     if s and admitted == 1 and not dry and fits and cost > 0 then
@@ -560,17 +591,5 @@ for _, key in ipairs(touched) do
     expire(key, s)
   end
 end
-for _, s in ipairs(ring_order) do
-  if s.dirty or s.pend > 0 then
-    local args = { 'SET', 'u8', 0, s.w, 'SET', 'u48', 8, s.cur, 'SET', 'u48', 56, s.sum, 'SET', 'u48', 104, s.first }
-    if s.pend > 0 then
-      args[#args + 1] = 'INCRBY'
-      args[#args + 1] = s.type
-      args[#args + 1] = slot(s, s.cur)
-      args[#args + 1] = s.pend
-    end
-    call('BITFIELD', s.key, unpack(args))
-    if pinned == 0 then call('PEXPIRE', s.key, int(s.len * s.p)) end
-  end
-end
+if ring_order then ring_flush() end
 return reply
