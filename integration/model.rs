@@ -40,11 +40,18 @@ const T0: u64 = 1_700_000_000_000;
 /// windows and whether the rule is in shadow mode.
 fn version(counter: usize, v: usize) -> (Vec<Window>, bool) {
     let w = |requests, period_ms| Window::exact(requests, period_ms);
+    // A window with a precision: counted per bucket.
+    let b = |requests, period_ms, precision_ms| Window {
+        requests,
+        period_ms,
+        precision_ms,
+    };
     match (counter, v) {
         (0, 0) => (vec![w(3, 1_000)], false),
         (0, _) => (vec![w(2, 300), w(3, 1_000)], false),
-        (1, 0) => (vec![w(2, 300), w(5, 2_000)], false),
-        (1, _) => (vec![w(8, 2_000)], false),
+        // The bucketed limit raised past the bits its counts had in Redis.
+        (1, 0) => (vec![w(2, 300), b(5, 2_000, 300)], false),
+        (1, _) => (vec![b(8, 2_000, 300)], false),
         (2, 0) => (vec![w(4, 500), w(6, 1_500)], false),
         _ => (vec![w(2, 100), w(6, 1_500)], true),
     }
@@ -61,7 +68,15 @@ fn limits_file(domain: &str, versions: &[usize; 3]) -> String {
         let (windows, shadow) = version(c, *v);
         let limits: Vec<String> = windows
             .iter()
-            .map(|w| format!("{{ requests: {}, per: {} }}", w.requests, period_text(w.period_ms)))
+            .map(|w| match w.precision_ms {
+                0 => format!("{{ requests: {}, per: {} }}", w.requests, period_text(w.period_ms)),
+                p => format!(
+                    "{{ requests: {}, per: {}, precision: {} }}",
+                    w.requests,
+                    period_text(w.period_ms),
+                    period_text(p)
+                ),
+            })
             .collect();
         let limits = limits.join(", ");
         out.push_str(&format!(
@@ -90,17 +105,34 @@ impl Expected {
     }
 }
 
-/// The brute-force sliding window: admitted units with their times.
+/// The brute-force sliding window: admitted units with their times, per
+/// counter and form. A counter's exact windows share one log, written when
+/// its rule has an exact window; a window with a precision has a log of its
+/// own (a reload that adds or changes one starts it afresh, README).
 #[derive(Default)]
 struct Model {
     log: HashMap<String, Vec<(u64, u64)>>,
 }
 
+/// The log `w` of counter `key` counts from.
+fn log_of(key: &str, w: &Window) -> String {
+    match w.precision_ms {
+        0 => key.to_string(),
+        p => format!("{key}|{}/{p}", w.period_ms),
+    }
+}
+
 impl Model {
-    fn used(&self, key: &str, now: u64, period: u64) -> u64 {
+    /// Units `w` counts at `now`: the last `period` ms, or with a precision
+    /// every unit fewer than `ceil(period / precision) + 1` buckets old.
+    fn used(&self, key: &str, now: u64, w: &Window) -> u64 {
+        let counted = |t: u64| match w.precision_ms {
+            0 => now - t < w.period_ms,
+            p => now / p - t / p < w.period_ms.div_ceil(p) + 1,
+        };
         self.log
-            .get(key)
-            .map_or(0, |l| l.iter().filter(|(t, _)| now - t < period).map(|(_, n)| n).sum())
+            .get(&log_of(key, w))
+            .map_or(0, |l| l.iter().filter(|(t, _)| counted(*t)).map(|(_, n)| n).sum())
     }
 
     /// Decides checks (key, windows, cost, shadow) together; returns admitted
@@ -114,14 +146,14 @@ impl Model {
             let ws: Vec<(Option<u64>, bool)> = windows
                 .iter()
                 .map(|w| {
-                    let used = self.used(key, now, w.period_ms) + claim;
+                    let used = self.used(key, now, w) + claim;
                     if used + cost <= w.requests {
                         (None, false)
                     } else if claim + cost > w.requests {
                         (None, true)
                     } else {
-                        let retry = (1..=w.period_ms)
-                            .find(|d| self.used(key, now + d, w.period_ms) + claim + cost <= w.requests);
+                        let retry = (1..=w.period_ms + 2 * w.precision_ms)
+                            .find(|d| self.used(key, now + d, w) + claim + cost <= w.requests);
                         (retry, false)
                     }
                 })
@@ -145,10 +177,7 @@ impl Model {
             let taken = if charged { c.2 } else { 0 };
             e.remaining =
                 c.1.iter()
-                    .map(|w| {
-                        w.requests
-                            .saturating_sub(self.used(&c.0, now, w.period_ms) + claim + taken)
-                    })
+                    .map(|w| w.requests.saturating_sub(self.used(&c.0, now, w) + claim + taken))
                     .collect();
             if *fits {
                 *claims.entry(c.0.as_str()).or_default() += c.2;
@@ -156,7 +185,12 @@ impl Model {
         }
         for ((c, fits), _) in checks.iter().zip(&fits_all).zip(&out) {
             if admitted && *fits && c.2 > 0 {
-                self.log.entry(c.0.clone()).or_default().push((now, c.2));
+                let mut logs: Vec<String> = c.1.iter().map(|w| log_of(&c.0, w)).collect();
+                logs.sort();
+                logs.dedup();
+                for log in logs {
+                    self.log.entry(log).or_default().push((now, c.2));
+                }
             }
         }
         (admitted, out)

@@ -39,8 +39,15 @@ pub(super) struct Counter {
     /// Running total before the oldest kept entry.
     base: u64,
     entries: VecDeque<(u64, u64)>,
-    /// One ring per bucketed window of the rule (its `precision`).
+    /// When the entries stop mattering: the longest exact window after the
+    /// last exact charge (as the Redis stream's expiry). A rule reloaded to
+    /// bucketed windows only leaves them to lapse, not to count forever.
+    entries_expire_ms: u64,
+    /// One ring per bucketed window (its `precision`), kept while it holds
+    /// counts even if a reload took the window away (as the Redis ring's key
+    /// is kept until it expires): the window coming back finds them.
     rings: Vec<Ring>,
+    /// When the whole counter stops mattering (entries and every ring).
     pub(super) expires_at_ms: u64,
     /// When a decision last read or charged it (the eviction order).
     pub(super) used_ms: u64,
@@ -125,6 +132,16 @@ impl Ring {
     }
 }
 
+/// A window of a counter that holds nothing: only this decision's `claim`.
+pub(super) fn fresh(w: &Window, claim: u64, cost: u64) -> WindowCount {
+    WindowCount {
+        used: claim,
+        reset_ms: w.period_ms,
+        retry_ms: None,
+        never: claim.saturating_add(cost) > w.requests,
+    }
+}
+
 impl Counter {
     fn total(&self) -> u64 {
         self.entries.back().map_or(self.base, |e| e.1)
@@ -151,8 +168,9 @@ impl Counter {
         match w.buckets() {
             Some(b) => match self.rings.iter().find(|r| r.is(w, b)) {
                 Some(ring) => ring.window(now, w.requests, claim, cost),
-                None => Ring::new(w, b).window(now, w.requests, claim, cost),
+                None => fresh(w, claim, cost),
             },
+            None if self.entries_expire_ms <= now => fresh(w, claim, cost),
             None => self.exact_window(now, w.requests, w.period_ms, claim, cost),
         }
     }
@@ -308,6 +326,7 @@ impl State {
                 Counter {
                     base: 0,
                     entries: VecDeque::new(),
+                    entries_expire_ms: 0,
                     rings: Vec::new(),
                     expires_at_ms: 0,
                     used_ms: now,
@@ -319,12 +338,13 @@ impl State {
         };
         counter.used_ms = now;
         if counter.expires_at_ms <= now {
-            counter.base = 0;
-            counter.entries.clear();
             counter.rings.clear();
         }
+        if counter.entries_expire_ms <= now {
+            counter.base = 0;
+            counter.entries.clear();
+        }
         let longest = Window::longest_exact_ms(windows);
-        let mut expires = now;
         if longest > 0 {
             let oldest_kept = now.saturating_add(1).saturating_sub(longest);
             while counter.entries.front().is_some_and(|e| e.0 < oldest_kept) {
@@ -332,27 +352,27 @@ impl State {
             }
             let total = counter.total().wrapping_add(cost);
             counter.entries.push_back((now, total));
-            expires = now.saturating_add(longest);
+            counter.entries_expire_ms = now.saturating_add(longest);
         }
-        // Rings of windows the rule no longer has (a reload) go.
-        counter
-            .rings
-            .retain(|r| windows.iter().any(|w| w.buckets().is_some_and(|b| r.is(w, b))));
+        // A ring whose counts have all left is as good as none.
+        counter.advance(now);
+        counter.rings.retain(|r| r.sum > 0);
         for (w, b) in windows.iter().filter_map(|w| w.buckets().map(|b| (w, b))) {
-            let i = match counter.rings.iter().position(|r| r.is(w, b)) {
-                Some(i) => i,
+            match counter.rings.iter_mut().find(|r| r.is(w, b)) {
+                Some(ring) => ring.charge(cost),
                 None => {
-                    counter.rings.push(Ring::new(w, b));
-                    counter.rings.len().saturating_sub(1)
+                    let mut ring = Ring::new(w, b);
+                    ring.advance(now);
+                    ring.charge(cost);
+                    counter.rings.push(ring);
                 }
-            };
-            if let Some(ring) = counter.rings.get_mut(i) {
-                ring.advance(now);
-                ring.charge(cost);
-                expires = expires.max(now.saturating_add(b.leaves_in(ring.cur, now)));
             }
         }
-        counter.expires_at_ms = expires;
+        counter.expires_at_ms = counter
+            .rings
+            .iter()
+            .map(|r| now.saturating_add(r.buckets.leaves_in(r.cur, now)))
+            .fold(counter.entries_expire_ms, u64::max);
     }
 }
 

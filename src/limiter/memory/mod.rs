@@ -87,15 +87,7 @@ impl MemoryStore {
                 .iter()
                 .map(|w| match counter {
                     Some(c) => c.window(now, w, claim, check.cost),
-                    None => {
-                        let demand = claim.saturating_add(check.cost);
-                        WindowCount {
-                            used: claim,
-                            reset_ms: w.period_ms,
-                            retry_ms: None,
-                            never: demand > w.requests,
-                        }
-                    }
+                    None => counters::fresh(w, claim, check.cost),
                 })
                 .collect();
             let fits = windows.iter().all(|w| !w.over());
