@@ -557,3 +557,33 @@ async fn a_flood_of_fresh_counters_stays_within_redis_maxmemory() {
         "used_memory {used} stays near maxmemory"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucketed_window_holds_the_largest_limit_and_its_retry_time_is_its_buckets() {
+    // The largest limit a file may write, spent in one request: the Redis
+    // ring's counts are 40 bits wide, and the sum must stay exact.
+    let max = tollgate::config::MAX_UNITS;
+    let day = 86_400_000;
+    let ws = [bucketed(max, day, 60_000)];
+    let buckets = tollgate::config::Buckets::new(day, 60_000);
+    for s in subjects() {
+        let a = (s.store)(&[check("big", &ws, max)]);
+        assert!(a.admitted, "{}", s.name);
+        s.clock.advance(30_000);
+        let b = (s.store)(&[check("big", &ws, 1)]);
+        assert!(!b.admitted, "{}", s.name);
+        let window = b.checks[0].windows[0];
+        let leaves = buckets.leaves_in(buckets.of(T0), T0 + 30_000);
+        assert_eq!((window.used, window.retry_ms), (max, Some(leaves)), "{}", s.name);
+        // A day and at most one minute after it was admitted.
+        assert!((day - 30_000..day + 60_000 - 30_000).contains(&leaves), "{leaves}");
+        s.clock.advance(leaves - 1);
+        assert!(!(s.store)(&[check("big", &ws, 1)]).admitted, "{}: one ms early", s.name);
+        s.clock.advance(1);
+        let c = (s.store)(&[check("big", &ws, max)]);
+        assert!(c.admitted, "{}: the whole limit again once the bucket left", s.name);
+        // More than the limit in one request never fits.
+        let d = (s.store)(&[check("other", &ws, max + 1)]);
+        assert!(!d.admitted && d.checks[0].windows[0].never, "{}", s.name);
+    }
+}

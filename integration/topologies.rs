@@ -61,6 +61,10 @@ rules:
     match: { path: /k }
     by: [client_ip]
     limits: [{ requests: 2, per: 60s }]
+  - name: daily
+    match: { path: /q }
+    by: [client_ip]
+    limits: [{ requests: 3, per: 1d, precision: 1m }, { requests: 10, per: 60s }]
 ";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -113,6 +117,11 @@ async fn redis_cluster_of_three_masters() {
     // Exact limits, for callers whose counters land on every master.
     for _ in 0..12 {
         assert_eq!(admitted(&tg, "/a/y", &[]).await, 5, "{}", tg.log_text());
+    }
+    // A window with a precision keeps its counts in a key of their own,
+    // beside the counter: the same slot, decided in the same call.
+    for _ in 0..12 {
+        assert_eq!(admitted(&tg, "/q", &[]).await, 3, "{}", tg.log_text());
     }
     let per_node: Vec<usize> = nodes
         .iter()

@@ -434,6 +434,37 @@ mod tests {
         }
     }
 
+    proptest! {
+        /// README's promises for a window with a precision, checked on what
+        /// the store admits, not through the model: within any span of
+        /// `per` no more than the limit is admitted, and a refusal is one an
+        /// exact window of `per + precision` would also make.
+        #[test]
+        fn a_precision_never_admits_more_than_the_exact_window(
+            arrivals in prop::collection::vec((0u64..400, 1u64..4), 1..200),
+            (limit, buckets, precision) in (1u64..8, 1u64..6, 1u64..300),
+        ) {
+            let per = buckets * precision;
+            let w = [bucketed(limit, per, precision)];
+            let clock = Arc::new(ManualClock::new(1_000_000));
+            let store = MemoryStore::new(clock.clone());
+            let mut admitted: Vec<(u64, u64)> = Vec::new();
+            for (dt, cost) in arrivals {
+                clock.advance(dt);
+                let now = clock.now_ms();
+                let within = |span: u64| -> u64 {
+                    admitted.iter().filter(|(t, _)| now - t < span).map(|(_, n)| n).sum()
+                };
+                if store.decide_now(&[check("k", &w, cost, false)]).admitted {
+                    prop_assert!(within(per) + cost <= limit, "more than {} within {}ms at {}", limit, per, now);
+                    admitted.push((now, cost));
+                } else {
+                    prop_assert!(within(per + precision) + cost > limit, "refused at {} with room in per + precision", now);
+                }
+            }
+        }
+    }
+
     #[test]
     fn the_retry_search_is_exact_over_a_long_window() {
         let clock = Arc::new(ManualClock::new(1_000_000));

@@ -282,9 +282,9 @@ local function rings_setup()
     return RING + (j % s.len) * s.w
   end
 
-  -- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to 0), in
-  -- chunks; returns the counts they held.
-  local function ring_fields(s, op, from, to)
+  -- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to `values`,
+  -- in order, or to 0), in chunks; returns the counts they held.
+  local function ring_fields(s, op, from, to, values)
     local out = {}
     local j = from
     while j <= to do
@@ -294,7 +294,7 @@ local function rings_setup()
         args[#args + 1] = op
         args[#args + 1] = s.type
         args[#args + 1] = slot(s, x)
-        if op == 'SET' then args[#args + 1] = 0 end
+        if op == 'SET' then args[#args + 1] = values and values[x - from + 1] or 0 end
       end
       local got = call('BITFIELD', s.key, unpack(args))
       for i = 1, #got do out[#out + 1] = got[i] end
@@ -332,8 +332,12 @@ local function rings_setup()
       if s.sum > 0 then call('DEL', s.key) end
       s.sum, s.first = 0, b
     else
-      local olds = ring_fields(s, 'SET', s.cur + 1, b)
-      for i = 1, #olds do s.sum = s.sum - olds[i] end
+      -- Bucket j's slot held bucket j - len; those before `first` are zero.
+      local from = math.max(s.cur + 1, s.first + s.len)
+      if from <= b then
+        local olds = ring_fields(s, 'SET', from, b)
+        for i = 1, #olds do s.sum = s.sum - olds[i] end
+      end
       if s.first <= b - s.len then
         -- The oldest counted bucket left: the next one that holds a count.
         s.first = ring_find(s, b - s.len + 1, s.cur, function(n) return n > 0 end) or b
@@ -349,9 +353,7 @@ local function rings_setup()
     local counts = ring_fields(s, 'GET', from, s.cur)
     call('DEL', s.key)
     s.w, s.type = w, 'u' .. w
-    for i = 1, #counts do
-      if counts[i] > 0 then call('BITFIELD', s.key, 'SET', s.type, slot(s, from + i - 1), counts[i]) end
-    end
+    ring_fields(s, 'SET', from, s.cur, counts)
     s.dirty = true
   end
 
