@@ -463,3 +463,45 @@ async fn ten_thousand_rules_match_by_path_and_host_and_reload_under_load() {
         "{log}"
     );
 }
+
+#[tokio::test]
+async fn config_shows_each_windows_precision_and_a_bad_one_keeps_the_last() {
+    let upstream = TestUpstream::start().await;
+    let with = |precision: &str| {
+        limits(2).replace(
+            "limits: [{ requests: 2, per: 60s }]",
+            &format!("limits: [{{ requests: 2, per: 60s }}, {{ requests: 100000, per: 1d, precision: {precision} }}]"),
+        )
+    };
+    let tg = Tollgate::start(&with("1m"), upstream.addr, &[]);
+    let windows = |c: &serde_json::Value| c["limits"]["rules"][0]["windows"].clone();
+    let w = windows(&config(&tg).await);
+    assert_eq!(w[0]["period_ms"], 60_000);
+    assert!(
+        w[0].get("precision_ms").is_none(),
+        "an exact window shows no precision: {w}"
+    );
+    assert_eq!(w[1]["period_ms"], 86_400_000);
+    assert_eq!(w[1]["precision_ms"], 60_000, "{w}");
+
+    // A new precision is shown once it is in force.
+    write_via_rename(&tg.config, &with("10m"));
+    let started = Instant::now();
+    while windows(&config(&tg).await)[1]["precision_ms"] != 600_000 {
+        assert!(started.elapsed() < Duration::from_secs(2), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    // One that cuts the day into too many buckets is refused with its reason
+    // and where it is; the last good precision stays in force and on /config.
+    write_via_rename(&tg.config, &with("100ms"));
+    wait_for_error(&tg).await;
+    let c = config(&tg).await;
+    let err = c["status"]["last_error"].as_str().unwrap();
+    assert!(
+        err.contains("limits.yaml:6: ") && err.contains("more than 10000 buckets"),
+        "{err}"
+    );
+    assert_eq!(windows(&c)[1]["precision_ms"], 600_000);
+    assert_eq!(enforced_limit(&tg).await, 2);
+}

@@ -285,8 +285,11 @@ fn windows_of(key: usize) -> Vec<Window> {
         2 => vec![w(4, 500), w(6, 1_500)],
         // Bucketed windows (a precision), beside an exact one and alone,
         // with a period that is not a multiple of the precision.
-        3 => vec![w(2, 250), bucketed(4, 1_000, 300)],
-        _ => vec![bucketed(3, 700, 200), bucketed(6, 2_000, 500)],
+        // Rings of 31 and 151 buckets keep block sums (blocks of 8 and 16
+        // buckets, the last one short), which a walk or a long advance reads
+        // in place of the block's counts.
+        3 => vec![w(2, 250), bucketed(4, 1_000, 300), bucketed(3, 600, 20)],
+        _ => vec![bucketed(3, 700, 200), bucketed(6, 2_000, 500), bucketed(8, 1_500, 10)],
     }
 }
 
@@ -419,7 +422,7 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
             [windows_of(1), vec![w(5, 2_000)]],
             [windows_of(2), vec![w(2, 100), w(6, 1_500)]],
             // A raised limit widens a bucketed window's counts in Redis.
-            [windows_of(3), vec![w(2, 250), bucketed(9, 1_000, 300)]],
+            [windows_of(3), vec![w(2, 250), bucketed(9, 1_000, 300), bucketed(40, 600, 20)]],
         ];
         for (dt, requests) in batches {
             clock.advance(dt);
@@ -585,5 +588,94 @@ async fn a_bucketed_window_holds_the_largest_limit_and_its_retry_time_is_its_buc
         // More than the limit in one request never fits.
         let d = (s.store)(&[check("other", &ws, max + 1)]);
         assert!(!d.admitted && d.checks[0].windows[0].never, "{}", s.name);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ring_written_before_block_sums_answers_as_it_did() {
+    // A ring the script wrote before it kept block sums (its header's width
+    // below 64) is rebuilt with them when first read: its counts answer as
+    // the memory store answers for the same history.
+    let ws = [bucketed(10, 1_000, 20)]; // 51 buckets, blocks of 8, counts of 4 bits
+    let redis = RedisServer::start();
+    let clock = Arc::new(ManualClock::new(T0));
+    let store = RedisStore::connect(&[redis.url()], &RedisMode::Standalone, Some(clock.clone())).unwrap();
+    // In memory: 3 units 800 ms ago, 4 units 200 ms ago.
+    let memory_clock = Arc::new(ManualClock::new(T0 - 800));
+    let memory = MemoryStore::new(memory_clock.clone());
+    assert!(block(memory.decide(&[check("old", &ws, 3)])).admitted);
+    memory_clock.advance(600);
+    assert!(block(memory.decide(&[check("old", &ws, 4)])).admitted);
+    memory_clock.advance(200);
+    // In Redis, as the earlier script laid it out: u8 width, u48 newest
+    // bucket, u48 sum, u48 oldest counted bucket, then the counts.
+    let (first, cur) = (T0 / 20 - 40, T0 / 20 - 10);
+    let slot = |j: u64| (152 + (j % 51) * 4).to_string();
+    let (cur_text, first_text) = (cur.to_string(), first.to_string());
+    let (first_slot, cur_slot) = (slot(first), slot(cur));
+    redis
+        .cli(&[
+            "BITFIELD",
+            "old|1000/20",
+            "SET",
+            "u8",
+            "0",
+            "4",
+            "SET",
+            "u48",
+            "8",
+            &cur_text,
+            "SET",
+            "u48",
+            "56",
+            "7",
+            "SET",
+            "u48",
+            "104",
+            &first_text,
+            "SET",
+            "u4",
+            &first_slot,
+            "3",
+            "SET",
+            "u4",
+            &cur_slot,
+            "4",
+        ])
+        .expect("redis-cli");
+    for (dt, cost) in [(0, 4), (0, 3), (240, 4), (400, 1), (30, 2), (1_000, 10)] {
+        clock.advance(dt);
+        memory_clock.advance(dt);
+        let got = block(store.decide(&[check("old", &ws, cost)]));
+        let expected = block(memory.decide(&[check("old", &ws, cost)]));
+        assert_eq!(got, expected, "cost {cost} after {dt} ms");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_within_the_newest_block_waits_only_for_the_buckets_it_needs() {
+    // 51 buckets of 20 ms, blocks of 8: one unit at the start of a block,
+    // then 4 at the start of the next and 5 at its end, the newest bucket.
+    // The Redis ring does not keep the newest bucket's block sum, so a retry
+    // walk past the oldest 8 buckets must read that block's counts.
+    let ws = [bucketed(10, 1_000, 20)];
+    let buckets = tollgate::config::Buckets::new(1_000, 20);
+    let start = (0..51)
+        .find(|k| ((T0 / 20 + k) % 51).is_multiple_of(8) && (T0 / 20 + k) % 51 <= 32)
+        .unwrap();
+    for s in subjects() {
+        s.clock.advance(start * 20);
+        assert!((s.store)(&[check("blk", &ws, 1)]).admitted, "{}", s.name);
+        s.clock.advance(8 * 20);
+        let at = T0 + (start + 8) * 20;
+        assert!((s.store)(&[check("blk", &ws, 4)]).admitted, "{}", s.name);
+        s.clock.advance(7 * 20);
+        assert!((s.store)(&[check("blk", &ws, 5)]).admitted, "{}", s.name);
+        let refused = (s.store)(&[check("blk", &ws, 3)]);
+        assert!(!refused.admitted, "{}", s.name);
+        let window = refused.checks[0].windows[0];
+        // 1 + 4 units free room for 3: the second charge's bucket leaving.
+        let leaves = buckets.leaves_in(buckets.of(at), at + 7 * 20);
+        assert_eq!((window.used, window.retry_ms), (10, Some(leaves)), "{}", s.name);
     }
 }

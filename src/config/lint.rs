@@ -279,7 +279,7 @@ mod tests {
         // A precision the file cannot use is refused with its reason.
         for (limit, why) in [
             ("{ requests: 5, per: 1m, precision: 2m }", "longer than the window"),
-            ("{ requests: 5, per: 1d, precision: 1ms }", "more than 100000 buckets"),
+            ("{ requests: 5, per: 1d, precision: 1ms }", "more than 10000 buckets"),
             (
                 "{ requests: 5, per: 1m, precision: soon }",
                 "precision: \"soon\" is not a duration",

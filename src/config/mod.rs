@@ -162,8 +162,10 @@ fn is_zero(n: &u64) -> bool {
     *n == 0
 }
 
-/// Most buckets one window may keep (its `per / precision`).
-pub const MAX_BUCKETS: u64 = 100_000;
+/// Most buckets one window may keep (its `per / precision`): a Redis call
+/// that touches a whole ring (a limit raised past its counts' width) takes
+/// ~13 ms of Redis time at 10,000 (BENCHMARKS.md section 26).
+pub const MAX_BUCKETS: u64 = 10_000;
 
 impl Window {
     /// An exact window of `requests` per `period_ms`.

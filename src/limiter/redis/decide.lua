@@ -52,9 +52,11 @@
 -- and written with BITFIELD, one per bucket of `precision` ms, holding the
 -- buckets a unit is counted in (ceil(period / precision) + 1 of them: a unit
 -- counts for at least `period`, less than `period + precision`). Its header:
--- u8 width of a count, u48 newest bucket, u48 sum of the counts, u48 oldest
--- bucket that may hold a count. Its memory is fixed by the window, not the
--- traffic: 100,000 a day at 1 minute is 1,441 counts of 17 bits, ~3 KB.
+-- u8 width of a count (plus 64: the ring keeps block sums), u48 newest
+-- bucket, u48 sum of the counts, u48 oldest bucket that may hold a count;
+-- then the counts, then one sum per block of about sqrt(len) counts. Its
+-- memory is fixed by the window, not the traffic: 100,000 a day at 1 minute
+-- is 1,441 counts and 37 block sums of 17 bits, ~3 KB.
 --
 -- Running totals are kept modulo M and only ever subtracted from one another:
 -- a window's count stays exact (limits and costs are capped far below M by
@@ -268,6 +270,7 @@ local ring_order = false
 local function rings_setup()
   local RING = 152 -- bits before the first count: the header
   local CHUNK = 200 -- BITFIELD operations per call (unpack's stack is small)
+  local BLOCKED = 64 -- added to the header's width: the ring keeps block sums
   local rings = {}
   ring_order = {}
 
@@ -278,83 +281,239 @@ local function rings_setup()
     return w
   end
 
+  -- Buckets per block (0: none). A ring also keeps each block's sum, so a
+  -- walk or a long advance reads one sum per block where it would read
+  -- every count: about sqrt(len) blocks of sqrt(len) buckets, a multiple of
+  -- 8 so that a block's counts are whole bytes (zeroed by one SETRANGE).
+  -- The sum of the newest bucket's block leaves out what was charged since
+  -- the ring entered that block (a charge writes only its count; keeping
+  -- the sum too cost every charge ~7%); it is summed again when the ring
+  -- moves on, and never read before.
+  local function block_size(len)
+    if len < 24 then return 0 end
+    return 8 * math.ceil(math.sqrt(len) / 8)
+  end
+
   local function slot(s, j)
     return RING + (j % s.len) * s.w
   end
 
-  -- Runs BITFIELD `op` on buckets from..to (op 'GET', or 'SET' to `values`,
-  -- in order, or to 0), in chunks; returns the counts they held.
-  local function ring_fields(s, op, from, to, values)
-    local out = {}
-    local j = from
-    while j <= to do
-      local upto = math.min(to, j + CHUNK - 1)
-      local args = {}
-      for x = j, upto do
-        args[#args + 1] = op
-        args[#args + 1] = s.type
-        args[#args + 1] = slot(s, x)
-        if op == 'SET' then args[#args + 1] = values and values[x - from + 1] or 0 end
-      end
-      local got = call('BITFIELD', s.key, unpack(args))
-      for i = 1, #got do out[#out + 1] = got[i] end
-      j = upto + 1
+  -- What a call needs only when a ring is made, moves to a new bucket or
+  -- refuses: defined on first need (making closures costs every call).
+  local block_of, block_sum, whole_block, fields, slots, pending
+  local ring_find, clear, advance, make, rewrite
+  local function cold()
+    if advance then return end
+
+    function block_of(s, j)
+      return math.floor((j % s.len) / s.b)
     end
-    return out
-  end
 
-  -- The first bucket from..to whose count makes `found(count, j)` true, or
-  -- nil. Read in chunks growing from 8: the answer is usually among the
-  -- oldest few buckets, and a walk must not read the whole ring for it.
-  local function ring_find(s, from, to, found)
-    local j, n = from, 8
-    while j <= to do
-      local upto = math.min(to, j + n - 1)
-      local counts = ring_fields(s, 'GET', j, upto)
-      for i = 1, #counts do
-        if found(counts[i], j + i - 1) then return j + i - 1 end
-      end
-      j, n = upto + 1, math.min(n * 8, CHUNK)
+    function block_sum(s, blk)
+      return RING + (s.len + blk) * s.w
     end
-    return nil
-  end
 
-  -- The count of bucket j, with what this call charged to it.
-  local function pending(s, j)
-    if j == s.cur then return s.pend end
-    return 0
-  end
-
-  -- Moves the ring to bucket b: buckets that left the window are subtracted
-  -- from the sum and zeroed (their slots become the new buckets').
-  local function advance(s, b)
-    if s.sum == 0 or b - s.cur >= s.len then
-      if s.sum > 0 then call('DEL', s.key) end
-      s.sum, s.first = 0, b
-    else
-      -- Bucket j's slot held bucket j - len; those before `first` are zero.
-      local from = math.max(s.cur + 1, s.first + s.len)
-      if from <= b then
-        local olds = ring_fields(s, 'SET', from, b)
-        for i = 1, #olds do s.sum = s.sum - olds[i] end
-      end
-      if s.first <= b - s.len then
-        -- The oldest counted bucket left: the next one that holds a count.
-        s.first = ring_find(s, b - s.len + 1, s.cur, function(n) return n > 0 end) or b
-      end
+    -- Whether buckets j..j+b-1 are one whole block, inside j..to.
+    function whole_block(s, j, to)
+      local x = j % s.len
+      return s.b > 0 and x % s.b == 0 and x + s.b <= s.len and j + s.b - 1 <= to
     end
-    s.cur = b
-    s.dirty = true
-  end
 
-  -- Rewrites the ring with counts of `w` bits (a limit raised past its width).
-  local function widen(s, w)
-    local from = s.cur - s.len + 1
-    local counts = ring_fields(s, 'GET', from, s.cur)
-    call('DEL', s.key)
-    s.w, s.type = w, 'u' .. w
-    ring_fields(s, 'SET', from, s.cur, counts)
-    s.dirty = true
+    -- Runs BITFIELD `op` at the bit offsets `at` (op 'GET', or 'SET' to
+    -- `values`, in order, or to 0; 'INCRBY' by `values`), in chunks; returns
+    -- the counts they held.
+    function fields(s, op, at, values)
+      local out = {}
+      local i = 1
+      while i <= #at do
+        local upto = math.min(#at, i + CHUNK - 1)
+        local args = {}
+        for x = i, upto do
+          args[#args + 1] = op
+          args[#args + 1] = s.type
+          args[#args + 1] = at[x]
+          if op ~= 'GET' then args[#args + 1] = values and values[x] or 0 end
+        end
+        local got = call('BITFIELD', s.key, unpack(args))
+        for y = 1, #got do out[#out + 1] = got[y] end
+        i = upto + 1
+      end
+      return out
+    end
+
+    function slots(s, from, to)
+      local at = {}
+      for j = from, to do at[#at + 1] = slot(s, j) end
+      return at
+    end
+
+    -- The count of bucket j, with what this call charged to it.
+    function pending(s, j)
+      if j == s.cur then return s.pend end
+      return 0
+    end
+
+    -- The first bucket from..to at which the counts from `from` on (with
+    -- this call's charge) reach `need` (>= 1), or nil. Read in chunks
+    -- growing from 8, a whole block as its sum: the answer is usually among
+    -- the oldest few buckets, and a walk must not read the whole ring for it.
+    function ring_find(s, from, to, need)
+      local got, j, n = 0, from, 8
+      while j <= to do
+        -- Each unit is a bucket, or a block by its sum (not the newest
+        -- bucket's, whose sum is behind).
+        local starts, blocks, at = {}, {}, {}
+        while j <= to and #at < n do
+          starts[#starts + 1] = j
+          if whole_block(s, j, to) and j + s.b - 1 < s.cur then
+            blocks[#at + 1] = true
+            at[#at + 1] = block_sum(s, block_of(s, j))
+            j = j + s.b
+          else
+            at[#at + 1] = slot(s, j)
+            j = j + 1
+          end
+        end
+        local counts = fields(s, 'GET', at)
+        for i = 1, #at do
+          local c = counts[i] + pending(s, starts[i])
+          if got + c >= need then
+            if not blocks[i] then return starts[i] end
+            local inner = fields(s, 'GET', slots(s, starts[i], starts[i] + s.b - 1))
+            for m = 1, #inner do
+              got = got + inner[m]
+              if got >= need then return starts[i] + m - 1 end
+            end
+            return starts[i] + s.b - 1
+          end
+          got = got + c
+        end
+        n = math.min(n * 8, CHUNK)
+      end
+      return nil
+    end
+
+    -- Zeroes buckets from..to (fewer than len) and returns what they held:
+    -- a whole block by its sum and one SETRANGE, the buckets around it one
+    -- by one with their blocks' sums lowered.
+    function clear(s, from, to)
+      local gone, j = 0, from
+      local singles, bucket, blocks = {}, {}, {}
+      while j <= to do
+        if whole_block(s, j, to) then
+          blocks[#blocks + 1] = block_of(s, j)
+          j = j + s.b
+        else
+          singles[#singles + 1] = slot(s, j)
+          bucket[#bucket + 1] = j
+          j = j + 1
+        end
+      end
+      if #singles > 0 then
+        local olds = fields(s, 'SET', singles)
+        local deltas, order = {}, {}
+        for i = 1, #olds do
+          gone = gone + olds[i]
+          if s.b > 0 and olds[i] > 0 then
+            local blk = block_of(s, bucket[i])
+            if not deltas[blk] then
+              deltas[blk] = 0
+              order[#order + 1] = blk
+            end
+            deltas[blk] = deltas[blk] - olds[i]
+          end
+        end
+        if #order > 0 then
+          local at, by = {}, {}
+          for i, blk in ipairs(order) do
+            at[i], by[i] = block_sum(s, blk), deltas[blk]
+          end
+          fields(s, 'INCRBY', at, by)
+        end
+      end
+      if #blocks > 0 then
+        local at = {}
+        for i, blk in ipairs(blocks) do at[i] = block_sum(s, blk) end
+        local sums = fields(s, 'SET', at)
+        for i = 1, #sums do gone = gone + sums[i] end
+        local bytes = s.b * s.w / 8
+        local i = 1
+        while i <= #blocks do
+          -- Blocks next to each other are zeroed together.
+          local run = 1
+          while blocks[i + run] == blocks[i] + run do run = run + 1 end
+          call('SETRANGE', s.key, RING / 8 + blocks[i] * bytes, string.rep('\0', run * bytes))
+          i = i + run
+        end
+      end
+      return gone
+    end
+
+    -- Moves the ring to bucket b: buckets that left the window are subtracted
+    -- from the sum and zeroed (their slots become the new buckets').
+    function advance(s, b)
+      if s.sum == 0 or b - s.cur >= s.len then
+        -- Every count left (block sums too, the newest one's included).
+        call('DEL', s.key)
+        s.sum, s.first, s.fresh = 0, b, true
+      else
+        -- Bucket j's slot held bucket j - len; those before `first` are zero.
+        local from = math.max(s.cur + 1, s.first + s.len)
+        if from <= b then s.sum = s.sum - clear(s, from, b) end
+        if s.b > 0 and (b - s.cur >= s.b or block_of(s, b) ~= block_of(s, s.cur)) then
+          -- Leaving the newest bucket's block: its sum, from its counts.
+          local blk = block_of(s, s.cur)
+          local start = s.cur - (s.cur % s.len - blk * s.b)
+          local counts = fields(s, 'GET', slots(s, start, start + math.min(s.b, s.len - blk * s.b) - 1))
+          local sum = 0
+          for i = 1, #counts do sum = sum + counts[i] end
+          fields(s, 'SET', { block_sum(s, blk) }, { sum })
+        end
+        if s.first <= b - s.len then
+          -- The oldest counted bucket left: the next one that holds a count.
+          s.first = ring_find(s, b - s.len + 1, s.cur, 1) or b
+        end
+      end
+      s.cur = b
+      s.dirty = true
+    end
+
+    -- Creates the ring's string at its whole size: one allocation of the
+    -- size it needs, where growing it a write at a time would leave Redis's
+    -- doubling (twice the memory) behind.
+    function make(s)
+      local nb = 0
+      if s.b > 0 then nb = math.ceil(s.len / s.b) end
+      call('SETRANGE', s.key, math.ceil((RING + (s.len + nb) * s.w) / 8) - 1, '\0')
+      s.fresh = false
+    end
+
+    -- Rewrites the ring with counts of `w` bits (a limit raised past its
+    -- width, or a ring written before block sums), and its block sums.
+    function rewrite(s, w)
+      local from = math.max(s.first, s.cur - s.len + 1)
+      local counts = {}
+      if s.sum > 0 then counts = fields(s, 'GET', slots(s, from, s.cur)) end
+      call('DEL', s.key)
+      s.w, s.type = w, 'u' .. w
+      s.fresh = true
+      if s.sum > 0 then
+        make(s)
+        fields(s, 'SET', slots(s, from, s.cur), counts)
+        if s.b > 0 then
+          local sums, at, by = {}, {}, {}
+          for i = 1, #counts do
+            local blk = block_of(s, from + i - 1)
+            sums[blk] = (sums[blk] or 0) + counts[i]
+          end
+          for blk, n in pairs(sums) do
+            at[#at + 1], by[#by + 1] = block_sum(s, blk), n
+          end
+          fields(s, 'SET', at, by)
+        end
+      end
+      s.dirty = true
+    end
   end
 
   function ring(key, limit, period, precision)
@@ -363,14 +522,17 @@ local function rings_setup()
     if not s then
       local b = math.floor(now / precision)
       local h = call('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
-      s = { key = rkey, len = math.floor((period + precision - 1) / precision) + 1, p = precision,
-            period = period, pend = 0, dirty = false }
+      local len = math.floor((period + precision - 1) / precision) + 1
+      s = { key = rkey, len = len, b = block_size(len), p = precision, period = period, pend = 0, dirty = false,
+            fresh = h[1] == 0 }
       if h[1] == 0 then
         s.w, s.cur, s.sum, s.first = bits_for(limit), b, 0, b
         s.type = 'u' .. s.w
       else
-        s.w, s.cur, s.sum, s.first = h[1], h[2], h[3], h[4]
+        s.w, s.cur, s.sum, s.first = h[1] % BLOCKED, h[2], h[3], h[4]
         s.type = 'u' .. s.w
+        if (h[1] < BLOCKED and s.b > 0) or b > s.cur then cold() end
+        if h[1] < BLOCKED and s.b > 0 then rewrite(s, s.w) end
         -- A clock stepped back stays in the newest bucket.
         if b > s.cur then advance(s, b) end
       end
@@ -378,7 +540,10 @@ local function rings_setup()
       ring_order[#ring_order + 1] = s
     end
     local need = bits_for(limit)
-    if need > s.w then widen(s, need) end
+    if need > s.w then
+      cold()
+      rewrite(s, need)
+    end
     return s
   end
 
@@ -397,13 +562,32 @@ local function rings_setup()
       if claim + cost > limit then
         retry = -2
       else
-        -- Buckets leave oldest first: the one whose leaving frees enough.
-        local excess = used + cost - limit
-        local freed = 0
-        local j = ring_find(s, s.first, s.cur, function(n, at)
-          freed = freed + n + pending(s, at)
-          return freed >= excess
-        end)
+        -- Buckets leave oldest first: the one whose leaving frees enough,
+        -- most often among the oldest 8, read here without the walk's
+        -- machinery.
+        local need = used + cost - limit
+        local upto = math.min(s.cur, s.first + 7)
+        local args = {}
+        for x = s.first, upto do
+          args[#args + 1] = 'GET'
+          args[#args + 1] = s.type
+          args[#args + 1] = slot(s, x)
+        end
+        local counts = call('BITFIELD', s.key, unpack(args))
+        local got, j = 0, nil
+        for i = 1, #counts do
+          local at = s.first + i - 1
+          got = got + counts[i]
+          if at == s.cur then got = got + s.pend end
+          if got >= need then
+            j = at
+            break
+          end
+        end
+        if not j and upto < s.cur then
+          cold()
+          j = ring_find(s, upto + 1, s.cur, need - got)
+        end
         retry = leaves(s, j or s.cur)
       end
     end
@@ -419,8 +603,16 @@ local function rings_setup()
   -- Writes every ring this call read or charged.
   function ring_flush()
     for _, s in ipairs(ring_order) do
-      if s.dirty or s.pend > 0 then
-        local args = { 'SET', 'u8', 0, s.w, 'SET', 'u48', 8, s.cur, 'SET', 'u48', 56, s.sum, 'SET', 'u48', 104, s.first }
+      if s.sum == 0 then
+        -- A ring without counts is as good as none.
+        if not s.fresh then call('DEL', s.key) end
+      elseif s.dirty or s.pend > 0 then
+        if s.fresh then
+          cold()
+          make(s)
+        end
+        local args = { 'SET', 'u8', 0, s.w + BLOCKED, 'SET', 'u48', 8, s.cur, 'SET', 'u48', 56, s.sum,
+                       'SET', 'u48', 104, s.first }
         if s.pend > 0 then
           args[#args + 1] = 'INCRBY'
           args[#args + 1] = s.type
