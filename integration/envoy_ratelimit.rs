@@ -905,6 +905,57 @@ async fn limit_overrides_keep_counting_where_the_configured_limit_does() {
     }
 }
 
+#[tokio::test]
+async fn a_limit_override_counts_in_a_bucketed_windows_ring() {
+    // An override of a rule whose window has a precision counts on the
+    // rule's ring: a caller alternating overridden and plain requests gets
+    // the limit once, not once per form (nor an exact log of a daily quota).
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("o.yaml");
+    std::fs::write(
+        &file,
+        "domain: o\nrules:\n  - name: sec\n    descriptor: [{ key: r }]\n    limits: [{ requests: 5, per: 1m, precision: 10s }]\n",
+    )
+    .unwrap();
+    for redis in [None, Some(RedisServer::start())] {
+        let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
+        let ask = |limit: Option<(u32, Unit)>| {
+            let mut d = descriptor(&[("r".into(), "t".into())]);
+            d.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
+                requests_per_unit,
+                unit: unit as i32,
+            });
+            single("o", d, 1)
+        };
+        let mut left = Vec::new();
+        for limit in [
+            None,
+            Some((2, Unit::Minute)),
+            Some((3, Unit::Minute)),
+            Some((100, Unit::Hour)),
+            None,
+            None,
+            Some((5, Unit::Minute)),
+        ] {
+            let s = rls.status(ask(limit)).await;
+            left.push((code_name(s.code), s.limit_remaining));
+        }
+        let (ok, over) = (|n| ("OK".to_string(), n), ("OVER_LIMIT".to_string(), 0));
+        assert_eq!(left, vec![ok(4), ok(0), ok(0), ok(99), ok(1), ok(0), over]);
+        if let Some(redis) = &redis {
+            // The minute's ring and the hour override's own log, nothing else.
+            let keys = redis.cli(&["KEYS", "*"]).unwrap_or_default();
+            let keys: Vec<&str> = keys.lines().filter(|k| !k.is_empty()).collect();
+            assert_eq!(keys.len(), 2, "{keys:?}");
+            assert_eq!(
+                keys.iter().filter(|k| k.ends_with("|60000/10000")).count(),
+                1,
+                "{keys:?}"
+            );
+        }
+    }
+}
+
 /// Its global QUOTA_MODE and LIMIT_RESPONSE_HEADERS_ENABLED: found ignored
 /// by an independent tester.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,7 +6,7 @@
 
 use http::StatusCode;
 
-use super::{FailureMode, Limits, Part, PathPattern, Rule};
+use super::{FailureMode, Format, Limits, Part, PathPattern, Rule};
 
 /// Everything `tollgate check` warns about in one file.
 pub fn warnings(limits: &Limits) -> Vec<String> {
@@ -23,48 +23,67 @@ const BYTES_PER_ENTRY: u64 = 56;
 /// One counter larger than this is worth a warning.
 const LARGE_COUNTER_BYTES: u64 = 1 << 20;
 
-/// Exact windows whose limit lets one counter grow past a megabyte: an
-/// exact window remembers every admitted request, so a quota of 100,000 a
+/// Rules whose exact windows let one counter grow past a megabyte: the
+/// exact windows of a rule share one log of admitted requests, kept for the
+/// longest of them, so that window's limit bounds it; a quota of 100,000 a
 /// day is ~5.6 MB per caller. A `precision` bounds it.
 pub fn large_counters(limits: &Limits) -> Vec<String> {
     let mut out = Vec::new();
     for rule in &limits.rules {
-        for w in rule.windows.iter().filter(|w| w.buckets().is_none()) {
-            let bytes = w.requests.saturating_mul(BYTES_PER_ENTRY);
-            if bytes <= LARGE_COUNTER_BYTES {
-                continue;
-            }
-            let precision = suggested_precision(w.period_ms);
-            let buckets = super::Buckets::new(w.period_ms, precision);
-            let bits = u64::from(u64::BITS - w.requests.leading_zeros());
-            let ring = buckets.len.saturating_mul(bits).div_ceil(8);
-            let text = |ms| humantime::format_duration(std::time::Duration::from_millis(ms));
-            out.push(format!(
-                "rule \"{}\": {} per {} is an exact window, so one counter holds up to ~{:.1} MB in Redis (one entry per admitted request); write precision: {p} to keep ~{} KB per counter (counted per {p} bucket: a refusal may last up to {p} longer)",
-                rule.name,
-                w.requests,
-                text(w.period_ms),
-                bytes as f64 / 1e6,
-                // The counts and the ring's 19-byte header, to the nearest KB.
-                ring.saturating_add(19).saturating_add(500).div_euclid(1000).max(1),
-                p = text(precision),
-            ));
+        let Some(w) = rule
+            .windows
+            .iter()
+            .filter(|w| w.buckets().is_none())
+            .max_by_key(|w| w.period_ms)
+        else {
+            continue;
+        };
+        let bytes = w.requests.saturating_mul(BYTES_PER_ENTRY);
+        if bytes <= LARGE_COUNTER_BYTES {
+            continue;
         }
+        let text = |ms| humantime::format_duration(std::time::Duration::from_millis(ms));
+        let size = format!(
+            "rule \"{}\": {} per {} is an exact window, so one counter holds up to ~{:.1} MB in Redis (one entry per admitted request)",
+            rule.name,
+            w.requests,
+            text(w.period_ms),
+            bytes as f64 / 1e6,
+        );
+        if limits.format == Format::EnvoyRatelimit {
+            // That format has no precision; the rule can move to tollgate's.
+            out.push(format!(
+                "{size}; a rule in tollgate's format can bound it with a precision"
+            ));
+            continue;
+        }
+        let precision = suggested_precision(w.period_ms);
+        let buckets = super::Buckets::new(w.period_ms, precision);
+        let bits = u64::from(u64::BITS - w.requests.leading_zeros());
+        let ring = buckets.len.saturating_mul(bits).div_ceil(8);
+        out.push(format!(
+            "{size}; write precision: {p} to keep ~{} KB per counter (counted per {p} bucket: a refusal may last up to {p} longer)",
+            // The counts and the ring's 19-byte header, to the nearest KB.
+            ring.saturating_add(19).saturating_add(500).div_euclid(1000).max(1),
+            p = text(precision),
+        ));
     }
     out
 }
 
-/// A round bucket length that cuts `period_ms` into at most ~1,440 buckets.
+/// A bucket length that divides `period_ms` into at most ~1,440 buckets:
+/// a round one when one does, else the shortest that does.
 fn suggested_precision(period_ms: u64) -> u64 {
     const ROUND: [u64; 10] = [
         1_000, 5_000, 10_000, 30_000, 60_000, 300_000, 600_000, 1_800_000, 3_600_000, 86_400_000,
     ];
-    ROUND
-        .iter()
-        .copied()
-        .find(|p| period_ms.div_ceil(*p) <= 1_440)
-        .unwrap_or(86_400_000)
-        .min(period_ms)
+    let divides = |p: u64| p > 0 && period_ms.is_multiple_of(p) && period_ms / p <= 1_440;
+    ROUND.iter().copied().find(|p| divides(*p)).unwrap_or_else(|| {
+        (1..=1_440u64.min(period_ms))
+            .rev()
+            .find(|n| period_ms.is_multiple_of(*n))
+            .map_or(period_ms, |n| period_ms / n)
+    })
 }
 
 /// Rules no request can ever reach. Every matching HTTP rule applies, so an
@@ -284,12 +303,56 @@ mod tests {
                 "{ requests: 5, per: 1m, precision: soon }",
                 "precision: \"soon\" is not a duration",
             ),
+            (
+                "{ requests: 5, per: 2s, precision: 1500ms }",
+                "does not divide the window",
+            ),
+            (
+                "{ requests: 5, per: 2001ms, precision: 1s }",
+                "does not divide the window",
+            ),
         ] {
             let err = crate::config::parse_str(&file(limit), "t.yaml")
                 .unwrap_err()
                 .to_string();
             assert!(err.contains(why), "{limit}: {err}");
         }
+    }
+
+    #[test]
+    fn the_suggested_precision_is_one_the_file_accepts() {
+        let file = |limit: &str| {
+            format!("domain: d\nrules:\n  - {{ name: quota, by: [header:x-api-key], limits: [{limit}] }}\n")
+        };
+        for per in ["1000001ms", "7d", "366d", "90001s", "1h"] {
+            let large = large_counters(
+                &crate::config::parse_str(&file(&format!("{{ requests: 100000, per: {per} }}")), "t.yaml").unwrap(),
+            );
+            assert_eq!(large.len(), 1, "{per}: {large:?}");
+            let p = large[0]
+                .split("precision: ")
+                .nth(1)
+                .and_then(|t| t.split(" to keep").next())
+                .unwrap();
+            let p = p.replace(' ', "");
+            let with = file(&format!("{{ requests: 100000, per: {per}, precision: {p} }}"));
+            assert!(
+                crate::config::parse_str(&with, "t.yaml").is_ok_and(|l| large_counters(&l).is_empty()),
+                "{per}: precision {p} is refused or still large"
+            );
+        }
+        // The rule's log is kept for its longest exact window, whose limit
+        // bounds it: a large limit over a shorter window is no large counter.
+        let bounded = file("{ requests: 100000, per: 1m }, { requests: 1000, per: 1d }");
+        assert!(large_counters(&crate::config::parse_str(&bounded, "t.yaml").unwrap()).is_empty());
+        // envoyproxy/ratelimit's format has no precision to suggest.
+        let envoy = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: { unit: day, requests_per_unit: 100000 }\n";
+        let large = large_counters(&crate::config::parse_str(envoy, "t.yaml").unwrap());
+        assert_eq!(large.len(), 1, "{large:?}");
+        assert!(
+            large[0].contains("tollgate's format") && !large[0].contains("write precision"),
+            "{large:?}"
+        );
     }
 
     fn never(text: &str) -> Vec<String> {

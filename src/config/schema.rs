@@ -386,6 +386,14 @@ impl<'de> Deserialize<'de> for WindowSpec {
                             raw.per
                         ));
                     }
+                    if !period_ms.is_multiple_of(p) {
+                        // A bucket straddling the window's end would make a
+                        // unit count up to two precisions past `per`.
+                        return Err(format!(
+                            "precision \"{text}\" does not divide the window \"{}\" evenly; use one that does",
+                            raw.per
+                        ));
+                    }
                     if period_ms.div_ceil(p) > super::MAX_BUCKETS {
                         return Err(format!(
                             "precision \"{text}\" cuts the window \"{}\" into more than {} buckets; use a coarser one",

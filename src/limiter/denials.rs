@@ -235,7 +235,10 @@ impl RejectionLog {
             };
             tracing::info!(
                 rule = %outcome.rule.name,
-                window = %window.map(|w| format!("{}/{}ms", w.window.requests, w.window.period_ms)).unwrap_or_default(),
+                window = %window.map(|w| match w.window.precision_ms {
+                    0 => format!("{}/{}ms", w.window.requests, w.window.period_ms),
+                    p => format!("{}/{}ms@{p}ms", w.window.requests, w.window.period_ms),
+                }).unwrap_or_default(),
                 retry_after_ms = window.and_then(|w| w.retry_ms).unwrap_or(0),
                 counter = %hit.key,
                 refused_since_last_line = folded,

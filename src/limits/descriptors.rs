@@ -121,17 +121,21 @@ pub fn resolve(limits: &Limits, descriptors: &[Descriptor<'_>], quota_mode: bool
 
 /// An override counts on the configured limit's counter when that limit has
 /// one window of the same length (as envoyproxy/ratelimit, which keys by
-/// entries and unit), else on one counter per unit: changing the override's
-/// amount, or sending it on some requests only, never starts from zero.
+/// entries and unit), with its precision, else on one counter per unit:
+/// changing the override's amount, or sending it on some requests only,
+/// never starts from zero.
 fn override_counter<'a>(mut rule: Arc<Rule>, configured: Option<Matched<'_>>) -> Matched<'a> {
-    if let Some(configured) = configured {
-        let same_window = matches!(
-            (configured.rule.windows.as_slice(), rule.windows.as_slice()),
-            ([c], [o]) if c.period_ms == o.period_ms
-        );
-        if same_window {
-            Arc::make_mut(&mut rule).id = configured.rule.id.clone();
-        }
+    if let Some(configured) = configured
+        && let [c] = configured.rule.windows.as_slice()
+        && rule.windows.first().is_some_and(|o| o.period_ms == c.period_ms)
+    {
+        let rule = Arc::make_mut(&mut rule);
+        rule.id = configured.rule.id.clone();
+        // The same counts: a bucketed window's live in its ring, not the log.
+        rule.windows = vec![Window {
+            precision_ms: c.precision_ms,
+            ..rule.windows.first().copied().unwrap_or(*c)
+        }];
     }
     // An override counts the request's own values, wildcard or not.
     Matched {

@@ -107,7 +107,7 @@ impl Ring {
         let reset_ms = self
             .counts
             .front()
-            .map_or(self.period, |&(j, _)| self.buckets.leaves_in(j, now));
+            .map_or(self.buckets.leaves_in(self.cur, now), |&(j, _)| self.buckets.leaves_in(j, now));
         let (retry_ms, never) = if used.saturating_add(cost) <= limit {
             (None, false)
         } else if claim.saturating_add(cost) > limit {
@@ -133,10 +133,12 @@ impl Ring {
 }
 
 /// A window of a counter that holds nothing: only this decision's `claim`.
-pub(super) fn fresh(w: &Window, claim: u64, cost: u64) -> WindowCount {
+/// It resets when a unit admitted now would stop counting: after `per`, or
+/// for a bucketed window when the current bucket leaves.
+pub(super) fn fresh(now: u64, w: &Window, claim: u64, cost: u64) -> WindowCount {
     WindowCount {
         used: claim,
-        reset_ms: w.period_ms,
+        reset_ms: w.buckets().map_or(w.period_ms, |b| b.leaves_in(b.of(now), now)),
         retry_ms: None,
         never: claim.saturating_add(cost) > w.requests,
     }
@@ -168,9 +170,9 @@ impl Counter {
         match w.buckets() {
             Some(b) => match self.rings.iter().find(|r| r.is(w, b)) {
                 Some(ring) => ring.window(now, w.requests, claim, cost),
-                None => fresh(w, claim, cost),
+                None => fresh(now, w, claim, cost),
             },
-            None if self.entries_expire_ms <= now => fresh(w, claim, cost),
+            None if self.entries_expire_ms <= now => fresh(now, w, claim, cost),
             None => self.exact_window(now, w.requests, w.period_ms, claim, cost),
         }
     }

@@ -87,7 +87,7 @@ impl MemoryStore {
                 .iter()
                 .map(|w| match counter {
                     Some(c) => c.window(now, w, claim, check.cost),
-                    None => counters::fresh(w, claim, check.cost),
+                    None => counters::fresh(now, w, claim, check.cost),
                 })
                 .collect();
             let fits = windows.iter().all(|w| !w.over());
@@ -220,41 +220,53 @@ mod tests {
     }
 
     /// What the model says of one window: used (with the decision's own
-    /// earlier claims), retry time, never.
-    type ModelWindow = (u64, Option<u64>, bool);
+    /// earlier claims), retry time, never, reset time.
+    type ModelWindow = (u64, Option<u64>, bool, u64);
+
+    /// Whether `w` counts at `now` a unit admitted at `t`: an exact window
+    /// the last `period` ms; a bucketed one every unit whose bucket is fewer
+    /// than `ceil(period / precision) + 1` buckets before now's.
+    fn counted(w: Window, t: u64, now: u64) -> bool {
+        match w.precision_ms {
+            0 => now - t < w.period_ms,
+            p => now / p - t / p < w.period_ms.div_ceil(p) + 1,
+        }
+    }
 
     impl Model {
         fn used(&self, key: usize, now: u64, period: u64) -> u64 {
             self.used_in(key, now, Window::exact(u64::MAX, period))
         }
 
-        /// Units counted in `w` at `now`: an exact window counts the last
-        /// `period` ms; a bucketed one every unit whose bucket is fewer than
-        /// `ceil(period / precision) + 1` buckets before now's.
+        /// Units counted in `w` at `now`.
         fn used_in(&self, key: usize, now: u64, w: Window) -> u64 {
-            let counted = |t: u64| match w.precision_ms {
-                0 => now - t < w.period_ms,
-                p => now / p - t / p < w.period_ms.div_ceil(p) + 1,
-            };
             self.log
                 .get(&key)
-                .map_or(0, |l| l.iter().filter(|(t, _)| counted(*t)).map(|(_, n)| n).sum())
+                .map_or(0, |l| l.iter().filter(|(t, _)| counted(w, *t, now)).map(|(_, n)| n).sum())
         }
 
         /// One window of one check, `claim` units already taken by earlier
         /// checks of the same decision on the same key. The retry time is
         /// found by trying every future millisecond.
         fn window(&self, key: usize, now: u64, w: Window, claim: u64, cost: u64) -> ModelWindow {
-            let used = self.used_in(key, now, w) + claim;
+            let own = self.used_in(key, now, w);
+            let used = own + claim;
+            let longest = w.period_ms + 2 * w.precision_ms;
+            // The reset is when the oldest counted unit leaves, or with none
+            // when a unit admitted now would.
+            let reset = match own {
+                0 => (1..=longest).find(|d| !counted(w, now, now + d)),
+                _ => (1..=longest).find(|d| self.used_in(key, now + d, w) < own),
+            }
+            .unwrap_or(longest);
             if used + cost <= w.requests {
-                return (used, None, false);
+                return (used, None, false, reset);
             }
             if claim + cost > w.requests {
-                return (used, None, true);
+                return (used, None, true, reset);
             }
-            let longest = w.period_ms + 2 * w.precision_ms;
             let retry = (1..=longest).find(|d| self.used_in(key, now + d, w) + claim + cost <= w.requests);
-            (used, retry, false)
+            (used, retry, false, reset)
         }
 
         /// Returns (admitted, per check: charged and its windows).
@@ -383,7 +395,7 @@ mod tests {
         prop_assert_eq!(answer.admitted, admitted);
         for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
             prop_assert_eq!(count.charged, *charged);
-            let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never)).collect();
+            let got: Vec<ModelWindow> = count.windows.iter().map(|w| (w.used, w.retry_ms, w.never, w.reset_ms)).collect();
             prop_assert_eq!(&got, windows);
         }
         Ok(())

@@ -555,7 +555,8 @@ local function rings_setup()
   -- used, reset_ms, retry_ms of a bucketed window, as for an exact one.
   function ring_window(s, limit, claim, cost)
     local used = s.sum + claim
-    local reset = s.period
+    -- Empty: when a unit admitted now would leave.
+    local reset = leaves(s, s.cur)
     if s.sum > 0 then reset = leaves(s, s.first) end
     local retry = -1
     if used + cost > limit then
