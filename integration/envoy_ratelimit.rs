@@ -865,6 +865,22 @@ async fn its_redis_auth_reaches_a_unix_socket() {
 /// amount, so raising a tenant's override (or sending it on some requests
 /// only) started from zero. As in envoyproxy/ratelimit, it counts with the
 /// configured limit when the units agree, and per unit otherwise.
+/// Asks for descriptor `r=t` of domain `o` once per entry, with that
+/// override (or none); returns each answer's code and remaining.
+async fn override_answers(rls: &mut Service, limits: &[Option<(u32, Unit)>]) -> Vec<(String, u32)> {
+    let mut out = Vec::new();
+    for limit in limits {
+        let mut d = descriptor(&[("r".into(), "t".into())]);
+        d.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
+            requests_per_unit,
+            unit: unit as i32,
+        });
+        let s = rls.status(single("o", d, 1)).await;
+        out.push((code_name(s.code), s.limit_remaining));
+    }
+    out
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limit_overrides_keep_counting_where_the_configured_limit_does() {
     let dir = tempfile::tempdir().unwrap();
@@ -876,26 +892,18 @@ async fn limit_overrides_keep_counting_where_the_configured_limit_does() {
     .unwrap();
     for redis in [None, Some(RedisServer::start())] {
         let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
-        let ask = |limit: Option<(u32, Unit)>| {
-            let mut d = descriptor(&[("r".into(), "t".into())]);
-            d.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
-                requests_per_unit,
-                unit: unit as i32,
-            });
-            single("o", d, 1)
-        };
-        let mut left = Vec::new();
-        for limit in [
-            None,
-            Some((2, Unit::Minute)),
-            Some((3, Unit::Minute)),
-            Some((100, Unit::Minute)),
-            Some((100, Unit::Hour)),
-            Some((50, Unit::Hour)),
-        ] {
-            let s = rls.status(ask(limit)).await;
-            left.push((code_name(s.code), s.limit_remaining));
-        }
+        let left = override_answers(
+            &mut rls,
+            &[
+                None,
+                Some((2, Unit::Minute)),
+                Some((3, Unit::Minute)),
+                Some((100, Unit::Minute)),
+                Some((100, Unit::Hour)),
+                Some((50, Unit::Hour)),
+            ],
+        )
+        .await;
         let ok = |n| ("OK".to_string(), n);
         assert_eq!(
             left,
@@ -919,27 +927,19 @@ async fn a_limit_override_counts_in_a_bucketed_windows_ring() {
     .unwrap();
     for redis in [None, Some(RedisServer::start())] {
         let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
-        let ask = |limit: Option<(u32, Unit)>| {
-            let mut d = descriptor(&[("r".into(), "t".into())]);
-            d.limit = limit.map(|(requests_per_unit, unit)| RateLimitOverride {
-                requests_per_unit,
-                unit: unit as i32,
-            });
-            single("o", d, 1)
-        };
-        let mut left = Vec::new();
-        for limit in [
-            None,
-            Some((2, Unit::Minute)),
-            Some((3, Unit::Minute)),
-            Some((100, Unit::Hour)),
-            None,
-            None,
-            Some((5, Unit::Minute)),
-        ] {
-            let s = rls.status(ask(limit)).await;
-            left.push((code_name(s.code), s.limit_remaining));
-        }
+        let left = override_answers(
+            &mut rls,
+            &[
+                None,
+                Some((2, Unit::Minute)),
+                Some((3, Unit::Minute)),
+                Some((100, Unit::Hour)),
+                None,
+                None,
+                Some((5, Unit::Minute)),
+            ],
+        )
+        .await;
         let (ok, over) = (|n| ("OK".to_string(), n), ("OVER_LIMIT".to_string(), 0));
         assert_eq!(left, vec![ok(4), ok(0), ok(0), ok(99), ok(1), ok(0), over]);
         if let Some(redis) = &redis {
