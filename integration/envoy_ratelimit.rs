@@ -865,9 +865,18 @@ async fn its_redis_auth_reaches_a_unix_socket() {
 /// amount, so raising a tenant's override (or sending it on some requests
 /// only) started from zero. As in envoyproxy/ratelimit, it counts with the
 /// configured limit when the units agree, and per unit otherwise.
-/// Asks for descriptor `r=t` of domain `o` once per entry, with that
-/// override (or none); returns each answer's code and remaining.
-async fn override_answers(rls: &mut Service, limits: &[Option<(u32, Unit)>]) -> Vec<(String, u32)> {
+/// Serves the limits file `text` (domain `o`) and asks for descriptor `r=t`
+/// once per entry, with that override (or none); returns each answer's code
+/// and remaining.
+async fn override_answers(
+    text: &str,
+    redis: Option<&RedisServer>,
+    limits: &[Option<(u32, Unit)>],
+) -> Vec<(String, u32)> {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("o.yaml");
+    std::fs::write(&file, text).unwrap();
+    let mut rls = Service::start(std::slice::from_ref(&file), false, redis).await;
     let mut out = Vec::new();
     for limit in limits {
         let mut d = descriptor(&[("r".into(), "t".into())]);
@@ -883,17 +892,11 @@ async fn override_answers(rls: &mut Service, limits: &[Option<(u32, Unit)>]) -> 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn limit_overrides_keep_counting_where_the_configured_limit_does() {
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("o.yaml");
-    std::fs::write(
-        &file,
-        "domain: o\ndescriptors:\n  - key: r\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n",
-    )
-    .unwrap();
+    let text = "domain: o\ndescriptors:\n  - key: r\n    rate_limit: { unit: minute, requests_per_unit: 5 }\n";
     for redis in [None, Some(RedisServer::start())] {
-        let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
         let left = override_answers(
-            &mut rls,
+            text,
+            redis.as_ref(),
             &[
                 None,
                 Some((2, Unit::Minute)),
@@ -918,17 +921,11 @@ async fn a_limit_override_counts_in_a_bucketed_windows_ring() {
     // An override of a rule whose window has a precision counts on the
     // rule's ring: a caller alternating overridden and plain requests gets
     // the limit once, not once per form (nor an exact log of a daily quota).
-    let dir = tempfile::tempdir().unwrap();
-    let file = dir.path().join("o.yaml");
-    std::fs::write(
-        &file,
-        "domain: o\nrules:\n  - name: sec\n    descriptor: [{ key: r }]\n    limits: [{ requests: 5, per: 1m, precision: 10s }]\n",
-    )
-    .unwrap();
+    let text = "domain: o\nrules:\n  - name: sec\n    descriptor: [{ key: r }]\n    limits: [{ requests: 5, per: 1m, precision: 10s }]\n";
     for redis in [None, Some(RedisServer::start())] {
-        let mut rls = Service::start(std::slice::from_ref(&file), false, redis.as_ref()).await;
         let left = override_answers(
-            &mut rls,
+            text,
+            redis.as_ref(),
             &[
                 None,
                 Some((2, Unit::Minute)),

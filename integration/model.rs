@@ -50,8 +50,9 @@ fn version(counter: usize, v: usize) -> (Vec<Window>, bool) {
         (0, 0) => (vec![w(3, 1_000)], false),
         (0, _) => (vec![w(2, 300), w(3, 1_000)], false),
         // The bucketed limit raised past the bits its counts had in Redis.
-        (1, 0) => (vec![w(2, 300), b(5, 2_000, 250)], false),
-        (1, _) => (vec![b(8, 2_000, 250)], false),
+        // 31 buckets of 50 ms keep block sums in Redis (blocks of 8).
+        (1, 0) => (vec![w(2, 300), b(6, 1_500, 50), b(5, 2_000, 250)], false),
+        (1, _) => (vec![b(9, 1_500, 50), b(8, 2_000, 250)], false),
         (2, 0) => (vec![w(4, 500), w(6, 1_500)], false),
         _ => (vec![w(2, 100), w(6, 1_500)], true),
     }

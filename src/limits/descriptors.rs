@@ -127,15 +127,14 @@ pub fn resolve(limits: &Limits, descriptors: &[Descriptor<'_>], quota_mode: bool
 fn override_counter<'a>(mut rule: Arc<Rule>, configured: Option<Matched<'_>>) -> Matched<'a> {
     if let Some(configured) = configured
         && let [c] = configured.rule.windows.as_slice()
-        && rule.windows.first().is_some_and(|o| o.period_ms == c.period_ms)
+        && let [o] = rule.windows.as_slice()
+        && o.period_ms == c.period_ms
     {
+        let counted = Window { precision_ms: c.precision_ms, ..*o };
         let rule = Arc::make_mut(&mut rule);
         rule.id = configured.rule.id.clone();
         // The same counts: a bucketed window's live in its ring, not the log.
-        rule.windows = vec![Window {
-            precision_ms: c.precision_ms,
-            ..rule.windows.first().copied().unwrap_or(*c)
-        }];
+        rule.windows = vec![counted];
     }
     // An override counts the request's own values, wildcard or not.
     Matched {
