@@ -497,3 +497,68 @@ async fn rediss_verifies_the_server_certificate() {
     assert_eq!(probe(&untrusting).await, 10);
     assert!(untrusting.logged("counter store unavailable"));
 }
+
+/// How many observations of histogram `name` (series matching `labels`)
+/// took at most `secs`: the count of the largest bucket bound not above it.
+fn observed_within(metrics: &str, name: &str, labels: &str, secs: f64) -> u64 {
+    let prefix = format!("{name}_bucket{{");
+    metrics
+        .lines()
+        .filter(|l| l.starts_with(&prefix) && l.contains(labels))
+        .filter_map(|l| {
+            let le = l.split("le=\"").nth(1)?.split('"').next()?;
+            let le: f64 = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            let n: f64 = l.split_whitespace().last()?.parse().ok()?;
+            (le <= secs).then_some(n as u64)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn the_stage_histograms_show_where_a_slow_response_spent_its_time() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Headers at once, the body's last byte 400 ms later: an operator
+    // reading /metrics must see the time after the upstream's headers.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab").await;
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                let _ = s.write_all(b"cd").await;
+            });
+        }
+    });
+    let tg = Tollgate::start(
+        "domain: d\nrules: [{ name: all, limits: [{ requests: 9, per: 1m }] }]\n",
+        up,
+        &[],
+    );
+    let answer = get(&client(), &tg.url("/slow"), &[]).await;
+    assert_eq!(answer.body, b"abcd"[..]);
+    let m =
+        String::from_utf8_lossy(&get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    let within = |name, labels, secs| observed_within(&m, name, labels, secs);
+    assert_eq!(within("tollgate_decision_seconds", "", 0.2), 1, "{m}");
+    assert_eq!(
+        within("tollgate_upstream_seconds", "", 0.2),
+        1,
+        "headers came at once:\n{m}"
+    );
+    let proxy = "listener=\"proxy\"";
+    assert_eq!(
+        within("tollgate_response_seconds", proxy, 0.35),
+        0,
+        "the last byte came after 400 ms:\n{m}"
+    );
+    assert_eq!(within("tollgate_response_seconds", proxy, 10.0), 1, "{m}");
+    // The admin request that read /metrics is not the proxy's.
+    assert!(
+        m.contains("tollgate_response_seconds_count{listener=\"proxy\"} 1"),
+        "{m}"
+    );
+}

@@ -42,6 +42,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
 use super::{ConnLimits, stopped};
@@ -63,9 +64,20 @@ pub(super) struct Protocols {
     pub http2: http2::Builder<TokioExecutor>,
 }
 
+/// What one listener's connections report to `/metrics`.
+#[derive(Clone)]
+pub(super) struct ConnMetrics {
+    /// Connections waiting for a request (NGINX's Waiting).
+    pub waiting: Gauge,
+    /// Time from a request's head to its response's last byte.
+    pub response_seconds: Histogram,
+}
+
 /// When a connection last began or finished a request, for its watchdog.
 struct Activity {
     opened: Instant,
+    /// Where each request's time, head to last byte, is recorded.
+    response_seconds: Histogram,
     /// Milliseconds after `opened` when a request last began or finished.
     last_ms: AtomicU64,
     served: AtomicBool,
@@ -85,9 +97,10 @@ struct Activity {
 }
 
 impl Activity {
-    fn new() -> Self {
+    fn new(response_seconds: Histogram) -> Self {
         Activity {
             opened: Instant::now(),
+            response_seconds,
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
             begun: AtomicU64::new(0),
@@ -113,7 +126,7 @@ impl Activity {
             self.closes.store(true, Ordering::Relaxed);
         }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        Busy(self.clone())
+        Busy(self.clone(), Instant::now())
     }
 
     /// How long until an idle connection should be parked (zero: now);
@@ -150,14 +163,15 @@ impl Activity {
     }
 }
 
-/// A request being handled on a connection, until its response has been
-/// sent to the end; its end counts as activity.
-struct Busy(Arc<Activity>);
+/// A request being handled on a connection (since the instant it began),
+/// until its response has been sent to the end; its end counts as activity.
+struct Busy(Arc<Activity>, Instant);
 
 impl Drop for Busy {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.0.touch();
+        self.0.response_seconds.observe(self.1.elapsed().as_secs_f64());
     }
 }
 
@@ -258,7 +272,7 @@ pub(super) async fn serve<F, Fut, B>(
     protocols: Protocols,
     limits: ConnLimits,
     mut stop: watch::Receiver<bool>,
-    waiting: Gauge,
+    metrics: ConnMetrics,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
@@ -266,7 +280,11 @@ pub(super) async fn serve<F, Fut, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
-    let activity = Arc::new(Activity::new());
+    let ConnMetrics {
+        waiting,
+        response_seconds,
+    } = metrics;
+    let activity = Arc::new(Activity::new(response_seconds));
     let mut io = ClientIo {
         stream,
         replay: Bytes::new(),

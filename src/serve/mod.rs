@@ -131,7 +131,10 @@ pub async fn serve<F, Fut, B>(
     let protocols = connection::Protocols { http1, http2 };
     let mut connections = JoinSet::new();
     let open = crate::metrics::get().client_connections(gate.name);
-    let waiting = crate::metrics::get().waiting_connections(gate.name);
+    let metrics = connection::ConnMetrics {
+        waiting: crate::metrics::get().waiting_connections(gate.name),
+        response_seconds: crate::metrics::get().response_seconds(gate.name),
+    };
     loop {
         // Finished connections are reaped as they finish, not at the next
         // accept: each holds its task's memory until joined, and after a
@@ -161,11 +164,11 @@ pub async fn serve<F, Fut, B>(
         let handler = handler.clone();
         let stop = shutdown.clone();
         let protocols = protocols.clone();
-        let waiting = waiting.clone();
+        let metrics = metrics.clone();
         connections.spawn(async move {
             // The slot and the gauge are given back when the task ends.
             let _held = held;
-            connection::serve(stream, peer, handler, protocols, limits, stop, waiting).await;
+            connection::serve(stream, peer, handler, protocols, limits, stop, metrics).await;
         });
     }
     drop(listener);
