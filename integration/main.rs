@@ -16,4 +16,5 @@ mod production;
 mod proxy;
 mod reload;
 mod stores;
+mod tls;
 mod topologies;

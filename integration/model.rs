@@ -290,7 +290,7 @@ impl Rig {
         let rls = RlsService::new(limiter.clone(), catalog.clone());
         let decision_http = DecisionHttp::new(limiter.clone(), catalog.clone(), Default::default());
         let options = ProxyOptions {
-            upstream: Upstream::parse(&format!("http://{}", self.upstream.addr)).unwrap(),
+            upstream: Upstream::parse(&format!("http://{}", self.upstream.addr), None).unwrap(),
             upstream_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(5),
             trusted: Default::default(),
@@ -307,6 +307,7 @@ impl Rig {
             listener,
             ConnLimits::default(),
             Gate::new("proxy", None),
+            None,
             stopped,
             move |req, peer| {
                 let proxy = proxy.clone();

@@ -31,6 +31,7 @@ pub struct Admin {
     limiter: Arc<Limiter>,
     catalog: Arc<LiveFiles>,
     access: AdminAccess,
+    tls: Option<Arc<crate::tls::LiveCert>>,
 }
 
 impl Admin {
@@ -40,7 +41,15 @@ impl Admin {
             limiter,
             catalog,
             access,
+            tls: None,
         }
+    }
+
+    /// Shows the listeners' certificate (and its last reload error) in `/config`.
+    #[must_use]
+    pub fn with_tls(mut self, cert: Option<Arc<crate::tls::LiveCert>>) -> Self {
+        self.tls = cert;
+        self
     }
 
     /// Whether the request names a host this listener answers for.
@@ -130,7 +139,10 @@ impl Admin {
                     .into_iter()
                     .map(|(file, error)| serde_json::json!({ "file": file, "last_error": error }))
                     .collect();
-                let body = serde_json::json!({ "files": files, "refused": refused });
+                let mut body = serde_json::json!({ "files": files, "refused": refused });
+                if let (Some(cert), Some(map)) = (&self.tls, body.as_object_mut()) {
+                    map.insert("tls".into(), cert.status());
+                }
                 let mut r = text(StatusCode::OK, &format!("{body:#}\n"));
                 r.headers_mut()
                     .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));

@@ -70,4 +70,5 @@ request_path! {
     pub mod limits;
     pub mod path;
     pub mod serve;
+    pub mod tls;
 }

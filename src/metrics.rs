@@ -144,6 +144,11 @@ struct FileLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ListenerLabels {
     listener: &'static str,
 }
@@ -173,6 +178,7 @@ pub struct Metrics {
     connections_deferred: Family<ListenerLabels, Counter>,
     accept_errors: Family<ListenerLabels, Counter>,
     upstream_connections: Gauge,
+    tls_reloads: Family<ResultLabels, Counter>,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
@@ -245,6 +251,7 @@ impl Metrics {
             connections_deferred: Family::default(),
             accept_errors: Family::default(),
             upstream_connections: Gauge::default(),
+            tls_reloads: Family::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
             request_counters: Default::default(),
@@ -286,6 +293,11 @@ impl Metrics {
             "tollgate_response_seconds",
             "Time from a request's head to its response's last byte, per listener",
             m.response_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_tls_reloads",
+            "Reloads of the listeners' certificate after its files changed (ok, failed)",
+            m.tls_reloads.clone(),
         );
         registry.register(
             "tollgate_config_reloads",
@@ -491,6 +503,12 @@ impl Metrics {
         self.client_connections
             .get_or_create(&ListenerLabels { listener })
             .clone()
+    }
+
+    /// Records a reload of the listeners' certificate.
+    pub fn tls_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "failed" };
+        self.tls_reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
     /// The histogram of `listener`'s request times, head to last byte.

@@ -58,7 +58,8 @@ pub struct Settings {
     /// MERGE_DOMAIN_CONFIG); otherwise one domain, one file.
     #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
     pub merge_domain_config: bool,
-    /// Where admitted requests go, as http://host:port. Without it tollgate
+    /// Where admitted requests go, as http://host:port or https://host:port
+    /// (verified; see --upstream-ca). Without it tollgate
     /// is a pure rate limit service: no proxy, only the decision listeners
     /// (the RLS then listens on 0.0.0.0:8081, as envoyproxy/ratelimit does).
     #[arg(long, env = "TOLLGATE_UPSTREAM")]
@@ -66,6 +67,25 @@ pub struct Settings {
     /// Address the proxy listens on.
     #[arg(long, env = "TOLLGATE_LISTEN", default_value = "0.0.0.0:8080")]
     pub listen: SocketAddr,
+    /// Serve HTTPS on the proxy listener with this certificate chain (PEM,
+    /// leaf first); reloaded when the file changes.
+    #[arg(long, env = "TOLLGATE_TLS_CERT", requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1); reloaded with it.
+    #[arg(long, env = "TOLLGATE_TLS_KEY", requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Ask TLS clients for a certificate signed by this CA (PEM).
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
+    pub tls_client_ca: Option<PathBuf>,
+    /// With --tls-client-ca: whether a client must present a certificate.
+    #[arg(long, env = "TOLLGATE_TLS_CLIENT_AUTH", default_value = "required")]
+    pub tls_client_auth: ClientAuthArg,
+    /// Serve the check listener (--check-listen) over TLS too, with the same certificate.
+    #[arg(long, env = "TOLLGATE_CHECK_TLS", default_value_t = false, action = ArgAction::Set, requires = "tls_cert")]
+    pub check_tls: bool,
+    /// Verify an https:// --upstream against this CA bundle (PEM) instead of the system's roots.
+    #[arg(long, env = "TOLLGATE_UPSTREAM_CA")]
+    pub upstream_ca: Option<PathBuf>,
     /// Envoy RLS gRPC listener (ShouldRateLimit and grpc.health.v1), or "off".
     /// 127.0.0.1:8081 beside a proxy (whoever reaches it can charge any
     /// caller's counters with descriptors of their choosing), 0.0.0.0:8081
@@ -178,6 +198,15 @@ pub enum RedisModeArg {
     Standalone,
     Cluster,
     Sentinel,
+}
+
+/// Whether TLS clients must present a certificate.
+#[derive(Clone, Copy, Debug, ValueEnum)]
+pub enum ClientAuthArg {
+    /// Every client presents one the CA signed.
+    Required,
+    /// A client may present none; one it presents must verify.
+    Optional,
 }
 
 /// How log lines are written.

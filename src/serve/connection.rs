@@ -41,12 +41,15 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
+use tokio_rustls::TlsAcceptor;
+use tokio_rustls::server::TlsStream;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
 use super::{ConnLimits, stopped};
 use crate::metrics::Held;
+use crate::tls::ClientTls;
 
 /// How long an HTTP/1 connection sits idle before hyper's state for it is
 /// dropped. Long enough that back-to-back keep-alive requests never pay
@@ -62,6 +65,8 @@ const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 pub(super) struct Protocols {
     pub http1: http1::Builder,
     pub http2: http2::Builder<TokioExecutor>,
+    /// TLS on this listener: the handshake comes first and ALPN picks the protocol.
+    pub tls: Option<TlsAcceptor>,
 }
 
 /// What one listener's connections report to `/metrics`.
@@ -180,9 +185,77 @@ impl Drop for Busy {
 /// read again first, and while parking, shutting down is skipped so the
 /// socket outlives the hyper connection that lets go of it.
 struct ClientIo {
-    stream: TcpStream,
+    stream: ClientStream,
     replay: Bytes,
     activity: Arc<Activity>,
+}
+
+/// The client's socket, or the TLS session over it.
+enum ClientStream {
+    Plain(TcpStream),
+    /// Boxed: a TLS session's state is large next to a plain socket.
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl ClientStream {
+    /// Waits until the socket has bytes (a parked connection's wake-up).
+    async fn readable(&self) -> io::Result<()> {
+        match self {
+            ClientStream::Plain(s) => s.readable().await,
+            // Never parked: the session may hold bytes it already decrypted.
+            ClientStream::Tls(_) => Ok(()),
+        }
+    }
+}
+
+impl AsyncRead for ClientStream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for ClientStream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
+        }
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            ClientStream::Plain(s) => s.is_write_vectored(),
+            ClientStream::Tls(s) => s.is_write_vectored(),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_flush(cx),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            ClientStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
+        }
+    }
 }
 
 impl AsyncRead for ClientIo {
@@ -239,14 +312,19 @@ impl ClientIo {
     /// Reads until the first bytes tell HTTP/2's preface from anything else
     /// (HTTP/1), keeping them to be read again. `None`: the client closed.
     async fn sniff(&mut self) -> io::Result<Option<Protocol>> {
+        let stream = match &self.stream {
+            ClientStream::Plain(stream) => stream,
+            // Told by ALPN instead.
+            ClientStream::Tls(_) => return Ok(Some(Protocol::Http1)),
+        };
         let mut first = [0u8; H2_PREFACE.len()];
         let mut len = 0;
         loop {
-            self.stream.readable().await?;
+            stream.readable().await?;
             let Some(free) = first.get_mut(len..) else {
                 return Ok(Some(Protocol::Http2));
             };
-            match self.stream.try_read(free) {
+            match stream.try_read(free) {
                 Ok(0) => return Ok(None),
                 Ok(n) => len = len.saturating_add(n),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
@@ -285,14 +363,41 @@ pub(super) async fn serve<F, Fut, B>(
         response_seconds,
     } = metrics;
     let activity = Arc::new(Activity::new(response_seconds));
-    let mut io = ClientIo {
-        stream,
-        replay: Bytes::new(),
-        activity: activity.clone(),
-    };
     let held = Held::new(waiting.clone());
-    let protocol = tokio::select! {
-        sniffed = io.sniff() => sniffed,
+    // The handshake and the first bytes share the header read timeout: a
+    // client that opens a connection and says nothing is closed either way.
+    let opened = async {
+        let stream = match &protocols.tls {
+            None => ClientStream::Plain(stream),
+            Some(acceptor) => match acceptor.accept(stream).await {
+                Ok(session) => ClientStream::Tls(Box::new(session)),
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    return None;
+                }
+            },
+        };
+        let alpn_h2 = match &stream {
+            ClientStream::Tls(session) => Some(session.get_ref().1.alpn_protocol() == Some(b"h2")),
+            ClientStream::Plain(_) => None,
+        };
+        let mut io = ClientIo {
+            stream,
+            replay: Bytes::new(),
+            activity: activity.clone(),
+        };
+        let protocol = match alpn_h2 {
+            Some(true) => Ok(Some(Protocol::Http2)),
+            Some(false) => Ok(Some(Protocol::Http1)),
+            None => io.sniff().await,
+        };
+        Some((io, protocol))
+    };
+    let (io, protocol) = tokio::select! {
+        opened = opened => match opened {
+            Some(opened) => opened,
+            None => return,
+        },
         _ = tokio::time::sleep(limits.header_read_timeout) => {
             tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
             return;
@@ -300,8 +405,15 @@ pub(super) async fn serve<F, Fut, B>(
         _ = stopped(&mut stop) => return,
     };
     drop(held);
+    let tls = match &io.stream {
+        ClientStream::Tls(_) => Some(ClientTls),
+        ClientStream::Plain(_) => None,
+    };
     let seen = activity.clone();
-    let service = service_fn(move |req: Request<Incoming>| {
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        if let Some(tls) = &tls {
+            req.extensions_mut().insert(*tls);
+        }
         let busy = seen.began(asks_to_close(&req));
         let head = req.method() == http::Method::HEAD;
         let response = handler(req, peer);
@@ -341,7 +453,9 @@ async fn serve_http1<S, B>(
 {
     let activity = io.activity.clone();
     // Without keep-alive hyper closes after every response: nothing to park.
-    let keep_alive = !limits.keepalive_timeout.is_zero();
+    // A TLS session is not parked (hyper's successor could not see what
+    // the session had decrypted and not handed over).
+    let keep_alive = !limits.keepalive_timeout.is_zero() && matches!(io.stream, ClientStream::Plain(_));
     // Requests begun when hyper was last rebuilt after a park. Until one
     // more begins it is not parked again: a new hyper connection counts as
     // busy until its first message is done, and asked to close then, it

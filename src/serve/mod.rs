@@ -22,6 +22,8 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
 
+use crate::tls::TlsListener;
+
 mod connection;
 
 /// Limits applied to client connections.
@@ -102,12 +104,13 @@ impl Gate {
     }
 }
 
-/// Serves `handler` on `listener`, holding no more connections than `gate`
-/// allows, until `shutdown` turns true, then drains.
+/// Serves `handler` on `listener` (over `tls` when given), holding no more
+/// connections than `gate` allows, until `shutdown` turns true, then drains.
 pub async fn serve<F, Fut, B>(
     listener: TcpListener,
     limits: ConnLimits,
     gate: Gate,
+    tls: Option<TlsListener>,
     mut shutdown: watch::Receiver<bool>,
     handler: F,
 ) where
@@ -128,7 +131,11 @@ pub async fn serve<F, Fut, B>(
     http2
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
-    let protocols = connection::Protocols { http1, http2 };
+    let protocols = connection::Protocols {
+        http1,
+        http2,
+        tls: tls.map(|t| t.acceptor().clone()),
+    };
     let mut connections = JoinSet::new();
     let open = crate::metrics::get().client_connections(gate.name);
     let metrics = connection::ConnMetrics {

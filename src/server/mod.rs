@@ -20,10 +20,11 @@ use crate::client_ip::{BadCidr, TrustedProxies};
 use crate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, StoreError, SystemClock};
 use crate::reload::{CatalogError, LiveFiles, WatchGuard};
 use crate::serve::{ConnLimits, Gate, serve};
-use crate::settings::{Listen, RedisModeArg, Settings};
+use crate::settings::{ClientAuthArg, Listen, RedisModeArg, Settings};
 use crate::surfaces::decision_http::DecisionHttp;
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::{Proxy, ProxyOptions};
+use crate::tls::{ClientAuth, LiveCert, TlsListener};
 use crate::upstream::{Upstream, UpstreamError};
 
 /// Why tollgate cannot start.
@@ -53,6 +54,9 @@ pub enum StartError {
     /// A worker thread cannot be started.
     #[error("cannot start a proxy thread: {0}")]
     Thread(std::io::Error),
+    /// The listeners' certificate, key or client CA cannot be used.
+    #[error("--tls-cert/--tls-key/--tls-client-ca: {0}")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// Where a started server listens (port 0 in the settings is resolved here).
@@ -93,7 +97,12 @@ impl Server {
     /// Loads, binds and starts everything `settings` describe. Must be
     /// called inside a multi-threaded tokio runtime.
     pub async fn start(settings: Settings) -> Result<Server, StartError> {
-        let upstream = settings.upstream.as_deref().map(Upstream::parse).transpose()?;
+        let upstream = settings
+            .upstream
+            .as_deref()
+            .map(|url| Upstream::parse(url, settings.upstream_ca.as_deref()))
+            .transpose()?;
+        let tls = Tls::load(&settings)?;
         // Beside a proxy, whoever reaches the RLS can charge any caller's
         // counters with descriptors of their choosing: loopback only.
         let grpc_listen = settings.grpc_listen.unwrap_or_else(|| {
@@ -159,8 +168,8 @@ impl Server {
             check,
             health,
         } = listeners;
-        let (threads, grpc_workers) = parts.start_workers(&settings, proxy, options, grpc.is_some(), threads)?;
-        let tasks = parts.serve_listeners(&settings, admin, check, health, grpc.map(|l| (l, grpc_workers)));
+        let (threads, grpc_workers) = parts.start_workers(&settings, proxy, options, grpc.is_some(), threads, &tls)?;
+        let tasks = parts.serve_listeners(&settings, admin, check, health, grpc.map(|l| (l, grpc_workers)), &tls);
         Ok(Server {
             addresses,
             files,
@@ -200,6 +209,39 @@ impl Server {
         .await;
         tracing::info!("stopped");
     }
+}
+
+/// TLS for the listeners, when --tls-cert is given.
+struct Tls {
+    cert: Option<Arc<LiveCert>>,
+    /// The proxy's and check listener's: ALPN h2 and http/1.1.
+    http: Option<TlsListener>,
+}
+
+impl Tls {
+    fn load(settings: &Settings) -> Result<Tls, StartError> {
+        let (Some(cert), Some(key)) = (&settings.tls_cert, &settings.tls_key) else {
+            return Ok(Tls { cert: None, http: None });
+        };
+        let cert_path = cert;
+        let cert = LiveCert::load(cert, key)?;
+        let client_auth = match (&settings.tls_client_ca, settings.tls_client_auth) {
+            (None, _) => ClientAuth::Off,
+            (Some(ca), ClientAuthArg::Required) => ClientAuth::Required(ca.clone()),
+            (Some(ca), ClientAuthArg::Optional) => ClientAuth::Optional(ca.clone()),
+        };
+        let http = TlsListener::new(cert.clone(), &client_auth, &[b"h2", b"http/1.1"])?;
+        cert.watch();
+        tracing::info!(cert = %settings_path(cert_path), client_auth = ?client_auth, check = settings.check_tls, "TLS on the proxy listener");
+        Ok(Tls {
+            cert: Some(cert),
+            http: Some(http),
+        })
+    }
+}
+
+fn settings_path(path: &std::path::Path) -> std::path::Display<'_> {
+    path.display()
 }
 
 /// The counter store the settings ask for: Redis when given, else memory.
@@ -308,6 +350,7 @@ impl Parts {
         options: Option<ProxyOptions>,
         grpc: bool,
         threads: usize,
+        tls: &Tls,
     ) -> Result<(Vec<std::thread::JoinHandle<()>>, GrpcWorkers), StartError> {
         let mut proxy_listeners = proxy_listeners.into_iter();
         let mut handles = Vec::with_capacity(threads);
@@ -335,6 +378,7 @@ impl Parts {
             }
             let worker = workers::Worker {
                 proxy,
+                tls: tls.http.clone(),
                 grpc,
                 limits: self.conn_limits,
                 gate: self.proxy_gate.clone(),
@@ -358,6 +402,7 @@ impl Parts {
         check: Option<TcpListener>,
         health: Option<TcpListener>,
         grpc: Option<(TcpListener, GrpcWorkers)>,
+        tls: &Tls,
     ) -> Vec<tokio::task::JoinHandle<()>> {
         if !settings.admin_listen.ip().is_loopback() && settings.admin_token.is_none() {
             tracing::warn!(admin = %settings.admin_listen, "admin listener is reachable beyond loopback without --admin-token; /config and /metrics are open to anyone who can reach it");
@@ -366,11 +411,13 @@ impl Parts {
             token: settings.admin_token.clone(),
             hosts: settings.admin_hosts.clone(),
         };
-        let admin_handler = Arc::new(Admin::new(self.limiter.clone(), self.files.clone(), access));
+        let admin_handler =
+            Arc::new(Admin::new(self.limiter.clone(), self.files.clone(), access).with_tls(tls.cert.clone()));
         let mut tasks = vec![tokio::spawn(serve(
             admin,
             self.conn_limits,
             Gate::new("admin", None),
+            None,
             self.stop.clone(),
             move |req, peer| {
                 let admin = admin_handler.clone();
@@ -395,6 +442,7 @@ impl Parts {
                 listener,
                 check_limits,
                 Gate::new("check", None),
+                tls.http.clone().filter(|_| settings.check_tls),
                 self.stop.clone(),
                 move |req, peer| {
                     let check = check.clone();
@@ -407,6 +455,7 @@ impl Parts {
                 listener,
                 self.conn_limits,
                 Gate::new("health", None),
+                None,
                 self.stop.clone(),
                 Admin::health_only,
             )));

@@ -17,11 +17,14 @@ use super::StartError;
 use crate::serve::{ConnLimits, Gate, accept, serve};
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::Proxy;
+use crate::tls::TlsListener;
 
 /// What one worker thread serves.
 pub(super) struct Worker {
     /// The proxy's listening socket for this thread, and the proxy.
     pub proxy: Option<(std::net::TcpListener, Proxy)>,
+    /// TLS on the proxy listener.
+    pub tls: Option<TlsListener>,
     /// gRPC connections dealt to this thread, and the RLS answering them.
     pub grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
     /// Limits on client connections.
@@ -44,6 +47,7 @@ impl Worker {
         };
         let Worker {
             proxy,
+            tls,
             grpc,
             limits,
             gate,
@@ -64,7 +68,7 @@ impl Worker {
                     }
                 };
                 let proxy = Arc::new(proxy);
-                serve(listener, limits, gate, stop.clone(), move |req, peer| {
+                serve(listener, limits, gate, tls, stop.clone(), move |req, peer| {
                     let proxy = proxy.clone();
                     async move { proxy.handle(req, peer).await }
                 })

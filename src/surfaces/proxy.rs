@@ -80,7 +80,7 @@ impl Proxy {
         // Below NGINX's default upstream keepalive_timeout (60 s) and most
         // servers' own, so we rarely reuse a connection the upstream is closing.
         let pool = UpstreamPool::new(
-            options.upstream.authority().clone(),
+            &options.upstream,
             Duration::from_secs(50),
             256,
             options.body_timeout,
@@ -217,6 +217,7 @@ impl Proxy {
         upgrade: bool,
     ) -> Result<(Request<ClientBody>, tokio::sync::oneshot::Receiver<()>), StatusCode> {
         let (mut parts, body) = req.into_parts();
+        let tls = parts.extensions.get::<crate::tls::ClientTls>().is_some();
         let (body, sent) = ClientBody::new(body, self.options.body_timeout);
         // The upstream sees the normalised path the limits were matched on
         // (less the `;params` matching ignores: the upstream reads them).
@@ -236,7 +237,8 @@ impl Proxy {
         strip_hop_by_hop(headers, upgrade);
         append_forwarded_for(headers, peer);
         if !headers.contains_key(&X_FORWARDED_PROTO) || !self.options.trusted.trusts(peer.ip()) {
-            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+            let proto = if tls { "https" } else { "http" };
+            headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
         }
         if let Some(host) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
             if !headers.contains_key(header::HOST) {
@@ -439,13 +441,19 @@ mod tests {
 
     #[test]
     fn upstream_urls() {
-        assert!(Upstream::parse("http://127.0.0.1:9000").is_ok());
-        assert!(Upstream::parse("http://127.0.0.1:9000/").is_ok());
+        assert!(Upstream::parse("http://127.0.0.1:9000", None).is_ok());
+        assert!(Upstream::parse("http://127.0.0.1:9000/", None).is_ok());
         assert!(matches!(
-            Upstream::parse("https://x:1"),
+            Upstream::parse("ftp://x:1", None),
             Err(crate::upstream::UpstreamError::Scheme(_))
         ));
-        assert!(Upstream::parse("http://x:1/api").is_err());
-        assert!(Upstream::parse("127.0.0.1:9000").is_err());
+        let https = Upstream::parse("https://api.example", None).unwrap();
+        assert_eq!(https.port(), 443);
+        assert!(https.tls().is_some());
+        assert_eq!(Upstream::parse("http://api.example", None).unwrap().port(), 80);
+        let missing = Upstream::parse("https://x:1", Some(std::path::Path::new("/nonexistent/ca.pem")));
+        assert!(matches!(missing, Err(crate::upstream::UpstreamError::Tls(_))));
+        assert!(Upstream::parse("http://x:1/api", None).is_err());
+        assert!(Upstream::parse("127.0.0.1:9000", None).is_err());
     }
 }

@@ -10,26 +10,56 @@ request_path! {
 pub use body::ClientBody;
 pub use pool::{UpstreamBody, UpstreamPool};
 
+use std::path::Path;
+
 use http::HeaderValue;
 use http::uri::{Authority, Scheme, Uri};
+use rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
+
+use crate::tls::TlsError;
 
 /// Where requests go once admitted.
 #[derive(Debug, Clone)]
 pub struct Upstream {
     authority: Authority,
+    /// The port connections go to (the scheme's when the URL names none).
+    port: u16,
     /// `Host` for requests that came without one (HTTP/1.0).
     host: HeaderValue,
+    /// For an `https://` upstream: how its connections are made and verified.
+    tls: Option<UpstreamTls>,
+}
+
+/// TLS to the upstream: the verifying connector and the name it checks.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    /// Verifies the upstream against the roots it was made with.
+    pub connector: TlsConnector,
+    /// The host of `--upstream`: sent as SNI, and what the certificate must name.
+    pub name: ServerName<'static>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
 }
 
 /// An `--upstream` that tollgate cannot forward to.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    /// Not an absolute `http://host:port` URL.
-    #[error("upstream \"{0}\" must look like http://host:port")]
+    /// Not an absolute `http://host:port` or `https://host:port` URL.
+    #[error("upstream \"{0}\" must look like http://host:port or https://host:port")]
     Malformed(String),
-    /// TLS to the upstream is not built in.
-    #[error("upstream \"{0}\": only http:// upstreams are supported (terminate TLS beside tollgate)")]
+    /// Neither `http` nor `https`.
+    #[error("upstream \"{0}\": only http:// and https:// upstreams are supported")]
     Scheme(String),
+    /// The roots to verify an `https://` upstream with cannot be read.
+    #[error("--upstream-ca: {0}")]
+    Tls(#[from] TlsError),
 }
 
 impl Upstream {
@@ -43,22 +73,52 @@ impl Upstream {
         &self.host
     }
 
-    /// Parses `http://host:port` (a trailing `/` is allowed, a path is not).
-    pub fn parse(url: &str) -> Result<Self, UpstreamError> {
+    /// The port connections go to.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// How connections are made and verified, for an `https://` upstream.
+    pub fn tls(&self) -> Option<&UpstreamTls> {
+        self.tls.as_ref()
+    }
+
+    /// Parses `http://host:port` or `https://host:port` (a trailing `/` is
+    /// allowed, a path is not). An `https://` upstream is verified against
+    /// `ca` (a PEM bundle), or the system's roots without it.
+    pub fn parse(url: &str, ca: Option<&Path>) -> Result<Self, UpstreamError> {
         let uri: Uri = url.parse().map_err(|_| UpstreamError::Malformed(url.into()))?;
         let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
             return Err(UpstreamError::Malformed(url.into()));
         };
-        if scheme != &Scheme::HTTP {
+        let https = if scheme == &Scheme::HTTP {
+            false
+        } else if scheme == &Scheme::HTTPS {
+            true
+        } else {
             return Err(UpstreamError::Scheme(url.into()));
-        }
+        };
         if uri.path() != "/" && !uri.path().is_empty() {
             return Err(UpstreamError::Malformed(url.into()));
         }
         let host = HeaderValue::from_str(authority.as_str()).map_err(|_| UpstreamError::Malformed(url.into()))?;
+        let tls = match https {
+            false => None,
+            true => {
+                // `[::1]` is how an authority writes an IPv6 address.
+                let bare = authority.host().trim_start_matches('[').trim_end_matches(']');
+                let name = ServerName::try_from(bare.to_string()).map_err(|_| UpstreamError::Malformed(url.into()))?;
+                Some(UpstreamTls {
+                    connector: TlsConnector::from(crate::tls::upstream_config(ca)?),
+                    name,
+                })
+            }
+        };
         Ok(Upstream {
+            port: authority.port_u16().unwrap_or(if https { 443 } else { 80 }),
             authority: authority.clone(),
             host,
+            tls,
         })
     }
 }

@@ -25,7 +25,10 @@ use hyper::body::{Body, Frame, Incoming, SizeHint};
 use super::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
+
+use super::{Upstream, UpstreamTls};
 
 /// Why a request could not be sent upstream or its response not read.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +39,15 @@ pub enum SendError {
         /// Where we tried to connect.
         authority: Authority,
         /// What the operating system said.
+        source: io::Error,
+    },
+    /// The TLS handshake with an `https://` upstream failed (its
+    /// certificate did not verify, it does not speak TLS...).
+    #[error("TLS with the upstream {authority} failed: {source}")]
+    Tls {
+        /// Where we connected.
+        authority: Authority,
+        /// What rustls said.
         source: io::Error,
     },
     /// The HTTP exchange failed (connection reset, malformed response...).
@@ -59,6 +71,8 @@ pub struct UpstreamPool {
 
 struct PoolInner {
     authority: Authority,
+    port: u16,
+    tls: Option<UpstreamTls>,
     /// Longest wait between two frames of a response body.
     body_timeout: Duration,
     idle: Mutex<VecDeque<Idle>>,
@@ -78,12 +92,14 @@ struct Idle {
 }
 
 impl UpstreamPool {
-    /// A pool for `authority` (`host:port`) keeping up to `max_idle`
-    /// connections for at most `idle_timeout` each.
-    pub fn new(authority: Authority, idle_timeout: Duration, max_idle: usize, body_timeout: Duration) -> Self {
+    /// A pool for `upstream` keeping up to `max_idle` connections for at
+    /// most `idle_timeout` each.
+    pub fn new(upstream: &Upstream, idle_timeout: Duration, max_idle: usize, body_timeout: Duration) -> Self {
         UpstreamPool {
             inner: Arc::new(PoolInner {
-                authority,
+                authority: upstream.authority().clone(),
+                port: upstream.port(),
+                tls: upstream.tls().cloned(),
                 body_timeout,
                 idle: Mutex::new(VecDeque::new()),
                 idle_timeout,
@@ -175,7 +191,7 @@ impl UpstreamPool {
             source,
         };
         self.start_sweeping();
-        let port = authority.port_u16().unwrap_or(80);
+        let port = self.inner.port;
         // `[::1]` is how an authority writes an IPv6 address; a resolver
         // wants it bare.
         let host = authority.host().trim_start_matches('[').trim_end_matches(']');
@@ -205,16 +221,20 @@ impl UpstreamPool {
         }
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
-        let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
-        let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
-        tokio::spawn(async move {
-            // Counted until the task ends, however it ends.
-            let _open = open;
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
+        match &self.inner.tls {
+            None => start_connection(stream).await,
+            Some(tls) => {
+                let stream = tls
+                    .connector
+                    .connect(tls.name.clone(), stream)
+                    .await
+                    .map_err(|source| SendError::Tls {
+                        authority: authority.clone(),
+                        source,
+                    })?;
+                start_connection(stream).await
             }
-        });
-        Ok(sender)
+        }
     }
 
     /// Ties `sender` to the response body so that it comes back once the body
@@ -232,6 +252,24 @@ impl UpstreamPool {
             ended: false,
         })
     }
+}
+
+/// Begins HTTP/1.1 on a new connection; the connection runs on its own task
+/// (counted in the gauge of upstream connections) until it closes.
+async fn start_connection<T>(io: T) -> Result<SendRequest<ClientBody>, SendError>
+where
+    T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
+    let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
+    tokio::spawn(async move {
+        // Counted until the task ends, however it ends.
+        let _open = open;
+        if let Err(e) = conn.with_upgrades().await {
+            tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
 }
 
 struct Lease {

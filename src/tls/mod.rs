@@ -1,0 +1,139 @@
+//! TLS on both sides of the proxy, with rustls (the crypto provider the
+//! project already ships for `rediss://`).
+//!
+//! [`listener`] holds the certificate a listener presents and swaps it when
+//! its files change, as the limits file is; [`upstream`] verifies an
+//! `https://` upstream. Both read PEM files here, with a size cap, so that a
+//! path pointed at something huge (or at `/dev/zero`) is refused instead of
+//! read whole.
+
+pub mod listener;
+pub mod upstream;
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+pub use listener::{ClientAuth, LiveCert, TlsListener};
+pub use upstream::upstream_config;
+
+/// Marks a request that came over TLS (a request extension the proxy reads
+/// for `X-Forwarded-Proto`).
+#[derive(Debug, Clone, Copy)]
+pub struct ClientTls;
+
+/// Largest PEM file read: a chain of a dozen certificates is ~20 KB.
+const MAX_PEM_BYTES: u64 = 1024 * 1024;
+
+/// Why a certificate, key or CA file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    /// The file cannot be read.
+    #[error("{path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// What the operating system said.
+        source: std::io::Error,
+    },
+    /// The file is larger than any PEM file tollgate expects.
+    #[error("{path}: larger than {MAX_PEM_BYTES} bytes, not a PEM file")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The file holds no usable PEM of the kind wanted.
+    #[error("{path}: {reason}")]
+    Pem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The certificate and key do not make a pair rustls can serve.
+    #[error("{cert} and {key}: {reason}")]
+    Pair {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What rustls said.
+        reason: String,
+    },
+    /// rustls refused the configuration.
+    #[error("TLS configuration: {0}")]
+    Config(#[from] rustls::Error),
+}
+
+/// The crypto provider every TLS configuration of the process uses.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+/// Reads at most [`MAX_PEM_BYTES`] of `path`.
+fn read_capped(path: &Path) -> Result<Vec<u8>, TlsError> {
+    let read_error = |source| TlsError::Read {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(read_error)?;
+    let mut bytes = Vec::new();
+    file.take(MAX_PEM_BYTES.saturating_add(1))
+        .read_to_end(&mut bytes)
+        .map_err(read_error)?;
+    if u64::try_from(bytes.len()).unwrap_or(u64::MAX) > MAX_PEM_BYTES {
+        return Err(TlsError::TooLarge {
+            path: path.to_path_buf(),
+        });
+    }
+    Ok(bytes)
+}
+
+/// Every certificate in a PEM file, in order (a chain: leaf first).
+pub fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bytes = read_capped(path)?;
+    let pem_error = |reason: String| TlsError::Pem {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| pem_error(format!("not a PEM certificate file: {e}")))?;
+    if certs.is_empty() {
+        return Err(pem_error("no CERTIFICATE block".into()));
+    }
+    Ok(certs)
+}
+
+/// The private key in a PEM file (PKCS#8, PKCS#1 or SEC1).
+pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
+    let bytes = read_capped(path)?;
+    PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError::Pem {
+        path: path.to_path_buf(),
+        reason: format!("no usable private key: {e}"),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_that_is_not_pem_says_so_and_a_huge_one_is_not_read_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let text = dir.path().join("notes.txt");
+        std::fs::write(&text, "hello").unwrap();
+        let e = read_certs(&text).unwrap_err().to_string();
+        assert!(e.contains("no CERTIFICATE block"), "{e}");
+        let e = read_key(&text).unwrap_err().to_string();
+        assert!(e.contains("no usable private key"), "{e}");
+        let e = read_certs(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("larger than"), "{e}");
+        let e = read_certs(&dir.path().join("missing.pem")).unwrap_err().to_string();
+        assert!(e.contains("missing.pem"), "{e}");
+    }
+}
