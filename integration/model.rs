@@ -472,6 +472,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
                 host: Some("h"),
                 headers: &headers,
                 client_ip: "10.0.0.1".parse().unwrap(),
+                client_cert: None,
             };
             let hits = case.files.catalog().load().http_hits(&info).unwrap();
             let decision = rig.runtime.block_on(case.limiter.decide(&hits));

@@ -588,3 +588,97 @@ async fn an_upstream_certificate_that_does_not_verify_is_a_502_never_a_fallback(
     );
     assert_eq!(get(&client(), &tg.url("/"), &[]).await.status, 502);
 }
+
+#[tokio::test]
+async fn limits_follow_the_client_certificate() {
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("server", "localhost", Some(LOCAL));
+    let (a, a_key) = pki.leaf("a", "client-a", None);
+    let (b, b_key) = pki.leaf("b", "client-b", None);
+    let up = TestUpstream::start().await;
+    let ca = pki.ca();
+    let limits = "\
+domain: tls
+rules:
+  - name: per_identity
+    by: [client_cert]
+    limits: [{ requests: 2, per: 60s }]
+";
+    let mut args = tls_args(&cert, &key);
+    args.extend(["--tls-client-ca", ca.to_str().unwrap(), "--tls-client-auth", "optional"]);
+    let tg = Tollgate::start(limits, up.addr, &args);
+    let status = |answer: Result<TlsAnswer, String>| answer.unwrap().status;
+    for expected in [200, 200, 429] {
+        assert_eq!(status(tls_get(tg.addr, &ca, "/x", Some((&a, &a_key))).await), expected);
+    }
+    // Another identity has its own counter, whatever address it comes from.
+    assert_eq!(status(tls_get(tg.addr, &ca, "/x", Some((&b, &b_key))).await), 200);
+    // No certificate: the rule has no value to count by (as a missing header).
+    for _ in 0..3 {
+        assert_eq!(status(tls_get(tg.addr, &ca, "/x", None).await), 200);
+    }
+    let refused = tls_get(tg.addr, &ca, "/x", Some((&a, &a_key))).await.unwrap();
+    assert_eq!(refused.status, 429);
+    let body = String::from_utf8_lossy(&refused.body).into_owned();
+    assert!(body.contains("per_identity"), "{body}");
+}
+
+#[tokio::test]
+async fn the_grpc_listener_serves_tls_when_asked() {
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("server", "localhost", Some(LOCAL));
+    let up = TestUpstream::start().await;
+    let mut args = tls_args(&cert, &key);
+    args.extend(["--grpc-tls", "true"]);
+    let tg = Tollgate::start(LIMITS, up.addr, &args);
+    // grpc.health.v1.Health/Check with an empty request: one uncompressed
+    // gRPC frame of zero bytes. The answer is status SERVING (field 1 = 1).
+    let frame = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(frame.path(), [0u8, 0, 0, 0, 0]).unwrap();
+    let data = format!("@{}", frame.path().display());
+    let (version, code, body) = curl(
+        tg.grpc.unwrap(),
+        &pki.ca(),
+        "/grpc.health.v1.Health/Check",
+        &[
+            "--http2",
+            "-D",
+            "-",
+            "-H",
+            "content-type: application/grpc",
+            "-H",
+            "te: trailers",
+            "--data-binary",
+            &data,
+        ],
+    )
+    .await;
+    assert_eq!((version.as_str(), code.as_str()), ("2", "200"), "{body}");
+    assert!(body.contains("grpc-status: 0"), "{body}");
+    assert!(
+        body.contains("\u{0}\u{0}\u{0}\u{0}\u{2}\u{8}\u{1}"),
+        "SERVING: {body:?}"
+    );
+    // A plaintext HTTP/2 client gets nothing from the TLS listener.
+    assert_eq!(curl_plain_h2(tg.grpc.unwrap()).await, "000");
+}
+
+/// curl with HTTP/2 prior knowledge in cleartext: the status it got.
+async fn curl_plain_h2(addr: std::net::SocketAddr) -> String {
+    let out = tokio::process::Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "3",
+            "--http2-prior-knowledge",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code}",
+        ])
+        .arg(format!("http://{addr}/grpc.health.v1.Health/Check"))
+        .output()
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}

@@ -83,6 +83,9 @@ pub struct Settings {
     /// Serve the check listener (--check-listen) over TLS too, with the same certificate.
     #[arg(long, env = "TOLLGATE_CHECK_TLS", default_value_t = false, action = ArgAction::Set, requires = "tls_cert")]
     pub check_tls: bool,
+    /// Serve the gRPC listener (--grpc-listen) over TLS too, with the same certificate (ALPN h2).
+    #[arg(long, env = "TOLLGATE_GRPC_TLS", default_value_t = false, action = ArgAction::Set, requires = "tls_cert")]
+    pub grpc_tls: bool,
     /// Verify an https:// --upstream against this CA bundle (PEM) instead of the system's roots.
     #[arg(long, env = "TOLLGATE_UPSTREAM_CA")]
     pub upstream_ca: Option<PathBuf>,

@@ -306,6 +306,9 @@ pub enum Part {
     Header(HeaderName),
     /// A query parameter's value.
     Query(String),
+    /// The subject of the client's verified TLS certificate (proxy listener
+    /// with `--tls-client-ca`).
+    ClientCert,
 }
 
 impl Part {
@@ -320,6 +323,7 @@ impl Part {
             Part::Host => "host".into(),
             Part::Header(name) => format!("header:{name}"),
             Part::Query(name) => format!("query:{name}"),
+            Part::ClientCert => "client_cert".into(),
         }
     }
 }

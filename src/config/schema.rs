@@ -440,6 +440,7 @@ impl<'de> Deserialize<'de> for PartSpec {
             "method" => Part::Method,
             "path" => Part::Path,
             "host" => Part::Host,
+            "client_cert" => Part::ClientCert,
             other => match other.split_once(':') {
                 Some(("header", name)) => Part::Header(
                     HeaderName::from_bytes(name.as_bytes())
@@ -448,7 +449,7 @@ impl<'de> Deserialize<'de> for PartSpec {
                 Some(("query", name)) if !name.is_empty() => Part::Query(name.to_string()),
                 _ => {
                     return Err(de::Error::custom(format!(
-                        "unknown by entry \"{other}\"; expected client_ip, client_ip/V6LEN, client_ip/V4LEN/V6LEN, method, path, host, header:NAME or query:NAME"
+                        "unknown by entry \"{other}\"; expected client_ip, client_ip/V6LEN, client_ip/V4LEN/V6LEN, method, path, host, header:NAME, query:NAME or client_cert"
                     )));
                 }
             },

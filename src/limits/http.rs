@@ -28,6 +28,8 @@ pub struct RequestInfo<'a> {
     pub headers: &'a HeaderMap,
     /// The client address, after trusted-proxy resolution.
     pub client_ip: IpAddr,
+    /// The subject of the client's verified TLS certificate, if it sent one.
+    pub client_cert: Option<&'a str>,
 }
 
 /// A request that cannot be decided as sent (answered 400).
@@ -268,6 +270,7 @@ fn part_value(
             // hands them through, and the upstream's parser strips them.
             Some(Value::from_bytes(first.as_bytes().trim_ascii().to_vec()))
         }
+        Part::ClientCert => req.client_cert.map(|s| Value::Text(s.to_string())),
         Part::Query(name) => match req.query {
             None => None,
             Some(query) => {
@@ -374,6 +377,7 @@ rules:
             host: Some("API.example.com:8443"),
             headers,
             client_ip: "10.0.0.7".parse().unwrap(),
+            client_cert: None,
         }
     }
 
@@ -451,7 +455,7 @@ rules:
                 }
             }
             let client_ip = if v6 { "2001:db8::1".parse().unwrap() } else { "10.0.0.7".parse().unwrap() };
-            let req = RequestInfo { method: &method, path: &path, query: query.as_deref(), host: host.as_deref(), headers: &h, client_ip };
+            let req = RequestInfo { method: &method, path: &path, query: query.as_deref(), host: host.as_deref(), headers: &h, client_ip, client_cert: None };
             if let Ok(hits) = hits(&limits, &req) {
                 for hit in hits {
                     proptest::prop_assert!(hit.key.len() < 400, "{}", hit.key);
@@ -545,7 +549,7 @@ rules:
                 for (name, value) in header {
                     headers.append(name, value.parse().unwrap());
                 }
-                let req = RequestInfo { method: &method, path: &path, query: None, host, headers: &headers, client_ip: "10.0.0.1".parse().unwrap() };
+                let req = RequestInfo { method: &method, path: &path, query: None, host, headers: &headers, client_ip: "10.0.0.1".parse().unwrap(), client_cert: None };
                 let seen = |hits: Vec<Hit>| hits.into_iter().map(|h| (h.rule.name.clone(), h.key, h.cost)).collect::<Vec<_>>();
                 let scan = hits(&limits, &req).map(seen);
                 let mut indexed = Vec::new();

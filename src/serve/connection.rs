@@ -42,14 +42,13 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
-use tokio_rustls::server::TlsStream;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
 use super::{ConnLimits, stopped};
 use crate::metrics::Held;
-use crate::tls::ClientTls;
+use crate::tls::{ClientStream, ClientTls};
 
 /// How long an HTTP/1 connection sits idle before hyper's state for it is
 /// dropped. Long enough that back-to-back keep-alive requests never pay
@@ -190,74 +189,6 @@ struct ClientIo {
     activity: Arc<Activity>,
 }
 
-/// The client's socket, or the TLS session over it.
-enum ClientStream {
-    Plain(TcpStream),
-    /// Boxed: a TLS session's state is large next to a plain socket.
-    Tls(Box<TlsStream<TcpStream>>),
-}
-
-impl ClientStream {
-    /// Waits until the socket has bytes (a parked connection's wake-up).
-    async fn readable(&self) -> io::Result<()> {
-        match self {
-            ClientStream::Plain(s) => s.readable().await,
-            // Never parked: the session may hold bytes it already decrypted.
-            ClientStream::Tls(_) => Ok(()),
-        }
-    }
-}
-
-impl AsyncRead for ClientStream {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientStream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
-        }
-    }
-}
-
-impl AsyncWrite for ClientStream {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ClientStream::Plain(s) => Pin::new(s).poll_write(cx, buf),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        match self.get_mut() {
-            ClientStream::Plain(s) => Pin::new(s).poll_write_vectored(cx, bufs),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        match self {
-            ClientStream::Plain(s) => s.is_write_vectored(),
-            ClientStream::Tls(s) => s.is_write_vectored(),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientStream::Plain(s) => Pin::new(s).poll_flush(cx),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ClientStream::Plain(s) => Pin::new(s).poll_shutdown(cx),
-            ClientStream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
-        }
-    }
-}
-
 impl AsyncRead for ClientIo {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         if !self.replay.is_empty() {
@@ -299,6 +230,15 @@ impl AsyncWrite for ClientIo {
             return Poll::Ready(Ok(()));
         }
         Pin::new(&mut self.stream).poll_shutdown(cx)
+    }
+}
+
+/// Waits until a parked connection's socket has bytes.
+async fn readable(stream: &ClientStream) -> io::Result<()> {
+    match stream {
+        ClientStream::Plain(s) => s.readable().await,
+        // Never parked: the session may hold bytes it already decrypted.
+        ClientStream::Tls(_) => Ok(()),
     }
 }
 
@@ -406,13 +346,13 @@ pub(super) async fn serve<F, Fut, B>(
     };
     drop(held);
     let tls = match &io.stream {
-        ClientStream::Tls(_) => Some(ClientTls),
+        ClientStream::Tls(session) => Some(ClientTls::of(session.get_ref().1)),
         ClientStream::Plain(_) => None,
     };
     let seen = activity.clone();
     let service = service_fn(move |mut req: Request<Incoming>| {
         if let Some(tls) = &tls {
-            req.extensions_mut().insert(*tls);
+            req.extensions_mut().insert(tls.clone());
         }
         let busy = seen.began(asks_to_close(&req));
         let head = req.method() == http::Method::HEAD;
@@ -525,7 +465,7 @@ async fn serve_http1<S, B>(
         tracing::trace!(%peer, "idle connection parked");
         let _held = Held::new(waiting.clone());
         tokio::select! {
-            readable = io.stream.readable() => {
+            readable = readable(&io.stream) => {
                 if let Err(e) = readable {
                     tracing::debug!(%peer, error = %e, "parked connection failed");
                     return;

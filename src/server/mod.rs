@@ -216,12 +216,18 @@ struct Tls {
     cert: Option<Arc<LiveCert>>,
     /// The proxy's and check listener's: ALPN h2 and http/1.1.
     http: Option<TlsListener>,
+    /// The gRPC listener's, with --grpc-tls: ALPN h2.
+    grpc: Option<TlsListener>,
 }
 
 impl Tls {
     fn load(settings: &Settings) -> Result<Tls, StartError> {
         let (Some(cert), Some(key)) = (&settings.tls_cert, &settings.tls_key) else {
-            return Ok(Tls { cert: None, http: None });
+            return Ok(Tls {
+                cert: None,
+                http: None,
+                grpc: None,
+            });
         };
         let cert_path = cert;
         let cert = LiveCert::load(cert, key)?;
@@ -231,17 +237,18 @@ impl Tls {
             (Some(ca), ClientAuthArg::Optional) => ClientAuth::Optional(ca.clone()),
         };
         let http = TlsListener::new(cert.clone(), &client_auth, &[b"h2", b"http/1.1"])?;
+        let grpc = match settings.grpc_tls {
+            true => Some(TlsListener::new(cert.clone(), &client_auth, &[b"h2"])?),
+            false => None,
+        };
         cert.watch();
-        tracing::info!(cert = %settings_path(cert_path), client_auth = ?client_auth, check = settings.check_tls, "TLS on the proxy listener");
+        tracing::info!(cert = %cert_path.display(), client_auth = ?client_auth, check = settings.check_tls, grpc = settings.grpc_tls, "TLS on the proxy listener");
         Ok(Tls {
             cert: Some(cert),
             http: Some(http),
+            grpc,
         })
     }
-}
-
-fn settings_path(path: &std::path::Path) -> std::path::Display<'_> {
-    path.display()
 }
 
 /// The counter store the settings ask for: Redis when given, else memory.
@@ -379,6 +386,7 @@ impl Parts {
             let worker = workers::Worker {
                 proxy,
                 tls: tls.http.clone(),
+                grpc_tls: tls.grpc.clone(),
                 grpc,
                 limits: self.conn_limits,
                 gate: self.proxy_gate.clone(),

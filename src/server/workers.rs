@@ -10,14 +10,13 @@ use std::time::Duration;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{mpsc, watch};
-use tokio_stream::StreamExt;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::StartError;
 use crate::serve::{ConnLimits, Gate, accept, serve};
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::Proxy;
-use crate::tls::TlsListener;
+use crate::tls::{ClientStream, TlsListener};
 
 /// What one worker thread serves.
 pub(super) struct Worker {
@@ -25,6 +24,8 @@ pub(super) struct Worker {
     pub proxy: Option<(std::net::TcpListener, Proxy)>,
     /// TLS on the proxy listener.
     pub tls: Option<TlsListener>,
+    /// TLS on the gRPC connections.
+    pub grpc_tls: Option<TlsListener>,
     /// gRPC connections dealt to this thread, and the RLS answering them.
     pub grpc: Option<(mpsc::UnboundedReceiver<std::net::TcpStream>, RlsService)>,
     /// Limits on client connections.
@@ -48,6 +49,7 @@ impl Worker {
         let Worker {
             proxy,
             tls,
+            grpc_tls,
             grpc,
             limits,
             gate,
@@ -78,7 +80,7 @@ impl Worker {
                 Some((incoming, rls)) => {
                     tokio::join!(
                         http,
-                        serve_grpc(incoming, rls, stop.clone(), limits.header_read_timeout)
+                        serve_grpc(incoming, grpc_tls, rls, stop.clone(), limits.header_read_timeout)
                     );
                 }
                 None => http.await,
@@ -152,10 +154,49 @@ pub(super) async fn deal_grpc(
     }
 }
 
+/// The connections dealt to this thread, ready for tonic: as they are, or
+/// once their TLS handshake is done (each on its own task, within
+/// `handshake_within`, so a slow client holds up no other).
+fn handshakes(
+    incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    tls: Option<TlsListener>,
+    handshake_within: Duration,
+) -> UnboundedReceiverStream<std::io::Result<ClientStream>> {
+    let (ready, out) = mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        let mut incoming = incoming;
+        while let Some(stream) = incoming.recv().await {
+            let stream = match tokio::net::TcpStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot take a gRPC connection over");
+                    continue;
+                }
+            };
+            let Some(tls) = &tls else {
+                let _ = ready.send(Ok(ClientStream::Plain(stream)));
+                continue;
+            };
+            let (acceptor, ready) = (tls.acceptor().clone(), ready.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(handshake_within, acceptor.accept(stream)).await {
+                    Ok(Ok(session)) => {
+                        let _ = ready.send(Ok(ClientStream::Tls(Box::new(session))));
+                    }
+                    Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake failed"),
+                    Err(_) => tracing::debug!("gRPC TLS handshake not done within the header read timeout"),
+                }
+            });
+        }
+    });
+    UnboundedReceiverStream::new(out)
+}
+
 /// Serves Envoy RLS and gRPC health on the connections dealt to this thread
 /// until `stop` turns true.
 async fn serve_grpc(
     incoming: mpsc::UnboundedReceiver<std::net::TcpStream>,
+    tls: Option<TlsListener>,
     rls: RlsService,
     mut stop: watch::Receiver<bool>,
     ping_every: Duration,
@@ -166,7 +207,7 @@ async fn serve_grpc(
     reporter
         .set_service_status("ratelimit", tonic_health::ServingStatus::Serving)
         .await;
-    let incoming = UnboundedReceiverStream::new(incoming).map(tokio::net::TcpStream::from_std);
+    let incoming = handshakes(incoming, tls, ping_every);
     // A peer that stops answering HTTP/2 PINGs (a slow-loris that sent a
     // preface and never a whole request) is closed; Envoy answers them.
     let result = tonic::transport::Server::builder()

@@ -104,6 +104,8 @@ impl DecisionHttp {
             host,
             headers: req.headers(),
             client_ip: self.trusted.client_ip(peer.ip(), req.headers()),
+            // The TLS client here is Envoy or NGINX, not the caller.
+            client_cert: None,
         };
         let decision = match self.decide(Surface::ExtAuthz, &info).await {
             Ok(d) => d,
@@ -162,6 +164,8 @@ impl DecisionHttp {
             host,
             headers,
             client_ip: self.trusted.client_ip(peer.ip(), headers),
+            // The TLS client here is Envoy or NGINX, not the caller.
+            client_cert: None,
         };
         let decision = match self.decide(Surface::AuthRequest, &info).await {
             Ok(d) => d,

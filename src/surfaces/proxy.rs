@@ -139,6 +139,7 @@ impl Proxy {
         };
         // The path as sent: the limits refuse an ambiguous one before any
         // normalising could hide what made it so (`/a%2F/../b`).
+        let tls = req.extensions().get::<crate::tls::ClientTls>();
         let info = RequestInfo {
             method: req.method(),
             path: req.uri().path(),
@@ -146,6 +147,7 @@ impl Proxy {
             host: host.as_deref(),
             headers: req.headers(),
             client_ip,
+            client_cert: tls.and_then(|t| t.subject.as_deref()),
         };
         // The catalog guard is let go at the end of this statement, before
         // the decision awaits.

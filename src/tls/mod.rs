@@ -8,6 +8,7 @@
 //! read whole.
 
 pub mod listener;
+pub mod stream;
 pub mod upstream;
 
 use std::io::Read;
@@ -19,12 +20,30 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 pub use listener::{ClientAuth, LiveCert, TlsListener};
+pub use stream::ClientStream;
 pub use upstream::upstream_config;
 
 /// Marks a request that came over TLS (a request extension the proxy reads
-/// for `X-Forwarded-Proto`).
-#[derive(Debug, Clone, Copy)]
-pub struct ClientTls;
+/// for `X-Forwarded-Proto` and `by: [client_cert]`).
+#[derive(Debug, Clone)]
+pub struct ClientTls {
+    /// The subject of the client's certificate, when it sent one and it
+    /// verified (`CN=client-a, O=Acme`).
+    pub subject: Option<Arc<str>>,
+}
+
+impl ClientTls {
+    /// What a finished handshake tells of the client: the subject of the
+    /// first certificate it presented (rustls hands out only verified ones).
+    pub fn of(session: &rustls::ServerConnection) -> ClientTls {
+        let subject = session
+            .peer_certificates()
+            .and_then(|chain| chain.first())
+            .and_then(|leaf| x509_parser::parse_x509_certificate(leaf).ok())
+            .map(|(_, cert)| Arc::from(cert.subject().to_string()));
+        ClientTls { subject }
+    }
+}
 
 /// Largest PEM file read: a chain of a dozen certificates is ~20 KB.
 const MAX_PEM_BYTES: u64 = 1024 * 1024;
