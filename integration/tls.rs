@@ -501,7 +501,7 @@ fn tls_nginx(pki: &Pki, san: &str) -> (Nginx, u16) {
     let port = free_port();
     let extra = format!(
         "server {{ listen 127.0.0.1:{port} ssl; ssl_certificate {}; ssl_certificate_key {}; \
-         location / {{ return 200 \"from nginx over tls $ssl_protocol $ssl_server_name\\n\"; }} }}",
+         location / {{ return 200 \"from nginx over tls $ssl_protocol $ssl_server_name $server_protocol\\n\"; }} }}",
         cert.display(),
         key.display()
     );
@@ -546,6 +546,10 @@ async fn an_https_upstream_is_verified_and_reused() {
         let body = String::from_utf8_lossy(&answer.body).into_owned();
         assert!(body.starts_with("from nginx over tls TLSv1."), "{body}");
         assert!(body.contains("localhost"), "SNI names the upstream's host: {body}");
+        assert!(
+            body.contains("HTTP/1.1"),
+            "NGINX without http2 picks HTTP/1.1 by ALPN: {body}"
+        );
     }
     // Kept alive and reused: ten requests, one after the other, over at
     // most two connections (seen: the second request opens a second TLS
@@ -681,4 +685,117 @@ async fn curl_plain_h2(addr: std::net::SocketAddr) -> String {
         .await
         .unwrap();
     String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[tokio::test]
+async fn an_upstream_that_picks_h2_gets_one_multiplexed_connection() {
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("upstream", "localhost", Some(LOCAL));
+    // NGINX speaking h2 over TLS, in front of the echoing test upstream, so
+    // bodies and headers are seen to cross the HTTP/2 hop both ways.
+    let echo = TestUpstream::start().await;
+    let port = free_port();
+    let extra = format!(
+        "server {{ listen 127.0.0.1:{port} ssl http2; ssl_certificate {}; ssl_certificate_key {}; \
+         location /proto {{ return 200 \"$server_protocol $http_host\"; }} \
+         location / {{ proxy_pass http://{}; proxy_http_version 1.1; }} }}",
+        cert.display(),
+        key.display(),
+        echo.addr
+    );
+    let _nginx = Nginx::start(&extra, "location / { return 204; }");
+    let ca = pki.ca();
+    let tg = https_upstream(
+        &format!("https://localhost:{port}"),
+        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
+    );
+    let answer = send(
+        &client(),
+        http::Method::GET,
+        &tg.url("/proto"),
+        &[("host", "api.test")],
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(answer.status, 200);
+    assert_eq!(
+        String::from_utf8_lossy(&answer.body),
+        "HTTP/2.0 api.test",
+        "h2 to the upstream, the client's Host as :authority"
+    );
+    // Twenty at once, each with a body: one connection carries them all.
+    let c = client();
+    let calls = (0..20).map(|i| {
+        let c = c.clone();
+        let url = tg.url(&format!("/echo/{i}"));
+        async move {
+            send(
+                &c,
+                http::Method::POST,
+                &url,
+                &[("x-call", &i.to_string())],
+                pattern(10_000 + i),
+            )
+            .await
+        }
+    });
+    for (i, answer) in futures_join_all(calls).await.into_iter().enumerate() {
+        assert_eq!(answer.status, 200);
+        assert_eq!(answer.body, pattern(10_000 + i), "call {i}'s body came back whole");
+        assert_eq!(answer.header("x-seen-x-call"), Some(i.to_string().as_str()));
+    }
+    assert_eq!(metric(&tg, "tollgate_upstream_connections").await, 1);
+}
+
+/// Runs every future to its end, concurrently, in order of the input.
+async fn futures_join_all<F>(futures: impl IntoIterator<Item = F>) -> Vec<F::Output>
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    let handles: Vec<_> = futures.into_iter().map(tokio::spawn).collect();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        out.push(h.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test]
+async fn an_h2_upstream_ending_its_connections_loses_no_request() {
+    // NGINX sends GOAWAY after every third request on a connection
+    // (keepalive_requests counts HTTP/2 streams too): a request racing it
+    // goes out on a new connection instead of failing.
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("upstream", "localhost", Some(LOCAL));
+    let port = free_port();
+    let extra = format!(
+        "server {{ listen 127.0.0.1:{port} ssl http2; keepalive_requests 3; ssl_certificate {}; \
+         ssl_certificate_key {}; location / {{ return 200 \"$server_protocol\"; }} }}",
+        cert.display(),
+        key.display()
+    );
+    let _nginx = Nginx::start(&extra, "location / { return 204; }");
+    let ca = pki.ca();
+    let tg = https_upstream(
+        &format!("https://localhost:{port}"),
+        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
+    );
+    let c = client();
+    for round in 0..10 {
+        let calls = (0..4).map(|_| {
+            let (c, url) = (c.clone(), tg.url("/"));
+            async move { get(&c, &url, &[]).await }
+        });
+        for answer in futures_join_all(calls).await {
+            assert_eq!(
+                answer.status,
+                200,
+                "round {round}: {:?}\n{}",
+                answer.body,
+                tg.log_text()
+            );
+            assert_eq!(answer.body, "HTTP/2.0");
+        }
+    }
 }

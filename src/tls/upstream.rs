@@ -11,7 +11,8 @@ use rustls::{ClientConfig, RootCertStore};
 use super::{TlsError, provider, read_certs};
 
 /// The client configuration for an `https://` upstream: roots from `ca`
-/// (a PEM bundle) or else the system's, TLS 1.2 and 1.3, HTTP/1.1 by ALPN.
+/// (a PEM bundle) or else the system's, TLS 1.2 and 1.3, h2 or HTTP/1.1 as
+/// the upstream picks by ALPN.
 pub fn upstream_config(ca: Option<&Path>) -> Result<Arc<ClientConfig>, TlsError> {
     let mut roots = RootCertStore::empty();
     match ca {
@@ -42,7 +43,6 @@ pub fn upstream_config(ca: Option<&Path>) -> Result<Arc<ClientConfig>, TlsError>
         .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])?
         .with_root_certificates(roots)
         .with_no_client_auth();
-    // The pool speaks HTTP/1.1 to the upstream.
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
     Ok(Arc::new(config))
 }

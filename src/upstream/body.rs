@@ -73,7 +73,8 @@ impl IdleTimer {
 
 /// The client's request body on its way upstream.
 pub struct ClientBody {
-    body: Incoming,
+    /// `None`: no body (a request sent again, whose body was empty).
+    body: Option<Incoming>,
     timer: IdleTimer,
     /// Fired once the whole body has been read (or it failed).
     sent: Option<oneshot::Sender<()>>,
@@ -84,15 +85,24 @@ impl ClientBody {
     pub fn new(body: Incoming, idle: Duration) -> (Self, oneshot::Receiver<()>) {
         let (tx, rx) = oneshot::channel();
         let mut body = ClientBody {
-            body,
+            body: Some(body),
             timer: IdleTimer::new(idle),
             sent: Some(tx),
         };
         // An empty body is never polled: it is sent with the head.
-        if body.body.is_end_stream() {
+        if body.is_end_stream() {
             body.finished();
         }
         (body, rx)
+    }
+
+    /// No body at all: for a body-less request sent again.
+    pub fn empty(idle: Duration) -> Self {
+        ClientBody {
+            body: None,
+            timer: IdleTimer::new(idle),
+            sent: None,
+        }
     }
 
     fn finished(&mut self) {
@@ -108,7 +118,10 @@ impl Body for ClientBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
-        let frame = this.timer.poll(Pin::new(&mut this.body), cx);
+        let Some(body) = this.body.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let frame = this.timer.poll(Pin::new(body), cx);
         match &frame {
             Poll::Ready(None) => this.finished(),
             Poll::Ready(Some(Err(e))) => {
@@ -123,11 +136,11 @@ impl Body for ClientBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        self.body.as_ref().is_none_or(|b| b.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        self.body.as_ref().map_or_else(|| SizeHint::with_exact(0), |b| b.size_hint())
     }
 }
 

@@ -1,4 +1,5 @@
-//! Keep-alive HTTP/1.1 connections from one proxy thread to the upstream.
+//! Keep-alive HTTP/1.1 connections from one proxy thread to the upstream,
+//! or one multiplexed HTTP/2 connection when a TLS upstream picks h2 by ALPN.
 //!
 //! Each proxy thread runs its own single-threaded runtime and talks to one
 //! upstream, so its connections need no sharing between threads and no map
@@ -23,8 +24,10 @@ use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
+use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::http2;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
@@ -53,6 +56,12 @@ pub enum SendError {
     /// The HTTP exchange failed (connection reset, malformed response...).
     #[error("upstream exchange failed: {0}")]
     Http(#[from] hyper::Error),
+    /// A new HTTP/2 connection closed before the request went out.
+    #[error("the upstream's new HTTP/2 connection closed before the request was sent")]
+    Unsent,
+    /// The request's target cannot be written as HTTP/2's `:authority` and `:path`.
+    #[error("request target cannot be sent over HTTP/2: {0}")]
+    Target(#[from] http::uri::InvalidUriParts),
 }
 
 impl SendError {
@@ -80,6 +89,16 @@ struct PoolInner {
     max_idle: usize,
     /// Whether the task that closes idle connections without traffic runs.
     sweeping: AtomicBool,
+    /// The thread's HTTP/2 connection, when the upstream chose h2 by ALPN:
+    /// every request shares it (NGINX's `http2_max_concurrent_streams` and
+    /// the like queue the excess on it).
+    h2: Mutex<Option<http2::SendRequest<ClientBody>>>,
+}
+
+/// A new connection, as the upstream chose to speak on it.
+enum Connected {
+    Http1(SendRequest<ClientBody>),
+    Http2(http2::SendRequest<ClientBody>),
 }
 
 /// How long one of several addresses of the upstream gets before the next
@@ -105,6 +124,7 @@ impl UpstreamPool {
                 idle_timeout,
                 max_idle,
                 sweeping: AtomicBool::new(false),
+                h2: Mutex::new(None),
             }),
         }
     }
@@ -112,10 +132,37 @@ impl UpstreamPool {
     /// Sends `req` (origin-form URI, `Host` set) and returns the response
     /// head; the body streams from the upstream as it is read.
     pub async fn send(&self, mut req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
+        if let Some(h2) = self.shared_h2() {
+            // A body-less request can be sent again as it was if the
+            // upstream refuses it unprocessed.
+            let again = req.body().is_end_stream().then(|| Replay::of(&req));
+            match self.send_h2(h2, req).await {
+                Ok(Ok(response)) => return Ok(response),
+                // The connection was going away (NGINX ends one with GOAWAY
+                // after keepalive_requests): nothing went out, so a new
+                // connection may carry it.
+                Ok(Err(unsent)) => req = unsent,
+                // It went out on a connection that was going away, and the
+                // upstream says it did not process it (RFC 9113 §8.7).
+                Err(SendError::Http(e)) if again.as_ref().is_some_and(|r| r.may_resend(&e)) => {
+                    let Some(again) = again else { return Err(SendError::Http(e)) };
+                    req = again.request(self.inner.body_timeout);
+                }
+                Err(e) => return Err(e),
+            }
+            *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        }
         loop {
             let (mut sender, reused) = match self.take() {
                 Some(sender) => (sender, true),
-                None => (self.connect().await?, false),
+                None => match self.connect().await? {
+                    Connected::Http1(sender) => (sender, false),
+                    Connected::Http2(h2) => {
+                        *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
+                        // A fresh connection failing is final.
+                        return self.send_h2(h2, req).await?.map_err(|_| SendError::Unsent);
+                    }
+                },
             };
             match sender.try_send_request(req).await {
                 Ok(response) => return Ok(self.lease(sender, response)),
@@ -128,6 +175,52 @@ impl UpstreamPool {
                 },
             }
         }
+    }
+
+    /// The thread's HTTP/2 connection, while it is open.
+    fn shared_h2(&self) -> Option<http2::SendRequest<ClientBody>> {
+        let mut h2 = self.inner.h2.lock().unwrap_or_else(|p| p.into_inner());
+        if h2.as_ref().is_some_and(|s| s.is_closed()) {
+            *h2 = None;
+        }
+        h2.clone()
+    }
+
+    /// Sends `req` as an HTTP/2 stream: the origin-form target becomes
+    /// `:path`, the `Host` the client sent (or the upstream's) `:authority`.
+    /// A request the connection did not send comes back as it was given.
+    async fn send_h2(
+        &self,
+        mut h2: http2::SendRequest<ClientBody>,
+        mut req: Request<ClientBody>,
+    ) -> Result<Result<Response<UpstreamBody>, Request<ClientBody>>, SendError> {
+        let authority = req
+            .headers_mut()
+            .remove(http::header::HOST)
+            .and_then(|h| Authority::try_from(h.as_bytes()).ok())
+            .unwrap_or_else(|| self.inner.authority.clone());
+        let mut parts = std::mem::take(req.uri_mut()).into_parts();
+        parts.scheme = Some(http::uri::Scheme::HTTPS);
+        parts.authority = Some(authority);
+        if parts.path_and_query.is_none() {
+            parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
+        }
+        *req.uri_mut() = Uri::from_parts(parts)?;
+        *req.version_mut() = http::Version::HTTP_2;
+        let response = match h2.try_send_request(req).await {
+            Ok(response) => response,
+            Err(mut e) => match e.take_message() {
+                Some(unsent) => return Ok(Err(as_http1(unsent))),
+                None => return Err(SendError::Http(e.into_error())),
+            },
+        };
+        let timer = IdleTimer::new(self.inner.body_timeout);
+        Ok(Ok(response.map(|body| UpstreamBody {
+            body,
+            timer,
+            lease: None,
+            ended: false,
+        })))
     }
 
     /// The most recently returned connection that can take a request now.
@@ -184,7 +277,7 @@ impl UpstreamPool {
         });
     }
 
-    async fn connect(&self) -> Result<SendRequest<ClientBody>, SendError> {
+    async fn connect(&self) -> Result<Connected, SendError> {
         let authority = &self.inner.authority;
         let connect_error = |source| SendError::Connect {
             authority: authority.clone(),
@@ -222,7 +315,7 @@ impl UpstreamPool {
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
         match &self.inner.tls {
-            None => start_connection(stream).await,
+            None => start_connection(stream).await.map(Connected::Http1),
             Some(tls) => {
                 let stream = tls
                     .connector
@@ -232,7 +325,11 @@ impl UpstreamPool {
                         authority: authority.clone(),
                         source,
                     })?;
-                start_connection(stream).await
+                if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                    start_h2(stream).await.map(Connected::Http2)
+                } else {
+                    start_connection(stream).await.map(Connected::Http1)
+                }
             }
         }
     }
@@ -267,6 +364,85 @@ where
         let _open = open;
         if let Err(e) = conn.with_upgrades().await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
+}
+
+/// The head of a body-less request, to send it again.
+struct Replay {
+    method: http::Method,
+    uri: Uri,
+    headers: http::HeaderMap,
+}
+
+impl Replay {
+    fn of(req: &Request<ClientBody>) -> Replay {
+        Replay {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            headers: req.headers().clone(),
+        }
+    }
+
+    /// Whether the upstream's answer `e` lets it go out again: a stream
+    /// reset with REFUSED_STREAM was never processed (RFC 9113 §8.7); one
+    /// cut by the upstream's GOAWAY most likely was not, and an idempotent
+    /// method may be sent twice either way (RFC 9110 §9.2.2).
+    fn may_resend(&self, e: &hyper::Error) -> bool {
+        let mut source = std::error::Error::source(e);
+        while let Some(err) = source {
+            if let Some(h2) = err.downcast_ref::<h2::Error>() {
+                return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                    || (h2.is_go_away() && h2.is_remote() && self.method.is_idempotent());
+            }
+            source = err.source();
+        }
+        false
+    }
+
+    fn request(self, body_timeout: Duration) -> Request<ClientBody> {
+        let mut req = Request::new(ClientBody::empty(body_timeout));
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers;
+        req
+    }
+}
+
+/// A request made ready for HTTP/2 as it was before: origin-form target,
+/// `:authority` back in `Host`.
+fn as_http1(mut req: Request<ClientBody>) -> Request<ClientBody> {
+    let parts = std::mem::take(req.uri_mut()).into_parts();
+    if let Some(host) = parts
+        .authority
+        .as_ref()
+        .and_then(|a| http::HeaderValue::from_str(a.as_str()).ok())
+    {
+        req.headers_mut().insert(http::header::HOST, host);
+    }
+    if let Some(pq) = parts.path_and_query {
+        *req.uri_mut() = Uri::from(pq);
+    }
+    *req.version_mut() = http::Version::HTTP_11;
+    req
+}
+
+/// Begins HTTP/2 on a new connection the upstream chose h2 for; the
+/// connection runs on its own task until it closes.
+async fn start_h2<T>(io: T) -> Result<http2::SendRequest<ClientBody>, SendError>
+where
+    T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
+{
+    let (sender, conn) = http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .handshake(TokioIo::new(io))
+        .await?;
+    let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
+    tokio::spawn(async move {
+        let _open = open;
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
         }
     });
     Ok(sender)
