@@ -799,3 +799,138 @@ async fn an_h2_upstream_ending_its_connections_loses_no_request() {
         }
     }
 }
+
+#[tokio::test]
+async fn a_named_pipe_in_place_of_the_key_is_refused_and_neither_reloads_nor_shutdown_hang() {
+    let pki = Pki::new();
+    let (good, good_key) = pki.leaf("good", "localhost", Some(LOCAL));
+    let (next, next_key) = pki.leaf("next", "localhost", Some(LOCAL));
+    let live = tempfile::tempdir().unwrap();
+    let (cert, key) = (live.path().join("tls.crt"), live.path().join("tls.key"));
+    std::fs::copy(&good, &cert).unwrap();
+    std::fs::copy(&good_key, &key).unwrap();
+    let up = TestUpstream::start().await;
+    let mut tg = Tollgate::start("domain: tls\nrules: []\n", up.addr, &tls_args(&cert, &key));
+    std::fs::remove_file(&key).unwrap();
+    let made = Command::new("mkfifo").arg(&key).status().unwrap();
+    assert!(made.success());
+    assert!(tg.logged("not a regular file"), "{}", tg.log_text());
+    let config = get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json();
+    assert!(
+        config["tls"]["last_error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("not a regular file"),
+        "{config}"
+    );
+    // A good pair afterwards is read: the reload was not left waiting on the pipe.
+    std::fs::remove_file(&key).unwrap();
+    std::fs::copy(&next, &cert).unwrap();
+    std::fs::copy(&next_key, &key).unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while tls_get(tg.addr, &pki.ca(), "/", None).await.unwrap().peer != der_of(&next) {
+        assert!(std::time::Instant::now() < deadline, "the good pair was never served");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tg.signal("TERM");
+    assert_eq!(tg.wait_exit(Duration::from_secs(10)), Some(true), "exits on SIGTERM");
+}
+
+#[tokio::test]
+async fn a_self_signed_upstream_named_in_upstream_ca_is_trusted_as_curl_would() {
+    // `openssl req -x509` marks the certificate CA:TRUE; curl --cacert and
+    // NGINX's proxy_ssl_trusted_certificate trust it as the server's own.
+    let dir = tempfile::tempdir().unwrap();
+    let self_signed = |name: &str, san: &str| {
+        openssl(
+            dir.path(),
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:P-256",
+                "-nodes",
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.pem"),
+                "-days",
+                "2",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                &format!("subjectAltName={san}"),
+            ],
+        );
+        (
+            dir.path().join(format!("{name}.pem")),
+            dir.path().join(format!("{name}.key")),
+        )
+    };
+    let (cert, key) = self_signed("self", LOCAL);
+    let (elsewhere, _) = self_signed("elsewhere", "DNS:api.example");
+    let port = free_port();
+    let extra = format!(
+        "server {{ listen 127.0.0.1:{port} ssl; ssl_certificate {}; ssl_certificate_key {}; \
+         location / {{ return 200 \"self-signed upstream\"; }} }}",
+        cert.display(),
+        key.display()
+    );
+    let _nginx = Nginx::start(&extra, "location / { return 204; }");
+    let curl = Command::new("curl")
+        .args(["-sS", "--cacert", cert.to_str().unwrap()])
+        .arg(format!("https://localhost:{port}/"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&curl.stdout),
+        "self-signed upstream",
+        "curl trusts it"
+    );
+    let upstream = format!("https://localhost:{port}");
+    let tg = https_upstream(&upstream, &["--upstream-ca", cert.to_str().unwrap()]);
+    let answer = get(&client(), &tg.url("/"), &[]).await;
+    assert_eq!(answer.status, 200, "{}", tg.log_text());
+    assert_eq!(answer.body, "self-signed upstream");
+    // Another self-signed certificate is no anchor for this one.
+    let tg = https_upstream(&upstream, &["--upstream-ca", elsewhere.to_str().unwrap()]);
+    assert_eq!(get(&client(), &tg.url("/"), &[]).await.status, 502);
+}
+
+#[tokio::test]
+async fn an_untrusted_client_cannot_claim_https_in_another_header() {
+    // Rack believes X-Forwarded-Ssl: on before X-Forwarded-Proto; PHP and
+    // Rack read X-Forwarded_Proto as X-Forwarded-Proto.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let claims = [
+        ("forwarded", "for=1.2.3.4;proto=https"),
+        ("x-forwarded-ssl", "on"),
+        ("x-forwarded-scheme", "https"),
+        ("front-end-https", "on"),
+        ("x-forwarded_proto", "https"),
+        ("x-api_key", "k1"),
+    ];
+    let answer = get(&client(), &tg.url("/echo"), &claims).await;
+    assert_eq!(answer.status, 200);
+    for (name, _) in &claims[..5] {
+        assert_eq!(
+            answer.header(&format!("x-seen-{name}")),
+            None,
+            "{name} reached the upstream"
+        );
+    }
+    assert_eq!(answer.header("x-seen-x-forwarded-proto"), Some("http"));
+    assert_eq!(
+        answer.header("x-seen-x-api_key"),
+        Some("k1"),
+        "other underscore names pass"
+    );
+    // From a trusted proxy they are its to say.
+    let tg = Tollgate::start(LIMITS, up.addr, &["--trusted-proxies", "127.0.0.1/32"]);
+    let answer = get(&client(), &tg.url("/echo"), &claims).await;
+    assert_eq!(answer.header("x-seen-x-forwarded-ssl"), Some("on"));
+    assert_eq!(answer.header("x-seen-forwarded"), Some("for=1.2.3.4;proto=https"));
+}

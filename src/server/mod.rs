@@ -83,6 +83,8 @@ pub struct Server {
     threads: Vec<std::thread::JoinHandle<()>>,
     grace: std::time::Duration,
     _watch: Option<Vec<WatchGuard>>,
+    /// The listeners' certificate, read again on SIGHUP.
+    tls_cert: Option<Arc<LiveCert>>,
 }
 
 /// Starts tollgate, serves until `shutdown` resolves, then drains.
@@ -178,6 +180,7 @@ impl Server {
             threads,
             grace: settings.shutdown_timeout,
             _watch: watch_guard,
+            tls_cert: tls.cert.clone(),
         })
     }
 
@@ -186,10 +189,14 @@ impl Server {
         self.addresses
     }
 
-    /// Reloads every limits file and rescans every directory (SIGHUP).
+    /// Reloads every limits file and rescans every directory, and reads
+    /// the listeners' certificate again (SIGHUP).
     pub async fn reload(&self, cause: &'static str) {
         let files = self.files.clone();
         crate::reload::in_background(move || files.reload_all(cause)).await;
+        if let Some(cert) = self.tls_cert.clone() {
+            let _ = tokio::task::spawn_blocking(move || cert.check(true)).await;
+        }
     }
 
     /// Stops accepting, lets requests in flight finish (within the

@@ -50,6 +50,19 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
+/// Other ways a request claims how the client came (Rack reads
+/// `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`...):
+/// believed only from a trusted proxy, as `X-Forwarded-Proto` is.
+const SCHEME_CLAIMS: [&str; 7] = [
+    "forwarded",
+    "x-forwarded-ssl",
+    "x-forwarded-scheme",
+    "x-forwarded-protocol",
+    "front-end-https",
+    "x-forwarded-port",
+    "x-url-scheme",
+];
+
 /// Settings of the proxy surface.
 #[derive(Debug, Clone)]
 pub struct ProxyOptions {
@@ -237,6 +250,9 @@ impl Proxy {
         parts.version = Version::HTTP_11;
         let headers = &mut parts.headers;
         strip_hop_by_hop(headers, upgrade);
+        if !self.options.trusted.trusts(peer.ip()) {
+            strip_claims(headers);
+        }
         append_forwarded_for(headers, peer);
         if !headers.contains_key(&X_FORWARDED_PROTO) || !self.options.trusted.trusts(peer.ip()) {
             let proto = if tls { "https" } else { "http" };
@@ -306,6 +322,32 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     if upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+}
+
+/// Removes what an untrusted client says of how it came: the scheme
+/// claims, and any header that reads as a forwarding header once `_` is
+/// read as `-` (CGI-style servers, PHP and Rack among them, put
+/// `X-Forwarded_Proto` and `X-Forwarded-Proto` in one variable; NGINX drops
+/// such names by default).
+fn strip_claims(headers: &mut HeaderMap) {
+    let forwarding = |name: &str| {
+        SCHEME_CLAIMS.contains(&name)
+            || name == X_FORWARDED_FOR.as_str()
+            || name == X_FORWARDED_PROTO.as_str()
+            || name == X_FORWARDED_HOST.as_str()
+            || name == "x-real-ip"
+    };
+    let doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str();
+            SCHEME_CLAIMS.contains(&name) || (name.contains('_') && forwarding(&name.replace('_', "-")))
+        })
+        .cloned()
+        .collect();
+    for name in doomed {
+        headers.remove(name);
     }
 }
 
@@ -431,6 +473,25 @@ mod tests {
         let mut h = headers(&[("http2-settings", b"AAMAAABkAARAAAAAAAIAAAAA")]);
         strip_hop_by_hop(&mut h, false);
         assert!(h.is_empty());
+    }
+
+    #[test]
+    fn an_untrusted_clients_scheme_claims_go_in_every_spelling() {
+        let mut h = headers(&[
+            ("forwarded", b"for=1.2.3.4;proto=https"),
+            ("x-forwarded-ssl", b"on"),
+            ("front-end-https", b"on"),
+            ("x-forwarded_proto", b"https"),
+            ("x_forwarded_for", b"1.2.3.4"),
+            ("x_real_ip", b"1.2.3.4"),
+            ("x-api_key", b"kept"),
+            ("x-forwarded-proto", b"https"),
+        ]);
+        strip_claims(&mut h);
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort_unstable();
+        // X-Forwarded-Proto itself is overwritten by the caller, not here.
+        assert_eq!(left, ["x-api_key", "x-forwarded-proto"]);
     }
 
     #[test]

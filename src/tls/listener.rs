@@ -40,13 +40,16 @@ pub enum ClientAuth {
     Required(PathBuf),
 }
 
-/// What identifies a file's content without reading it.
+/// What identifies a file's content (and whether it can be read) without
+/// reading it: the change time moves with a chmod or chown too, so a pair
+/// refused as unreadable is read again once its mode is fixed.
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct FileStamp {
     dev: u64,
     ino: u64,
     len: u64,
     modified: Option<SystemTime>,
+    changed: (i64, i64),
 }
 
 fn stamp(path: &Path) -> Option<FileStamp> {
@@ -57,6 +60,7 @@ fn stamp(path: &Path) -> Option<FileStamp> {
         ino: meta.ino(),
         len: meta.len(),
         modified: meta.modified().ok(),
+        changed: (meta.ctime(), meta.ctime_nsec()),
     })
 }
 
@@ -103,13 +107,14 @@ impl LiveCert {
         }))
     }
 
-    /// Reads the files again if they changed since last read. Blocking
-    /// (file reads): called from the watch task's blocking thread.
-    pub fn check(&self) {
+    /// Reads the files again if they changed since last read (or, with
+    /// `always`, as SIGHUP asks). Blocking (file reads): called on a
+    /// blocking thread.
+    pub fn check(&self, always: bool) {
         let now_seen = (stamp(&self.cert_path), stamp(&self.key_path));
         {
             let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            if state.seen == now_seen {
+            if state.seen == now_seen && !always {
                 return;
             }
         }
@@ -149,7 +154,7 @@ impl LiveCert {
             loop {
                 tick.tick().await;
                 let Some(live) = weak.upgrade() else { return };
-                let _ = tokio::task::spawn_blocking(move || live.check()).await;
+                let _ = tokio::task::spawn_blocking(move || live.check(false)).await;
             }
         });
     }
@@ -230,5 +235,25 @@ impl TlsListener {
     /// The acceptor for this listener's connections.
     pub fn acceptor(&self) -> &TlsAcceptor {
         &self.acceptor
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_change_of_mode_alone_changes_the_stamp() {
+        // A pair refused as unreadable must be read again once its mode is
+        // fixed, though neither its content nor its mtime changed.
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let key = dir.path().join("k.pem");
+        std::fs::write(&key, "x").unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o000)).unwrap();
+        let before = stamp(&key);
+        std::thread::sleep(Duration::from_millis(20));
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert_ne!(stamp(&key), before);
     }
 }

@@ -93,13 +93,26 @@ pub fn provider() -> Arc<CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-/// Reads at most [`MAX_PEM_BYTES`] of `path`.
+/// Reads at most [`MAX_PEM_BYTES`] of `path`, which must be a regular file:
+/// opened without waiting (a named pipe would block the open until a writer
+/// came, holding the reload and the shutdown), then refused unless regular.
 fn read_capped(path: &Path) -> Result<Vec<u8>, TlsError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let read_error = |source| TlsError::Read {
         path: path.to_path_buf(),
         source,
     };
-    let file = std::fs::File::open(path).map_err(read_error)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(read_error)?;
+    if !file.metadata().map_err(read_error)?.is_file() {
+        return Err(read_error(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        )));
+    }
     let mut bytes = Vec::new();
     file.take(MAX_PEM_BYTES.saturating_add(1))
         .read_to_end(&mut bytes)
@@ -151,8 +164,20 @@ mod tests {
         let e = read_key(&text).unwrap_err().to_string();
         assert!(e.contains("no usable private key"), "{e}");
         let e = read_certs(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        let big = dir.path().join("big.pem");
+        std::fs::File::create(&big).unwrap().set_len(2 * MAX_PEM_BYTES).unwrap();
+        let e = read_certs(&big).unwrap_err().to_string();
         assert!(e.contains("larger than"), "{e}");
         let e = read_certs(&dir.path().join("missing.pem")).unwrap_err().to_string();
         assert!(e.contains("missing.pem"), "{e}");
+        // A named pipe nobody writes to is refused at once, not waited on.
+        let fifo = dir.path().join("fifo.pem");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        let e = read_certs(&fifo).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        assert!(read_certs(dir.path()).unwrap_err().to_string().contains("not a regular file"));
     }
 }
