@@ -45,30 +45,43 @@ fn openssl(dir: &Path, args: &[&str]) {
     );
 }
 
+/// A self-signed certificate for `subject` with `extensions`, made in
+/// `dir` as `<name>.pem` and `<name>.key` (EC P-256, two days).
+fn self_signed(dir: &Path, name: &str, subject: &str, extensions: &[&str]) -> (PathBuf, PathBuf) {
+    let (pem, key) = (format!("{name}.pem"), format!("{name}.key"));
+    let mut args = vec![
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        &key,
+        "-out",
+        &pem,
+        "-days",
+        "2",
+        "-subj",
+        subject,
+    ];
+    for extension in extensions {
+        args.extend(["-addext", extension]);
+    }
+    openssl(dir, &args);
+    (dir.join(pem), dir.join(key))
+}
+
 impl Pki {
     fn new() -> Pki {
         let dir = tempfile::tempdir().unwrap();
-        openssl(
+        self_signed(
             dir.path(),
+            "ca",
+            "/CN=tollgate test CA",
             &[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                "ca.key",
-                "-out",
-                "ca.pem",
-                "-days",
-                "2",
-                "-subj",
-                "/CN=tollgate test CA",
-                "-addext",
                 "basicConstraints=critical,CA:TRUE",
-                "-addext",
                 "keyUsage=critical,keyCertSign,cRLSign",
             ],
         );
@@ -841,36 +854,9 @@ async fn a_self_signed_upstream_named_in_upstream_ca_is_trusted_as_curl_would() 
     // `openssl req -x509` marks the certificate CA:TRUE; curl --cacert and
     // NGINX's proxy_ssl_trusted_certificate trust it as the server's own.
     let dir = tempfile::tempdir().unwrap();
-    let self_signed = |name: &str, san: &str| {
-        openssl(
-            dir.path(),
-            &[
-                "req",
-                "-x509",
-                "-newkey",
-                "ec",
-                "-pkeyopt",
-                "ec_paramgen_curve:P-256",
-                "-nodes",
-                "-keyout",
-                &format!("{name}.key"),
-                "-out",
-                &format!("{name}.pem"),
-                "-days",
-                "2",
-                "-subj",
-                "/CN=localhost",
-                "-addext",
-                &format!("subjectAltName={san}"),
-            ],
-        );
-        (
-            dir.path().join(format!("{name}.pem")),
-            dir.path().join(format!("{name}.key")),
-        )
-    };
-    let (cert, key) = self_signed("self", LOCAL);
-    let (elsewhere, _) = self_signed("elsewhere", "DNS:api.example");
+    let san = |names: &str| format!("subjectAltName={names}");
+    let (cert, key) = self_signed(dir.path(), "self", "/CN=localhost", &[&san(LOCAL)]);
+    let (elsewhere, _) = self_signed(dir.path(), "elsewhere", "/CN=localhost", &[&san("DNS:api.example")]);
     let port = free_port();
     let extra = format!(
         "server {{ listen 127.0.0.1:{port} ssl; ssl_certificate {}; ssl_certificate_key {}; \
