@@ -406,6 +406,14 @@ async fn a_bad_pair_keeps_the_last_good_one_and_says_why() {
     let config = get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json();
     let error = config["tls"]["last_error"].as_str().unwrap_or_default().to_string();
     assert!(error.contains("tls.key"), "/config names the files: {config}");
+    assert_eq!(
+        config["tls"]["subject"], "CN=localhost",
+        "the certificate in force: {config}"
+    );
+    assert!(
+        config["tls"]["not_after"].as_str().is_some_and(|t| !t.is_empty()),
+        "{config}"
+    );
     assert_eq!(metric(&tg, "tollgate_tls_reloads_total{result=\"failed\"}").await, 1);
     // Not a PEM file at all, then the good key again: the error clears.
     std::fs::write(&key, "not a key").unwrap();

@@ -79,6 +79,37 @@ struct CertState {
     loaded_at: String,
     /// Why the files on disk are not in force, while they are not.
     last_error: Option<String>,
+    /// The served certificate's subject and end of validity, for `/config`.
+    served: Served,
+}
+
+/// What `/config` says of the certificate in force.
+#[derive(Debug, Clone, Default)]
+struct Served {
+    subject: String,
+    not_after: String,
+}
+
+impl Served {
+    /// Reads the leaf of `pair`, warning when it is out of its dates (it is
+    /// served all the same: refusing it would take the listener down).
+    fn of(pair: &CertifiedKey, path: &Path) -> Served {
+        let Some((_, leaf)) = pair
+            .cert
+            .first()
+            .and_then(|der| x509_parser::parse_x509_certificate(der).ok())
+        else {
+            return Served::default();
+        };
+        let validity = leaf.validity();
+        if !validity.is_valid() {
+            tracing::warn!(cert = %path.display(), not_before = %validity.not_before, not_after = %validity.not_after, "the TLS certificate in force is outside its validity dates; clients will refuse it");
+        }
+        Served {
+            subject: leaf.subject().to_string(),
+            not_after: validity.not_after.to_string(),
+        }
+    }
 }
 
 impl std::fmt::Debug for LiveCert {
@@ -95,6 +126,7 @@ impl LiveCert {
     pub fn load(cert_path: &Path, key_path: &Path) -> Result<Arc<Self>, TlsError> {
         let seen = (stamp(cert_path), stamp(key_path));
         let pair = read_pair(cert_path, key_path)?;
+        let served = Served::of(&pair, cert_path);
         Ok(Arc::new(LiveCert {
             cert_path: cert_path.to_path_buf(),
             key_path: key_path.to_path_buf(),
@@ -103,6 +135,7 @@ impl LiveCert {
                 seen,
                 loaded_at: now(),
                 last_error: None,
+                served,
             }),
         }))
     }
@@ -129,6 +162,7 @@ impl LiveCert {
         state.seen = settled;
         match result {
             Ok(pair) => {
+                state.served = Served::of(&pair, &self.cert_path);
                 self.current.store(Arc::new(pair));
                 state.loaded_at = now();
                 state.last_error = None;
@@ -166,6 +200,8 @@ impl LiveCert {
             "cert": self.cert_path.display().to_string(),
             "key": self.key_path.display().to_string(),
             "loaded_at": state.loaded_at,
+            "subject": state.served.subject,
+            "not_after": state.served.not_after,
             "last_error": state.last_error,
         })
     }
