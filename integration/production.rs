@@ -561,4 +561,6 @@ async fn the_stage_histograms_show_where_a_slow_response_spent_its_time() {
         m.contains("tollgate_response_seconds_count{listener=\"proxy\"} 1"),
         "{m}"
     );
+    // The connection's first request came at once after it was accepted.
+    assert_eq!(within("tollgate_first_request_seconds", proxy, 0.2), 1, "{m}");
 }

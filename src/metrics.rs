@@ -164,6 +164,7 @@ pub struct Metrics {
     upstream: Family<ClassLabels, Counter>,
     upstream_seconds: Histogram,
     response_seconds: Family<ListenerLabels, Histogram, fn() -> Histogram>,
+    first_request_seconds: Family<ListenerLabels, Histogram, fn() -> Histogram>,
     reloads: Family<ReloadLabels, Counter>,
     config: Family<ConfigLabels, Gauge>,
     config_error: Family<FileLabels, Gauge>,
@@ -237,6 +238,7 @@ impl Metrics {
             upstream: Family::default(),
             upstream_seconds: latency_buckets(),
             response_seconds: Family::new_with_constructor(latency_buckets),
+            first_request_seconds: Family::new_with_constructor(latency_buckets),
             reloads: Family::default(),
             config: Family::default(),
             config_error: Family::default(),
@@ -288,6 +290,11 @@ impl Metrics {
             "tollgate_upstream_seconds",
             "Time to the upstream's response headers",
             m.upstream_seconds.clone(),
+        );
+        registry.register(
+            "tollgate_first_request_seconds",
+            "Time from accepting a connection (its TLS handshake included) to its first request's head, per listener",
+            m.first_request_seconds.clone(),
         );
         registry.register(
             "tollgate_response_seconds",
@@ -509,6 +516,13 @@ impl Metrics {
     pub fn tls_reload(&self, ok: bool) {
         let result = if ok { "ok" } else { "failed" };
         self.tls_reloads.get_or_create(&ResultLabels { result }).inc();
+    }
+
+    /// The histogram of `listener`'s connections' time to their first request.
+    pub fn first_request_seconds(&self, listener: &'static str) -> Histogram {
+        self.first_request_seconds
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
     }
 
     /// The histogram of `listener`'s request times, head to last byte.

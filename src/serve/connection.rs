@@ -75,6 +75,8 @@ pub(super) struct ConnMetrics {
     pub waiting: Gauge,
     /// Time from a request's head to its response's last byte.
     pub response_seconds: Histogram,
+    /// Time from accepting a connection to its first request's head.
+    pub first_request_seconds: Histogram,
 }
 
 /// When a connection last began or finished a request, for its watchdog.
@@ -82,6 +84,8 @@ struct Activity {
     opened: Instant,
     /// Where each request's time, head to last byte, is recorded.
     response_seconds: Histogram,
+    /// Where the time from accept to the first request's head is recorded.
+    first_request_seconds: Histogram,
     /// Milliseconds after `opened` when a request last began or finished.
     last_ms: AtomicU64,
     served: AtomicBool,
@@ -101,10 +105,11 @@ struct Activity {
 }
 
 impl Activity {
-    fn new(response_seconds: Histogram) -> Self {
+    fn new(response_seconds: Histogram, first_request_seconds: Histogram) -> Self {
         Activity {
             opened: Instant::now(),
             response_seconds,
+            first_request_seconds,
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
             begun: AtomicU64::new(0),
@@ -125,7 +130,9 @@ impl Activity {
     fn began(self: &Arc<Self>, closes: bool) -> Busy {
         self.touch();
         self.served.store(true, Ordering::Relaxed);
-        self.begun.fetch_add(1, Ordering::Relaxed);
+        if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
+        }
         if closes {
             self.closes.store(true, Ordering::Relaxed);
         }
@@ -301,8 +308,9 @@ pub(super) async fn serve<F, Fut, B>(
     let ConnMetrics {
         waiting,
         response_seconds,
+        first_request_seconds,
     } = metrics;
-    let activity = Arc::new(Activity::new(response_seconds));
+    let activity = Arc::new(Activity::new(response_seconds, first_request_seconds));
     let held = Held::new(waiting.clone());
     // The handshake and the first bytes share the header read timeout: a
     // client that opens a connection and says nothing is closed either way.

@@ -141,6 +141,7 @@ pub async fn serve<F, Fut, B>(
     let metrics = connection::ConnMetrics {
         waiting: crate::metrics::get().waiting_connections(gate.name),
         response_seconds: crate::metrics::get().response_seconds(gate.name),
+        first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
     };
     loop {
         // Finished connections are reaped as they finish, not at the next
