@@ -819,6 +819,28 @@ async fn an_h2_upstream_ending_its_connections_loses_no_request() {
             assert_eq!(answer.body, "HTTP/2.0");
         }
     }
+    // Body-less POSTs (not idempotent) from an HTTP/2 client, many at once:
+    // the ones NGINX's graceful GOAWAY left unprocessed go out again, and
+    // none is answered 400 as if its (absent) body had failed.
+    let h2 = h2_sender(tg.addr).await;
+    for round in 0..10 {
+        let calls = (0..8).map(|_| {
+            let mut h2 = h2.clone();
+            let url = tg.url("/");
+            async move {
+                let req = http::Request::post(url)
+                    .body(http_body_util::Full::new(Bytes::new()))
+                    .unwrap();
+                let response = h2.send_request(req).await.unwrap();
+                let status = response.status();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (status, body)
+            }
+        });
+        for (status, body) in futures_join_all(calls).await {
+            assert_eq!(status, 200, "round {round}: {body:?}\n{}", tg.log_text());
+        }
+    }
 }
 
 #[tokio::test]
@@ -905,11 +927,12 @@ async fn an_untrusted_client_cannot_claim_https_in_another_header() {
         ("x-forwarded-scheme", "https"),
         ("front-end-https", "on"),
         ("x-forwarded_proto", "https"),
+        ("x-real-ip", "7.7.7.7"),
         ("x-api_key", "k1"),
     ];
     let answer = get(&client(), &tg.url("/echo"), &claims).await;
     assert_eq!(answer.status, 200);
-    for (name, _) in &claims[..5] {
+    for (name, _) in &claims[..6] {
         assert_eq!(
             answer.header(&format!("x-seen-{name}")),
             None,
@@ -927,4 +950,27 @@ async fn an_untrusted_client_cannot_claim_https_in_another_header() {
     let answer = get(&client(), &tg.url("/echo"), &claims).await;
     assert_eq!(answer.header("x-seen-x-forwarded-ssl"), Some("on"));
     assert_eq!(answer.header("x-seen-forwarded"), Some("for=1.2.3.4;proto=https"));
+}
+
+#[tokio::test]
+async fn a_subject_spelled_with_a_comma_is_not_another_identity() {
+    // A CN of "client-a, O=Acme" must not read as the two RDNs
+    // CN=client-a and O=Acme: one could spend the other's quota.
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("server", "localhost", Some(LOCAL));
+    let (forged, forged_key) = pki.leaf("forged", "client-a, O=Acme", None);
+    let (real, real_key) = pki.leaf("real", "client-a/O=Acme", None);
+    let up = TestUpstream::start().await;
+    let ca = pki.ca();
+    let limits =
+        "domain: tls\nrules:\n  - name: per_identity\n    by: [client_cert]\n    limits: [{ requests: 2, per: 60s }]\n";
+    let mut args = tls_args(&cert, &key);
+    args.extend(["--tls-client-ca", ca.to_str().unwrap()]);
+    let tg = Tollgate::start(limits, up.addr, &args);
+    for expected in [200, 200, 429] {
+        let answer = tls_get(tg.addr, &ca, "/x", Some((&forged, &forged_key))).await.unwrap();
+        assert_eq!(answer.status, expected);
+    }
+    let answer = tls_get(tg.addr, &ca, "/x", Some((&real, &real_key))).await.unwrap();
+    assert_eq!(answer.status, 200, "the real identity has its own counter");
 }

@@ -78,7 +78,12 @@ pub struct Settings {
     #[arg(long, env = "TOLLGATE_TLS_CLIENT_CA", requires = "tls_cert")]
     pub tls_client_ca: Option<PathBuf>,
     /// With --tls-client-ca: whether a client must present a certificate.
-    #[arg(long, env = "TOLLGATE_TLS_CLIENT_AUTH", default_value = "required")]
+    #[arg(
+        long,
+        env = "TOLLGATE_TLS_CLIENT_AUTH",
+        default_value = "required",
+        requires = "tls_client_ca"
+    )]
     pub tls_client_auth: ClientAuthArg,
     /// Serve the check listener (--check-listen) over TLS too, with the same certificate.
     #[arg(long, env = "TOLLGATE_CHECK_TLS", default_value_t = false, action = ArgAction::Set, requires = "tls_cert")]

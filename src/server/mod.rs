@@ -105,6 +105,12 @@ impl Server {
             .map(|url| Upstream::parse(url, settings.upstream_ca.as_deref()))
             .transpose()?;
         let tls = Tls::load(&settings)?;
+        if settings.upstream_ca.is_some() && upstream.as_ref().is_none_or(|u| u.tls().is_none()) {
+            tracing::warn!("--upstream-ca is given but --upstream is not https://: it is not used");
+        }
+        if settings.check_tls && settings.check_listen.and_then(|l| l.0).is_none() {
+            tracing::warn!("--check-tls is given but no --check-listen: it is not used");
+        }
         // Beside a proxy, whoever reaches the RLS can charge any caller's
         // counters with descriptors of their choosing: loopback only.
         let grpc_listen = settings.grpc_listen.unwrap_or_else(|| {

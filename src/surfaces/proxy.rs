@@ -50,10 +50,12 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 
-/// Other ways a request claims how the client came (Rack reads
-/// `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`...):
-/// believed only from a trusted proxy, as `X-Forwarded-Proto` is.
-const SCHEME_CLAIMS: [&str; 7] = [
+/// Other ways a request claims who the client is and how it came (Rack
+/// reads `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`,
+/// NGINX's real_ip `X-Real-IP`...): believed only from a trusted proxy, as
+/// `X-Forwarded-Proto` is.
+const SCHEME_CLAIMS: [&str; 8] = [
+    "x-real-ip",
     "forwarded",
     "x-forwarded-ssl",
     "x-forwarded-scheme",
@@ -216,7 +218,7 @@ impl Proxy {
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Err(_) => {
-                tracing::warn!(timeout = ?timeout, "upstream timed out");
+                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, "upstream timed out");
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
         }
@@ -336,7 +338,6 @@ fn strip_claims(headers: &mut HeaderMap) {
             || name == X_FORWARDED_FOR.as_str()
             || name == X_FORWARDED_PROTO.as_str()
             || name == X_FORWARDED_HOST.as_str()
-            || name == "x-real-ip"
     };
     let doomed: Vec<HeaderName> = headers
         .keys()
@@ -484,6 +485,7 @@ mod tests {
             ("x-forwarded_proto", b"https"),
             ("x_forwarded_for", b"1.2.3.4"),
             ("x_real_ip", b"1.2.3.4"),
+            ("x-real-ip", b"1.2.3.4"),
             ("x-api_key", b"kept"),
             ("x-forwarded-proto", b"https"),
         ]);

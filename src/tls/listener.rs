@@ -105,9 +105,14 @@ impl Served {
         if !validity.is_valid() {
             tracing::warn!(cert = %path.display(), not_before = %validity.not_before, not_after = %validity.not_after, "the TLS certificate in force is outside its validity dates; clients will refuse it");
         }
+        let not_after = u64::try_from(validity.not_after.timestamp())
+            .ok()
+            .and_then(|secs| SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs)))
+            .map(|t| humantime::format_rfc3339_seconds(t).to_string())
+            .unwrap_or_else(|| validity.not_after.to_string());
         Served {
-            subject: leaf.subject().to_string(),
-            not_after: validity.not_after.to_string(),
+            subject: crate::tls::distinguished_name(leaf.subject()),
+            not_after,
         }
     }
 }

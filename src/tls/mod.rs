@@ -28,7 +28,7 @@ pub use upstream::upstream_config;
 #[derive(Debug, Clone)]
 pub struct ClientTls {
     /// The subject of the client's certificate, when it sent one and it
-    /// verified (`CN=client-a, O=Acme`).
+    /// verified, as RFC 4514 writes it (`CN=client-a,O=Acme`).
     pub subject: Option<Arc<str>>,
 }
 
@@ -40,8 +40,61 @@ impl ClientTls {
             .peer_certificates()
             .and_then(|chain| chain.first())
             .and_then(|leaf| x509_parser::parse_x509_certificate(leaf).ok())
-            .map(|(_, cert)| Arc::from(cert.subject().to_string()));
+            .map(|(_, cert)| Arc::from(distinguished_name(cert.subject())));
         ClientTls { subject }
+    }
+}
+
+/// A name as RFC 4514 writes it (`CN=client-a,O=Acme`: the last RDN first,
+/// `+` between the values of one RDN), every special character escaped, so
+/// that two different names never read the same: a CN of `a, O=Acme` is
+/// `CN=a\, O\=Acme`. A value that is no string is `#` and its hex.
+pub fn distinguished_name(name: &x509_parser::x509::X509Name<'_>) -> String {
+    let registry = x509_parser::objects::oid_registry();
+    let mut out = String::new();
+    let rdns: Vec<_> = name.iter_rdn().collect();
+    for (i, rdn) in rdns.iter().rev().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        for (j, attr) in rdn.iter().enumerate() {
+            if j > 0 {
+                out.push('+');
+            }
+            match x509_parser::objects::oid2abbrev(attr.attr_type(), registry) {
+                Ok(short) => out.push_str(short),
+                Err(_) => out.push_str(&attr.attr_type().to_id_string()),
+            }
+            out.push('=');
+            match attr.as_str() {
+                Ok(value) => escape_value(value, &mut out),
+                Err(_) => {
+                    out.push('#');
+                    for byte in attr.as_slice() {
+                        out.push_str(&format!("{byte:02x}"));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// RFC 4514 section 2.4: `"+,;<>\` (and `=`) anywhere, `#` or a space
+/// first, a space last, and NUL are escaped.
+fn escape_value(value: &str, out: &mut String) {
+    let last = value.chars().count().saturating_sub(1);
+    for (i, c) in value.chars().enumerate() {
+        match c {
+            '"' | '+' | ',' | ';' | '<' | '>' | '\\' | '=' => {
+                out.push('\\');
+                out.push(c);
+            }
+            '#' if i == 0 => out.push_str("\\#"),
+            ' ' if i == 0 || i == last => out.push_str("\\ "),
+            '\0' => out.push_str("\\00"),
+            _ => out.push(c),
+        }
     }
 }
 
@@ -153,6 +206,19 @@ pub fn read_key(path: &Path) -> Result<PrivateKeyDer<'static>, TlsError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_that_differ_never_read_the_same() {
+        let mut out = String::new();
+        escape_value("client-a, O=Acme", &mut out);
+        assert_eq!(out, "client-a\\, O\\=Acme");
+        let mut out = String::new();
+        escape_value(" #a+b;c<d>e\"f\\ ", &mut out);
+        assert_eq!(out, "\\ #a\\+b\\;c\\<d\\>e\\\"f\\\\\\ ");
+        let mut out = String::new();
+        escape_value("#x", &mut out);
+        assert_eq!(out, "\\#x");
+    }
 
     #[test]
     fn a_file_that_is_not_pem_says_so_and_a_huge_one_is_not_read_whole() {

@@ -68,7 +68,9 @@ impl SendError {
     /// The client's own request body failed while it was being sent on
     /// (a malformed chunk, a reset): the client's fault, not the upstream's.
     pub fn is_client_body(&self) -> bool {
-        matches!(self, SendError::Http(e) if e.is_user())
+        // hyper's other "user" errors (its dispatch task gone when the
+        // connection died, say) carry no cause: they are not the body's.
+        matches!(self, SendError::Http(e) if e.is_user() && std::error::Error::source(e).is_some())
     }
 }
 
@@ -385,16 +387,23 @@ impl Replay {
         }
     }
 
-    /// Whether the upstream's answer `e` lets it go out again: a stream
-    /// reset with REFUSED_STREAM was never processed (RFC 9113 §8.7); one
-    /// cut by the upstream's GOAWAY most likely was not, and an idempotent
-    /// method may be sent twice either way (RFC 9110 §9.2.2).
+    /// Whether the failure `e` lets it go out again: it never left (the
+    /// connection's task was gone, or it was canceled before dispatch); the
+    /// upstream reset it with REFUSED_STREAM, or a graceful GOAWAY left it
+    /// above the last stream the upstream would process (both unprocessed,
+    /// RFC 9113 §8.7); or the connection went away with an error and the
+    /// method is idempotent, so sending it twice is allowed (RFC 9110 §9.2.2).
     fn may_resend(&self, e: &hyper::Error) -> bool {
+        if e.is_canceled() || (e.is_user() && std::error::Error::source(e).is_none()) {
+            return true;
+        }
         let mut source = std::error::Error::source(e);
         while let Some(err) = source {
             if let Some(h2) = err.downcast_ref::<h2::Error>() {
+                let gone = h2.is_go_away() && h2.is_remote();
                 return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                    || (h2.is_go_away() && h2.is_remote() && self.method.is_idempotent());
+                    || (gone && h2.reason() == Some(h2::Reason::NO_ERROR))
+                    || (gone && self.method.is_idempotent());
             }
             source = err.source();
         }
