@@ -766,6 +766,18 @@ async fn an_upstream_that_picks_h2_gets_one_multiplexed_connection() {
         assert_eq!(answer.header("x-seen-x-call"), Some(i.to_string().as_str()));
     }
     assert_eq!(metric(&tg, "tollgate_upstream_connections").await, 1);
+    // HTTP/2 has no Upgrade: a WebSocket handshake is answered 502 at once.
+    let started = std::time::Instant::now();
+    let answer = raw(
+        tg.addr,
+        b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(3));
+    assert!(tg.logged("a WebSocket upgrade needs an HTTP/1.1 upstream"));
 }
 
 /// Runs every future to its end, concurrently, in order of the input.
@@ -928,11 +940,12 @@ async fn an_untrusted_client_cannot_claim_https_in_another_header() {
         ("front-end-https", "on"),
         ("x-forwarded_proto", "https"),
         ("x-real-ip", "7.7.7.7"),
+        ("x-forwarded-client-cert", "Subject=\"CN=admin\""),
         ("x-api_key", "k1"),
     ];
     let answer = get(&client(), &tg.url("/echo"), &claims).await;
     assert_eq!(answer.status, 200);
-    for (name, _) in &claims[..6] {
+    for (name, _) in &claims[..7] {
         assert_eq!(
             answer.header(&format!("x-seen-{name}")),
             None,

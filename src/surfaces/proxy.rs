@@ -52,10 +52,11 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 
 /// Other ways a request claims who the client is and how it came (Rack
 /// reads `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`,
-/// NGINX's real_ip `X-Real-IP`...): believed only from a trusted proxy, as
-/// `X-Forwarded-Proto` is.
-const SCHEME_CLAIMS: [&str; 8] = [
+/// NGINX's real_ip `X-Real-IP`, Envoy's `X-Forwarded-Client-Cert`...):
+/// believed only from a trusted proxy, as `X-Forwarded-Proto` is.
+const SCHEME_CLAIMS: [&str; 9] = [
     "x-real-ip",
+    "x-forwarded-client-cert",
     "forwarded",
     "x-forwarded-ssl",
     "x-forwarded-scheme",

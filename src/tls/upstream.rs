@@ -45,6 +45,8 @@ impl ServerCertVerifier for UpstreamVerifier {
                 within_dates(end_entity, now)?;
                 Ok(ServerCertVerified::assertion())
             }
+            // Self-signed and not named in --upstream-ca: say so plainly.
+            Err(e) if ca_used_as_end_entity(&e) => Err(rustls::Error::InvalidCertificate(CertificateError::UnknownIssuer)),
             other => other,
         }
     }

@@ -56,6 +56,9 @@ pub enum SendError {
     /// The HTTP exchange failed (connection reset, malformed response...).
     #[error("upstream exchange failed: {0}")]
     Http(#[from] hyper::Error),
+    /// A protocol switch (WebSocket) asked of an upstream speaking HTTP/2.
+    #[error("the upstream speaks HTTP/2: a WebSocket upgrade needs an HTTP/1.1 upstream")]
+    UpgradeOverH2,
     /// A new HTTP/2 connection closed before the request went out.
     #[error("the upstream's new HTTP/2 connection closed before the request was sent")]
     Unsent,
@@ -196,6 +199,11 @@ impl UpstreamPool {
         mut h2: http2::SendRequest<ClientBody>,
         mut req: Request<ClientBody>,
     ) -> Result<Result<Response<UpstreamBody>, Request<ClientBody>>, SendError> {
+        // HTTP/2 has no Upgrade: the request would go as a plain one and a
+        // 101 back would leave the client waiting for the upstream timeout.
+        if req.headers().contains_key(http::header::UPGRADE) {
+            return Err(SendError::UpgradeOverH2);
+        }
         let authority = req
             .headers_mut()
             .remove(http::header::HOST)
