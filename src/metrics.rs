@@ -180,6 +180,7 @@ pub struct Metrics {
     accept_errors: Family<ListenerLabels, Counter>,
     upstream_connections: Gauge,
     tls_reloads: Family<ResultLabels, Counter>,
+    tls_handshake_failures: Family<ListenerLabels, Counter>,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome.
@@ -254,6 +255,7 @@ impl Metrics {
             accept_errors: Family::default(),
             upstream_connections: Gauge::default(),
             tls_reloads: Family::default(),
+            tls_handshake_failures: Family::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
             request_counters: Default::default(),
@@ -305,6 +307,11 @@ impl Metrics {
             "tollgate_tls_reloads",
             "Reloads of the listeners' certificate after its files changed (ok, failed)",
             m.tls_reloads.clone(),
+        );
+        registry.register(
+            "tollgate_tls_handshake_failures",
+            "TLS handshakes that failed or timed out (a client certificate refused, plain HTTP on a TLS port...), per listener",
+            m.tls_handshake_failures.clone(),
         );
         registry.register(
             "tollgate_config_reloads",
@@ -508,6 +515,13 @@ impl Metrics {
     /// The gauge of client connections open on `listener`.
     pub fn client_connections(&self, listener: &'static str) -> Gauge {
         self.client_connections
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
+    }
+
+    /// The counter of `listener`'s failed TLS handshakes.
+    pub fn tls_handshake_failures(&self, listener: &'static str) -> Counter {
+        self.tls_handshake_failures
             .get_or_create(&ListenerLabels { listener })
             .clone()
     }

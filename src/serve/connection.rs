@@ -42,6 +42,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
+use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
@@ -77,6 +78,8 @@ pub(super) struct ConnMetrics {
     pub response_seconds: Histogram,
     /// Time from accepting a connection to its first request's head.
     pub first_request_seconds: Histogram,
+    /// TLS handshakes that failed or ran out of time.
+    pub tls_failures: Counter,
 }
 
 /// When a connection last began or finished a request, for its watchdog.
@@ -309,7 +312,9 @@ pub(super) async fn serve<F, Fut, B>(
         waiting,
         response_seconds,
         first_request_seconds,
+        tls_failures,
     } = metrics;
+    let tls_listener = protocols.tls.is_some();
     let activity = Arc::new(Activity::new(response_seconds, first_request_seconds));
     let held = Held::new(waiting.clone());
     // The handshake and the first bytes share the header read timeout: a
@@ -321,6 +326,7 @@ pub(super) async fn serve<F, Fut, B>(
                 Ok(session) => ClientStream::Tls(Box::new(session)),
                 Err(e) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    tls_failures.inc();
                     return None;
                 }
             },
@@ -348,6 +354,11 @@ pub(super) async fn serve<F, Fut, B>(
         },
         _ = tokio::time::sleep(limits.header_read_timeout) => {
             tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
+            if tls_listener {
+                // With TLS, ALPN names the protocol as the handshake ends:
+                // what ran out of time was the handshake.
+                tls_failures.inc();
+            }
             return;
         }
         _ = stopped(&mut stop) => return,

@@ -142,6 +142,7 @@ pub async fn serve<F, Fut, B>(
         waiting: crate::metrics::get().waiting_connections(gate.name),
         response_seconds: crate::metrics::get().response_seconds(gate.name),
         first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
+        tls_failures: crate::metrics::get().tls_handshake_failures(gate.name),
     };
     loop {
         // Finished connections are reaped as they finish, not at the next

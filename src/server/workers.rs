@@ -163,6 +163,7 @@ fn handshakes(
     handshake_within: Duration,
 ) -> UnboundedReceiverStream<std::io::Result<ClientStream>> {
     let (ready, out) = mpsc::unbounded_channel();
+    let failures = crate::metrics::get().tls_handshake_failures("grpc");
     tokio::spawn(async move {
         let mut incoming = incoming;
         while let Some(stream) = incoming.recv().await {
@@ -177,14 +178,20 @@ fn handshakes(
                 let _ = ready.send(Ok(ClientStream::Plain(stream)));
                 continue;
             };
-            let (acceptor, ready) = (tls.acceptor().clone(), ready.clone());
+            let (acceptor, ready, failures) = (tls.acceptor().clone(), ready.clone(), failures.clone());
             tokio::spawn(async move {
                 match tokio::time::timeout(handshake_within, acceptor.accept(stream)).await {
                     Ok(Ok(session)) => {
                         let _ = ready.send(Ok(ClientStream::Tls(Box::new(session))));
                     }
-                    Ok(Err(e)) => tracing::debug!(error = %e, "gRPC TLS handshake failed"),
-                    Err(_) => tracing::debug!("gRPC TLS handshake not done within the header read timeout"),
+                    Ok(Err(e)) => {
+                        failures.inc();
+                        tracing::debug!(error = %e, "gRPC TLS handshake failed");
+                    }
+                    Err(_) => {
+                        failures.inc();
+                        tracing::debug!("gRPC TLS handshake not done within the header read timeout");
+                    }
                 }
             });
         }
