@@ -7,6 +7,7 @@ mod common;
 mod connections;
 mod envoy;
 mod envoy_ratelimit;
+mod grpc;
 mod limiter;
 mod model;
 mod nginx;

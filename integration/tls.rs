@@ -533,26 +533,7 @@ fn tls_nginx(pki: &Pki, san: &str) -> (Nginx, u16) {
 }
 
 fn https_upstream(upstream: &str, extra: &[&str]) -> Tollgate {
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("limits.yaml");
-    std::fs::write(&config, "domain: tls\nrules: []\n").unwrap();
-    let mut args: Vec<String> = [
-        "--config",
-        config.to_str().unwrap(),
-        "--upstream",
-        upstream,
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--grpc-listen",
-        "off",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    args.extend(extra.iter().map(|s| s.to_string()));
-    Tollgate::spawn(&args, config, dir)
+    Tollgate::start_upstream_url("domain: tls\nrules: []\n", upstream, extra)
 }
 
 #[tokio::test]

@@ -35,6 +35,50 @@ pub fn refusal(decision: &Decision, status: StatusCode) -> Response<Bytes> {
     response
 }
 
+/// A refused gRPC call's answer, as a gRPC client reads one: HTTP 200 and
+/// a trailers-only response (`grpc-status` in the headers, no body) with
+/// `RESOURCE_EXHAUSTED` (8) and a `grpc-message` naming the rule, beside
+/// `Retry-After` and the RateLimit headers. A bare 429 is reported by gRPC
+/// clients as `UNAVAILABLE`, which they retry at once. A store that failed
+/// closed answers `UNAVAILABLE` (14).
+pub fn grpc_refusal(decision: &Decision) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    let (status, message) = match decision.verdict {
+        Verdict::FailedClosed => ("14", "the rate limiter cannot reach its counters; retry shortly".to_string()),
+        _ => {
+            let rule = decision.refusing().next().map_or("", |r| r.rule.name.as_str());
+            let message = match decision.retry_after_ms() {
+                Some(ms) => format!("rate limited by rule {rule}; retry after {} s", ceil_secs(ms)),
+                None => format!("rate limited by rule {rule}: this call costs more than the rule's whole limit"),
+            };
+            ("8", message)
+        }
+    };
+    h.insert(GRPC_STATUS, HeaderValue::from_static(status));
+    // grpc-message is percent-encoded (gRPC's HTTP/2 protocol spec).
+    let encoded = percent_encoding::utf8_percent_encode(&message, GRPC_MESSAGE_ESCAPES).to_string();
+    if let Ok(v) = HeaderValue::from_str(&encoded) {
+        h.insert(GRPC_MESSAGE, v);
+    }
+    refusal_headers(decision, h);
+    response
+}
+
+/// What `grpc-message` percent-encodes: anything outside printable ASCII, and `%`.
+const GRPC_MESSAGE_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+
+/// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`...).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+") || v.starts_with("application/grpc;"))
+}
+
 /// tollgate's own answer to a request it cannot decide or forward: a small
 /// JSON body naming the status and why (none when `message` is empty).
 pub fn error(status: StatusCode, message: &str) -> Response<Bytes> {

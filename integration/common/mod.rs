@@ -188,6 +188,32 @@ impl Tollgate {
         Self::spawn_with_env(&args, config, dir, env)
     }
 
+    /// Starts tollgate with `limits` in front of `upstream` given as a URL
+    /// (`https://…`, `h2c://…`), proxy and admin on free loopback ports.
+    pub fn start_upstream_url(limits: &str, upstream: &str, extra: &[&str]) -> Tollgate {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("limits.yaml");
+        std::fs::write(&config, limits).unwrap();
+        let mut args: Vec<String> = vec![
+            "--config".into(),
+            config.display().to_string(),
+            "--upstream".into(),
+            upstream.into(),
+        ];
+        for a in [
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--grpc-listen",
+            "off",
+        ] {
+            args.push(a.into());
+        }
+        args.extend(extra.iter().map(|s| s.to_string()));
+        Self::spawn(&args, config, dir)
+    }
+
     /// Starts tollgate as a pure rate limit service (no `--upstream`) over
     /// these limits files, RLS and admin on free loopback ports.
     pub fn start_rls(files: &[PathBuf], extra: &[&str]) -> Tollgate {

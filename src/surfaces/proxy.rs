@@ -174,6 +174,9 @@ impl Proxy {
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Proxy, decision.verdict.into());
         if !decision.verdict.admits() {
+            if render::is_grpc(req.headers()) {
+                return Err(render::grpc_refusal(&decision).map(|b| Either::Right(Full::new(b))));
+            }
             return Err(refusal(&decision));
         }
         Ok(Admitted { decision, host })
@@ -252,7 +255,16 @@ impl Proxy {
         parts.uri = Uri::from(path);
         parts.version = Version::HTTP_11;
         let headers = &mut parts.headers;
+        // `TE: trailers` says the client takes trailers: gRPC servers ask
+        // for it, and tollgate passes trailers through, so it is kept.
+        let trailers = headers
+            .get_all(header::TE)
+            .iter()
+            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers")));
         strip_hop_by_hop(headers, upgrade);
+        if trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         if !self.options.trusted.trusts(peer.ip()) {
             strip_claims(headers);
         }

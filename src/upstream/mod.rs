@@ -29,6 +29,8 @@ pub struct Upstream {
     host: HeaderValue,
     /// For an `https://` upstream: how its connections are made and verified.
     tls: Option<UpstreamTls>,
+    /// `h2c://`: HTTP/2 with prior knowledge, in cleartext (gRPC servers).
+    h2c: bool,
 }
 
 /// TLS to the upstream: the verifying connector and the name it checks.
@@ -54,8 +56,8 @@ pub enum UpstreamError {
     /// Not an absolute `http://host:port` or `https://host:port` URL.
     #[error("upstream \"{0}\" must look like http://host:port or https://host:port")]
     Malformed(String),
-    /// Neither `http` nor `https`.
-    #[error("upstream \"{0}\": only http:// and https:// upstreams are supported")]
+    /// Neither `http`, `https` nor `h2c`.
+    #[error("upstream \"{0}\": only http://, https:// and h2c:// upstreams are supported")]
     Scheme(String),
     /// The roots to verify an `https://` upstream with cannot be read.
     #[error("--upstream-ca: {0}")]
@@ -78,6 +80,11 @@ impl Upstream {
         self.port
     }
 
+    /// Whether connections speak HTTP/2 in cleartext from the start (`h2c://`).
+    pub fn h2c(&self) -> bool {
+        self.h2c
+    }
+
     /// How connections are made and verified, for an `https://` upstream.
     pub fn tls(&self) -> Option<&UpstreamTls> {
         self.tls.as_ref()
@@ -91,10 +98,12 @@ impl Upstream {
         let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
             return Err(UpstreamError::Malformed(url.into()));
         };
-        let https = if scheme == &Scheme::HTTP {
-            false
+        let (https, h2c) = if scheme == &Scheme::HTTP {
+            (false, false)
         } else if scheme == &Scheme::HTTPS {
-            true
+            (true, false)
+        } else if scheme.as_str().eq_ignore_ascii_case("h2c") {
+            (false, true)
         } else {
             return Err(UpstreamError::Scheme(url.into()));
         };
@@ -119,6 +128,7 @@ impl Upstream {
             authority: authority.clone(),
             host,
             tls,
+            h2c,
         })
     }
 }

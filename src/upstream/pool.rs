@@ -87,6 +87,8 @@ struct PoolInner {
     authority: Authority,
     port: u16,
     tls: Option<UpstreamTls>,
+    /// HTTP/2 in cleartext from the start (`h2c://`).
+    h2c: bool,
     /// Longest wait between two frames of a response body.
     body_timeout: Duration,
     idle: Mutex<VecDeque<Idle>>,
@@ -124,6 +126,7 @@ impl UpstreamPool {
                 authority: upstream.authority().clone(),
                 port: upstream.port(),
                 tls: upstream.tls().cloned(),
+                h2c: upstream.h2c(),
                 body_timeout,
                 idle: Mutex::new(VecDeque::new()),
                 idle_timeout,
@@ -210,7 +213,10 @@ impl UpstreamPool {
             .and_then(|h| Authority::try_from(h.as_bytes()).ok())
             .unwrap_or_else(|| self.inner.authority.clone());
         let mut parts = std::mem::take(req.uri_mut()).into_parts();
-        parts.scheme = Some(http::uri::Scheme::HTTPS);
+        parts.scheme = Some(match self.inner.h2c {
+            true => http::uri::Scheme::HTTP,
+            false => http::uri::Scheme::HTTPS,
+        });
         parts.authority = Some(authority);
         if parts.path_and_query.is_none() {
             parts.path_and_query = Some(http::uri::PathAndQuery::from_static("/"));
@@ -325,6 +331,7 @@ impl UpstreamPool {
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
         match &self.inner.tls {
+            None if self.inner.h2c => start_h2(stream).await.map(Connected::Http2),
             None => start_connection(stream).await.map(Connected::Http1),
             Some(tls) => {
                 let stream = tls
