@@ -112,3 +112,56 @@ async fn an_upstream_grpc_error_passes_through_with_its_status() {
         "the upstream's trailers reach the client: {unknown:?}"
     );
 }
+
+/// A gRPC call over h2c straight to `addr`: the response's head.
+async fn raw_call(addr: std::net::SocketAddr, timeout: Option<&str>) -> http::Response<hyper::body::Incoming> {
+    let mut h2 = h2_sender(addr).await;
+    let mut req = http::Request::post(format!("http://{addr}/slow.Service/Call"))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    if let Some(t) = timeout {
+        req = req.header("grpc-timeout", t);
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(&[0, 0, 0, 0, 0])))
+        .unwrap();
+    h2.send_request(req).await.unwrap()
+}
+
+#[tokio::test]
+async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
+    // An h2c upstream that takes 3 s to answer anything.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req| async {
+                    tokio::time::sleep(Duration::from_secs(3)).await;
+                    Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+                });
+                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let tg = h2c_upstream(slow, "domain: grpc\nrules: []\n");
+    let started = std::time::Instant::now();
+    let answer = raw_call(tg.addr, Some("300m")).await;
+    let took = started.elapsed();
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers().get("grpc-status").unwrap(), "4", "DEADLINE_EXCEEDED");
+    assert!(
+        took < Duration::from_millis(1500),
+        "answered at the caller's deadline, not the upstream's pace: {took:?}"
+    );
+    // Nothing listens: UNAVAILABLE, which a gRPC client may retry elsewhere.
+    let tg = h2c_upstream(
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        "domain: grpc\nrules: []\n",
+    );
+    let answer = raw_call(tg.addr, None).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(answer.headers().get("grpc-status").unwrap(), "14", "UNAVAILABLE");
+}

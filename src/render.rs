@@ -66,6 +66,42 @@ pub fn grpc_refusal(decision: &Decision) -> Response<Bytes> {
     response
 }
 
+/// tollgate's own failure answered to a gRPC call (trailers-only, HTTP 200):
+/// `code` is the gRPC status (14 `UNAVAILABLE`, 4 `DEADLINE_EXCEEDED`...).
+pub fn grpc_error(code: &'static str, message: &str) -> Response<Bytes> {
+    let mut response = Response::new(Bytes::new());
+    let h = response.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(GRPC_STATUS, HeaderValue::from_static(code));
+    let encoded = percent_encoding::utf8_percent_encode(message, GRPC_MESSAGE_ESCAPES).to_string();
+    if let Ok(v) = HeaderValue::from_str(&encoded) {
+        h.insert(GRPC_MESSAGE, v);
+    }
+    response
+}
+
+/// A gRPC call's deadline from its `grpc-timeout` header (`100m`, `5S`:
+/// up to eight digits and a unit of H, M, S, m, u or n), if it has one.
+pub fn grpc_timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
+    let text = headers.get("grpc-timeout")?.to_str().ok()?;
+    let split = text.len().checked_sub(1)?;
+    let (digits, unit) = (text.get(..split)?, text.get(split..)?);
+    if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let n: u64 = digits.parse().ok()?;
+    use std::time::Duration;
+    Some(match unit {
+        "H" => Duration::from_secs(n.checked_mul(3600)?),
+        "M" => Duration::from_secs(n.checked_mul(60)?),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return None,
+    })
+}
+
 /// What `grpc-message` percent-encodes: anything outside printable ASCII, and `%`.
 const GRPC_MESSAGE_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
@@ -214,6 +250,28 @@ pub fn refusal_body(decision: &Decision) -> Bytes {
         }
     };
     Bytes::from(body.to_string())
+}
+
+#[cfg(test)]
+mod grpc_tests {
+    use super::*;
+
+    #[test]
+    fn grpc_timeouts_as_the_protocol_spells_them() {
+        let at = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", HeaderValue::from_str(v).unwrap());
+            grpc_timeout(&h)
+        };
+        use std::time::Duration;
+        assert_eq!(at("100m"), Some(Duration::from_millis(100)));
+        assert_eq!(at("5S"), Some(Duration::from_secs(5)));
+        assert_eq!(at("2H"), Some(Duration::from_secs(7200)));
+        assert_eq!(at("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S", "１S"] {
+            assert_eq!(at(bad), None, "{bad}");
+        }
+    }
 }
 
 #[cfg(test)]

@@ -110,24 +110,57 @@ impl Proxy {
     }
 
     /// Handles one client request: decide, then forward or refuse.
-    pub async fn handle(&self, mut req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
-        let admitted = match self.decide(&req, peer).await {
-            Ok(admitted) => admitted,
-            Err(answer) => return answer,
+    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        // A gRPC caller's deadline counts from here: tollgate never makes it
+        // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
+        let grpc = render::is_grpc(req.headers());
+        let deadline = grpc
+            .then(|| render::grpc_timeout(req.headers()))
+            .flatten()
+            .and_then(|d| tokio::time::Instant::now().checked_add(d));
+        let answer = async {
+            let admitted = self.decide(&req, peer).await?;
+            self.forward(req, peer, admitted).await
         };
+        let answer = match deadline {
+            None => answer.await,
+            Some(deadline) => match tokio::time::timeout_at(deadline, answer).await {
+                Ok(answer) => answer,
+                Err(_) => Err(grpc_failure(StatusCode::GATEWAY_TIMEOUT, "the call's grpc-timeout passed")),
+            },
+        };
+        match answer {
+            Ok(response) => response,
+            // Upstream failures a gRPC client can tell apart: UNAVAILABLE
+            // (it may retry elsewhere), DEADLINE_EXCEEDED.
+            Err(answer) if grpc && matches!(answer.status(), StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT) => {
+                let message = match answer.status() {
+                    StatusCode::GATEWAY_TIMEOUT => "upstream timed out",
+                    _ => "upstream unavailable",
+                };
+                grpc_failure(answer.status(), message)
+            }
+            Err(answer) => answer,
+        }
+    }
+
+    /// Sends an admitted request on and relays the answer.
+    async fn forward(
+        &self,
+        mut req: Request<Incoming>,
+        peer: SocketAddr,
+        admitted: Admitted,
+    ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
         let host = admitted.host.as_deref();
         let (upstream_req, body_sent) = match self.upstream_request(req, peer, host, upgrade) {
             Ok(r) => r,
-            Err(status) => return plain(status, "request target cannot be forwarded"),
+            Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
-        let response = match self.exchange(upstream_req, body_sent).await {
-            Ok(response) => response,
-            Err(answer) => return answer,
-        };
+        let response = self.exchange(upstream_req, body_sent).await?;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            return switch_protocols(client_upgrade, response);
+            return Ok(switch_protocols(client_upgrade, response));
         }
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers, false);
@@ -138,7 +171,7 @@ impl Proxy {
         if self.options.ratelimit_headers {
             render::admission_headers(&admitted.decision, &mut parts.headers);
         }
-        Response::from_parts(parts, Either::Left(body))
+        Ok(Response::from_parts(parts, Either::Left(body)))
     }
 
     /// The decision for a request, when it admits it; otherwise the answer
@@ -416,6 +449,16 @@ fn switch_protocols(client_upgrade: Option<OnUpgrade>, mut response: Response<Up
 
 fn refusal(decision: &Decision) -> Response<ProxyBody> {
     render::refusal(decision, decision.status()).map(|b| Either::Right(Full::new(b)))
+}
+
+/// tollgate's own failure, answered to a gRPC call: 502 as UNAVAILABLE (14),
+/// 504 as DEADLINE_EXCEEDED (4), as Envoy maps them.
+fn grpc_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
+    let code = match status {
+        StatusCode::GATEWAY_TIMEOUT => "4",
+        _ => "14",
+    };
+    render::grpc_error(code, message).map(|b| Either::Right(Full::new(b)))
 }
 
 fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
