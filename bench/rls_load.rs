@@ -4,13 +4,15 @@
 //! `cargo run --release --example rls_load -- ADDR DOMAIN CONCURRENCY SECONDS KEYS`
 //! KEYS = 1 sends one hot descriptor value; more spreads calls over that many.
 
+#[path = "load_common.rs"]
+mod load_common;
+
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
 use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
-use tonic::transport::Channel;
 
 #[tokio::main]
 async fn main() {
@@ -25,17 +27,7 @@ async fn main() {
     let seconds: u64 = args[4].parse().expect("SECONDS");
     let keys: usize = args[5].parse().expect("KEYS");
 
-    // Envoy keeps a few HTTP/2 connections to its rate limit cluster.
-    let mut channels = Vec::new();
-    for _ in 0..concurrency.clamp(1, 4) {
-        channels.push(
-            Channel::from_shared(addr.clone())
-                .unwrap()
-                .connect()
-                .await
-                .expect("connect"),
-        );
-    }
+    let channels = load_common::channels(&addr, concurrency).await;
     let deadline = Instant::now() + Duration::from_secs(seconds);
     let mut tasks = Vec::new();
     for worker in 0..concurrency {
@@ -84,16 +76,8 @@ async fn main() {
         over += o;
         errors += e;
     }
-    all.sort_unstable();
-    let pct = |p: f64| {
-        all.get(((all.len() as f64 * p) as usize).min(all.len().saturating_sub(1)))
-            .copied()
-            .unwrap_or(0)
-    };
     println!(
-        "{{\"calls_per_sec\": {:.0}, \"p50_ms\": {:.3}, \"p99_ms\": {:.3}, \"over_limit\": {over}, \"errors\": {errors}}}",
-        all.len() as f64 / seconds as f64,
-        pct(0.50) as f64 / 1000.0,
-        pct(0.99) as f64 / 1000.0,
+        "{{{}, \"over_limit\": {over}, \"errors\": {errors}}}",
+        load_common::rates(&mut all, seconds)
     );
 }
