@@ -165,3 +165,22 @@ async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
     assert_eq!(answer.status(), 200);
     assert_eq!(answer.headers().get("grpc-status").unwrap(), "14", "UNAVAILABLE");
 }
+
+#[tokio::test]
+async fn a_rule_can_answer_refused_calls_unavailable_as_envoy_does() {
+    let server = health_server().await;
+    let limits = "\
+domain: grpc
+rules:
+  - name: envoy_like
+    match: { path: /grpc.health.v1.Health/Check }
+    grpc_status: 14
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = h2c_upstream(server, limits);
+    let mut client = connect(&tg).await;
+    check(&mut client).await.unwrap();
+    let refused = check(&mut client).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+    assert!(refused.message().contains("envoy_like"), "{refused:?}");
+}

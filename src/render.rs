@@ -46,17 +46,18 @@ pub fn grpc_refusal(decision: &Decision) -> Response<Bytes> {
     let h = response.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     let (status, message) = match decision.verdict {
-        Verdict::FailedClosed => ("14", "the rate limiter cannot reach its counters; retry shortly".to_string()),
+        Verdict::FailedClosed => (14, "the rate limiter cannot reach its counters; retry shortly".to_string()),
         _ => {
-            let rule = decision.refusing().next().map_or("", |r| r.rule.name.as_str());
+            let refusing = decision.refusing().next();
+            let rule = refusing.map_or("", |r| r.rule.name.as_str());
             let message = match decision.retry_after_ms() {
                 Some(ms) => format!("rate limited by rule {rule}; retry after {} s", ceil_secs(ms)),
                 None => format!("rate limited by rule {rule}: this call costs more than the rule's whole limit"),
             };
-            ("8", message)
+            (refusing.map_or(crate::config::RESOURCE_EXHAUSTED, |r| r.rule.grpc_status), message)
         }
     };
-    h.insert(GRPC_STATUS, HeaderValue::from_static(status));
+    h.insert(GRPC_STATUS, HeaderValue::from(status));
     // grpc-message is percent-encoded (gRPC's HTTP/2 protocol spec).
     let encoded = percent_encoding::utf8_percent_encode(&message, GRPC_MESSAGE_ESCAPES).to_string();
     if let Ok(v) = HeaderValue::from_str(&encoded) {

@@ -302,6 +302,16 @@ rules:
             ("path: /login", "path: login", "must start with /"),
             ("path: /login", "path: /a*b", "only at the end"),
             ("status: 503", "status: 200", "not a 4xx or 5xx"),
+            (
+                "status: 503",
+                "status: 503\n    grpc_status: 0",
+                "not a gRPC error code",
+            ),
+            (
+                "status: 503",
+                "status: 503\n    grpc_status: 17",
+                "not a gRPC error code",
+            ),
             ("cost: header:X-Cost", "cost: 0", "at least 1"),
             ("cost: header:X-Cost", "cost: lots", "expected a number"),
             ("per: 60s", "per: 3s", "same period"),

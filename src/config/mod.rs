@@ -138,6 +138,10 @@ pub struct Rule {
     /// Status sent to a rejected caller.
     #[serde(serialize_with = "ser_status")]
     pub status: StatusCode,
+    /// The gRPC status a refused gRPC call gets (8, RESOURCE_EXHAUSTED, unless
+    /// the file says otherwise; Envoy's rate limit filter answers 14).
+    #[serde(skip_serializing_if = "is_resource_exhausted")]
+    pub grpc_status: u16,
     /// What one request costs.
     pub cost: Cost,
     /// What to do when the counter store cannot answer in time.
@@ -355,6 +359,13 @@ pub enum FailureMode {
     Closed,
 }
 
+/// gRPC's RESOURCE_EXHAUSTED: what a refused gRPC call is answered by default.
+pub const RESOURCE_EXHAUSTED: u16 = 8;
+
+fn is_resource_exhausted(code: &u16) -> bool {
+    *code == RESOURCE_EXHAUSTED
+}
+
 impl Rule {
     /// An envoyproxy/ratelimit limit named `id` (and shown by it), with no
     /// windows yet and the reference's defaults: 429, cost 1, fail open.
@@ -373,6 +384,7 @@ impl Rule {
             quota: false,
             metadata: None,
             status: StatusCode::TOO_MANY_REQUESTS,
+            grpc_status: RESOURCE_EXHAUSTED,
             cost: Cost::Fixed(1),
             failure_mode: FailureMode::Open,
         }

@@ -177,6 +177,8 @@ struct RawRule {
     #[serde(default)]
     status: Option<u16>,
     #[serde(default)]
+    grpc_status: Option<u16>,
+    #[serde(default)]
     cost: Option<CostSpec>,
     #[serde(default)]
     failure_mode: Option<FailureMode>,
@@ -198,6 +200,15 @@ impl RawRule {
             None => StatusCode::TOO_MANY_REQUESTS,
             Some(code @ 400..=599) => StatusCode::from_u16(code).expect("400..=599 is a valid status"),
             Some(code) => return Err(format!("rule \"{name}\": status {code} is not a 4xx or 5xx code")),
+        };
+        let grpc_status = match self.grpc_status {
+            None => super::RESOURCE_EXHAUSTED,
+            Some(code @ 1..=16) => code,
+            Some(code) => {
+                return Err(format!(
+                    "rule \"{name}\": grpc_status {code} is not a gRPC error code (1 to 16; 8 is RESOURCE_EXHAUSTED, 14 UNAVAILABLE)"
+                ));
+            }
         };
         let mut windows: Vec<Window> = self.limits.into_iter().map(|w| w.0).collect();
         windows.sort_by_key(|w| w.period_ms);
@@ -253,6 +264,7 @@ impl RawRule {
                 quota: false,
                 metadata: None,
                 status,
+                grpc_status,
                 cost: self.cost.map(|c| c.0).unwrap_or(Cost::Fixed(1)),
                 failure_mode: FailureMode::Open,
             },
