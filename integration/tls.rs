@@ -271,6 +271,16 @@ async fn curl(addr: std::net::SocketAddr, ca: &Path, path: &str, extra: &[&str])
     (version.to_string(), code.to_string(), format!("{body}{stderr}"))
 }
 
+/// A copy of a certificate and key in a directory of their own, as the
+/// files tollgate serves and a test then changes: (dir, cert, key).
+fn live_pair(cert: &Path, key: &Path) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let live = tempfile::tempdir().unwrap();
+    let (c, k) = (live.path().join("tls.crt"), live.path().join("tls.key"));
+    std::fs::copy(cert, &c).unwrap();
+    std::fs::copy(key, &k).unwrap();
+    (live, c, k)
+}
+
 fn tls_args<'a>(cert: &'a Path, key: &'a Path) -> Vec<&'a str> {
     vec!["--tls-cert", cert.to_str().unwrap(), "--tls-key", key.to_str().unwrap()]
 }
@@ -393,10 +403,7 @@ async fn a_bad_pair_keeps_the_last_good_one_and_says_why() {
     let pki = Pki::new();
     let (good, good_key) = pki.leaf("good", "localhost", Some(LOCAL));
     let (_, other_key) = pki.leaf("other", "localhost", Some(LOCAL));
-    let live = tempfile::tempdir().unwrap();
-    let (cert, key) = (live.path().join("tls.crt"), live.path().join("tls.key"));
-    std::fs::copy(&good, &cert).unwrap();
-    std::fs::copy(&good_key, &key).unwrap();
+    let (_live, cert, key) = live_pair(&good, &good_key);
     let up = TestUpstream::start().await;
     let tg = Tollgate::start("domain: tls\nrules: []\n", up.addr, &tls_args(&cert, &key));
     let ca = pki.ca();
@@ -844,10 +851,7 @@ async fn a_named_pipe_in_place_of_the_key_is_refused_and_neither_reloads_nor_shu
     let pki = Pki::new();
     let (good, good_key) = pki.leaf("good", "localhost", Some(LOCAL));
     let (next, next_key) = pki.leaf("next", "localhost", Some(LOCAL));
-    let live = tempfile::tempdir().unwrap();
-    let (cert, key) = (live.path().join("tls.crt"), live.path().join("tls.key"));
-    std::fs::copy(&good, &cert).unwrap();
-    std::fs::copy(&good_key, &key).unwrap();
+    let (_live, cert, key) = live_pair(&good, &good_key);
     let up = TestUpstream::start().await;
     let mut tg = Tollgate::start("domain: tls\nrules: []\n", up.addr, &tls_args(&cert, &key));
     std::fs::remove_file(&key).unwrap();
@@ -970,4 +974,26 @@ async fn a_subject_spelled_with_a_comma_is_not_another_identity() {
     }
     let answer = tls_get(tg.addr, &ca, "/x", Some((&real, &real_key))).await.unwrap();
     assert_eq!(answer.status, 200, "the real identity has its own counter");
+}
+
+#[tokio::test]
+async fn sighup_reads_the_certificate_again() {
+    // README: the files are looked at every second "and on SIGHUP".
+    let pki = Pki::new();
+    let (good, good_key) = pki.leaf("good", "localhost", Some(LOCAL));
+    let (_live, cert, key) = live_pair(&good, &good_key);
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: tls\nrules: []\n", up.addr, &tls_args(&cert, &key));
+    let ok = "tollgate_tls_reloads_total{result=\"ok\"}";
+    assert_eq!(metric(&tg, ok).await, 0, "nothing changed, nothing read");
+    tg.signal("HUP");
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&tg, ok).await != 1 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "SIGHUP did not read the pair: {}",
+            tg.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }

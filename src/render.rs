@@ -269,6 +269,8 @@ mod grpc_tests {
         assert_eq!(at("5S"), Some(Duration::from_secs(5)));
         assert_eq!(at("2H"), Some(Duration::from_secs(7200)));
         assert_eq!(at("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        // The largest a caller can write stays a plain (if distant) deadline.
+        assert_eq!(at("99999999H"), Some(Duration::from_secs(99_999_999 * 3600)));
         for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S", "１S"] {
             assert_eq!(at(bad), None, "{bad}");
         }

@@ -187,6 +187,10 @@ impl UpstreamPool {
 
     /// The thread's HTTP/2 connection, while it is open.
     fn shared_h2(&self) -> Option<http2::SendRequest<ClientBody>> {
+        // A plain http:// upstream never has one: no lock on its hot path.
+        if self.inner.tls.is_none() && !self.inner.h2c {
+            return None;
+        }
         let mut h2 = self.inner.h2.lock().unwrap_or_else(|p| p.into_inner());
         if h2.as_ref().is_some_and(|s| s.is_closed()) {
             *h2 = None;
