@@ -44,9 +44,12 @@ fn main() -> ExitCode {
         }
     };
     runtime.block_on(async {
+        // Installed before any listener is bound: once a port answers, a
+        // SIGHUP must mean "reload", never the default action (exit).
+        let signals = Signals::install();
         match Server::start(cli.run).await {
             Ok(server) => {
-                serve_until_signalled(&server).await;
+                signals.serve_until_stopped(&server).await;
                 server.stop().await;
                 ExitCode::SUCCESS
             }
@@ -93,23 +96,37 @@ fn init_logging(format: LogFormat) {
     }
 }
 
-/// Waits for SIGTERM or SIGINT, reloading the limits on every SIGHUP.
-async fn serve_until_signalled(server: &Server) {
-    use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        tracing::warn!("cannot install signal handlers; stop with SIGKILL");
-        std::future::pending::<()>().await;
-        return;
-    };
-    loop {
-        tokio::select! {
-            _ = term.recv() => return,
-            _ = int.recv() => return,
-            _ = hup.recv() => server.reload("SIGHUP").await,
+/// The process's signal handlers: SIGTERM/SIGINT stop, SIGHUP reloads.
+struct Signals(Option<[tokio::signal::unix::Signal; 3]>);
+
+impl Signals {
+    fn install() -> Self {
+        use tokio::signal::unix::{SignalKind, signal};
+        match (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+            signal(SignalKind::hangup()),
+        ) {
+            (Ok(term), Ok(int), Ok(hup)) => Self(Some([term, int, hup])),
+            _ => {
+                tracing::warn!("cannot install signal handlers; stop with SIGKILL");
+                Self(None)
+            }
+        }
+    }
+
+    /// Waits for SIGTERM or SIGINT, reloading the limits on every SIGHUP.
+    async fn serve_until_stopped(self, server: &Server) {
+        let Some([mut term, mut int, mut hup]) = self.0 else {
+            std::future::pending::<()>().await;
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = term.recv() => return,
+                _ = int.recv() => return,
+                _ = hup.recv() => server.reload("SIGHUP").await,
+            }
         }
     }
 }
