@@ -184,3 +184,315 @@ rules:
     assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
     assert!(refused.message().contains("envoy_like"), "{refused:?}");
 }
+
+/// A gRPC service of our own, for the streaming shapes the health service
+/// lacks: messages are raw bytes (no protobuf), framed and ended by tonic
+/// itself on both sides, so what crosses tollgate is real gRPC.
+mod echo {
+    use std::convert::Infallible;
+    use std::net::SocketAddr;
+
+    use bytes::{Buf, BufMut, Bytes};
+    use tokio_stream::StreamExt;
+    use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+    /// Messages as the bytes they are.
+    #[derive(Clone, Copy, Default)]
+    pub struct Raw;
+
+    impl Codec for Raw {
+        type Encode = Bytes;
+        type Decode = Bytes;
+        type Encoder = Raw;
+        type Decoder = Raw;
+        fn encoder(&mut self) -> Raw {
+            Raw
+        }
+        fn decoder(&mut self) -> Raw {
+            Raw
+        }
+    }
+
+    impl Encoder for Raw {
+        type Item = Bytes;
+        type Error = tonic::Status;
+        fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+            dst.put_slice(&item);
+            Ok(())
+        }
+    }
+
+    impl Decoder for Raw {
+        type Item = Bytes;
+        type Error = tonic::Status;
+        fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
+            Ok(Some(src.copy_to_bytes(src.remaining())))
+        }
+    }
+
+    /// `/test.Echo/Many` answers the number it is sent with that many
+    /// numbered messages; `/test.Echo/Sum` adds up the sizes of the messages
+    /// it is sent; `/test.Echo/Chat` answers each message as it comes, then
+    /// ends ABORTED with trailer metadata (a status after messages travels
+    /// in the trailers). Anything else, over HTTP/1.1 or not gRPC, is
+    /// answered with the HTTP version it came in.
+    pub async fn start() -> SocketAddr {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(|req| async { Ok::<_, Infallible>(route(req).await) });
+                    let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        addr
+    }
+
+    async fn route(req: http::Request<hyper::body::Incoming>) -> http::Response<tonic::body::Body> {
+        let mut grpc = tonic::server::Grpc::new(Raw);
+        match req.uri().path() {
+            "/test.Echo/Many" => {
+                let many = tower::service_fn(|req: tonic::Request<Bytes>| async move {
+                    let n: usize = std::str::from_utf8(req.get_ref()).unwrap().parse().unwrap();
+                    let messages = (0..n).map(|i| Ok(Bytes::from(format!("{i:06}:{}", "x".repeat(1000)))));
+                    let mut answer = tonic::Response::new(tokio_stream::iter(messages));
+                    answer.metadata_mut().insert("x-served-by", "echo".parse().unwrap());
+                    Ok::<_, tonic::Status>(answer)
+                });
+                grpc.server_streaming(many, req).await
+            }
+            "/test.Echo/Sum" => {
+                let sum = tower::service_fn(|req: tonic::Request<tonic::Streaming<Bytes>>| async move {
+                    let mut messages = req.into_inner();
+                    let (mut count, mut bytes) = (0usize, 0usize);
+                    while let Some(m) = messages.next().await {
+                        count += 1;
+                        bytes += m?.len();
+                    }
+                    Ok::<_, tonic::Status>(tonic::Response::new(Bytes::from(format!("{count} {bytes}"))))
+                });
+                grpc.client_streaming(sum, req).await
+            }
+            "/test.Echo/Chat" => {
+                let chat = tower::service_fn(|req: tonic::Request<tonic::Streaming<Bytes>>| async move {
+                    let tag = req.metadata().get("x-tag").cloned();
+                    let replies = req
+                        .into_inner()
+                        .map(|m| m.map(|m| [b"echo:".as_slice(), &m].concat().into()));
+                    let mut end = tonic::Status::aborted("chat over");
+                    end.metadata_mut().insert("x-final", "42".parse().unwrap());
+                    let replies = replies.chain(tokio_stream::once(Err(end)));
+                    let mut answer = tonic::Response::new(replies);
+                    if let Some(tag) = tag {
+                        answer.metadata_mut().insert("x-tag", tag);
+                    }
+                    Ok::<_, tonic::Status>(answer)
+                });
+                grpc.streaming(chat, req).await
+            }
+            _ => http::Response::new(tonic::body::Body::new(http_body_util::Full::new(Bytes::from(format!(
+                "{:?}",
+                req.version()
+            ))))),
+        }
+    }
+
+    /// A tonic client for the service at `addr` (tollgate's proxy).
+    pub async fn client(addr: SocketAddr) -> tonic::client::Grpc<tonic::transport::Channel> {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        tonic::client::Grpc::new(channel)
+    }
+}
+
+#[tokio::test]
+async fn a_server_stream_of_many_messages_arrives_whole_with_its_metadata() {
+    let server = echo::start().await;
+    let tg = h2c_upstream(server, "domain: grpc\nrules: []\n");
+    let mut client = echo::client(tg.addr).await;
+    client.ready().await.unwrap();
+    let answer = client
+        .server_streaming(
+            tonic::Request::new(bytes::Bytes::from_static(b"2000")),
+            http::uri::PathAndQuery::from_static("/test.Echo/Many"),
+            echo::Raw,
+        )
+        .await
+        .unwrap();
+    assert_eq!(answer.metadata().get("x-served-by").unwrap(), "echo");
+    let mut stream = answer.into_inner();
+    let mut i = 0;
+    while let Some(message) = stream.message().await.unwrap() {
+        assert!(
+            message.starts_with(format!("{i:06}:").as_bytes()),
+            "message {i} in order"
+        );
+        assert_eq!(message.len(), 1007);
+        i += 1;
+    }
+    assert_eq!(i, 2000, "every message of the 2 MB stream");
+    // OK arrived as a trailer after the messages.
+    assert!(stream.trailers().await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn a_client_stream_and_a_bidirectional_one_flow_message_by_message() {
+    let server = echo::start().await;
+    let tg = h2c_upstream(server, "domain: grpc\nrules: []\n");
+    let mut client = echo::client(tg.addr).await;
+    client.ready().await.unwrap();
+    let uploads = tokio_stream::iter((0..300).map(|i| bytes::Bytes::from(vec![b'u'; 100 + i])));
+    let sum = client
+        .client_streaming(
+            tonic::Request::new(uploads),
+            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
+            echo::Raw,
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    let bytes: usize = (0..300).map(|i| 100 + i).sum();
+    assert_eq!(sum, format!("300 {bytes}").as_bytes());
+
+    // Lockstep: each message is sent only once the previous one's echo is
+    // back, so a proxy that held either direction's stream would stall here.
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(1);
+    client.ready().await.unwrap();
+    let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+    request.metadata_mut().insert("x-tag", "round-trip".parse().unwrap());
+    tx.send(bytes::Bytes::from_static(b"0")).await.unwrap();
+    let answer = tokio::time::timeout(
+        Duration::from_secs(5),
+        client.streaming(
+            request,
+            http::uri::PathAndQuery::from_static("/test.Echo/Chat"),
+            echo::Raw,
+        ),
+    )
+    .await
+    .expect("the first echo came before the request stream ended")
+    .unwrap();
+    assert_eq!(
+        answer.metadata().get("x-tag").unwrap(),
+        "round-trip",
+        "request metadata reached the server"
+    );
+    let mut replies = answer.into_inner();
+    for i in 0..50 {
+        if i > 0 {
+            tx.send(bytes::Bytes::from(i.to_string())).await.unwrap();
+        }
+        let reply = tokio::time::timeout(Duration::from_secs(5), replies.message())
+            .await
+            .unwrap_or_else(|_| panic!("echo {i} did not come while the stream was open"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(reply, format!("echo:{i}").as_bytes());
+    }
+    drop(tx);
+    let end = replies.message().await.unwrap_err();
+    assert_eq!(
+        end.code(),
+        tonic::Code::Aborted,
+        "the status after the messages: {end:?}"
+    );
+    assert_eq!(end.message(), "chat over");
+    assert_eq!(
+        end.metadata().get("x-final").unwrap(),
+        "42",
+        "trailer metadata preserved"
+    );
+}
+
+#[tokio::test]
+async fn grpc_calls_go_over_http2_to_a_plain_http_upstream_and_other_requests_over_1_1() {
+    // As NGINX's grpc_pass beside proxy_pass: one upstream address, gRPC
+    // over h2c, the rest over HTTP/1.1.
+    let server = echo::start().await;
+    let tg = Tollgate::start_upstream_url("domain: grpc\nrules: []\n", &format!("http://{server}"), &[]);
+    let mut echo = echo::client(tg.addr).await;
+    echo.ready().await.unwrap();
+    let sum = echo
+        .client_streaming(
+            tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"abc")])),
+            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
+            echo::Raw,
+        )
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(sum, "1 3".as_bytes());
+    let plain = get(&client(), &tg.url("/version"), &[]).await;
+    assert_eq!(plain.status, 200);
+    assert_eq!(&plain.body[..], b"HTTP/1.1", "non-gRPC requests stay on HTTP/1.1");
+    // The health service over the same plain upstream URL.
+    let health = health_server().await;
+    let tg = Tollgate::start_upstream_url(LIMITS, &format!("http://{health}"), &[]);
+    let mut client = connect(&tg).await;
+    assert_eq!(check(&mut client).await.unwrap().status, ServingStatus::Serving as i32);
+}
+
+#[tokio::test]
+async fn a_refused_call_carries_retry_info_a_grpc_client_decodes() {
+    use tonic_types::StatusExt;
+    let server = health_server().await;
+    let tg = h2c_upstream(server, LIMITS);
+    let mut client = connect(&tg).await;
+    for _ in 0..2 {
+        check(&mut client).await.unwrap();
+    }
+    let refused = check(&mut client).await.unwrap_err();
+    let retry = refused
+        .get_details_retry_info()
+        .expect("google.rpc.RetryInfo in grpc-status-details-bin");
+    let delay = retry.retry_delay.expect("a retry delay");
+    assert!(
+        delay > Duration::from_secs(50) && delay <= Duration::from_secs(60),
+        "the wait until the 60 s window frees a call: {delay:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_service_wildcard_and_metadata_pick_the_counter() {
+    let server = echo::start().await;
+    let limits = "\
+domain: grpc
+rules:
+  - name: echo_per_tenant
+    match: { path: /test.Echo/* }
+    by: [header:x-tenant]
+    limits: [{ requests: 1, per: 60s }]
+";
+    let tg = h2c_upstream(server, limits);
+    let mut client = echo::client(tg.addr).await;
+    let mut sum = async |tenant: &str, method: &'static str| {
+        client.ready().await.unwrap();
+        let mut request = tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"x")]));
+        request.metadata_mut().insert("x-tenant", tenant.parse().unwrap());
+        client
+            .client_streaming(request, http::uri::PathAndQuery::from_static(method), echo::Raw)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.code())
+    };
+    assert_eq!(sum("a", "/test.Echo/Sum").await, Ok(()));
+    // Another method of the same service shares the tenant's counter.
+    assert_eq!(sum("a", "/test.Echo/Chat").await, Err(tonic::Code::ResourceExhausted));
+    assert_eq!(
+        sum("b", "/test.Echo/Sum").await,
+        Ok(()),
+        "another tenant, another counter"
+    );
+    // A service whose name merely starts the same is not matched.
+    assert_ne!(
+        sum("a", "/test.EchoMore/Sum").await,
+        Err(tonic::Code::ResourceExhausted)
+    );
+}

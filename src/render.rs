@@ -37,46 +37,52 @@ pub fn refusal(decision: &Decision, status: StatusCode) -> Response<Bytes> {
 
 /// A refused gRPC call's answer, as a gRPC client reads one: HTTP 200 and
 /// a trailers-only response (`grpc-status` in the headers, no body) with
-/// `RESOURCE_EXHAUSTED` (8) and a `grpc-message` naming the rule, beside
-/// `Retry-After` and the RateLimit headers. A bare 429 is reported by gRPC
-/// clients as `UNAVAILABLE`, which they retry at once. A store that failed
-/// closed answers `UNAVAILABLE` (14).
+/// `RESOURCE_EXHAUSTED` (8) and a `grpc-message` naming the rule, the wait
+/// as `google.rpc.RetryInfo` in `grpc-status-details-bin` (what gRPC's
+/// retry-aware clients read), beside `Retry-After` and the RateLimit
+/// headers. A bare 429 is reported by gRPC clients as `UNAVAILABLE`, which
+/// they retry at once. A store that failed closed answers `UNAVAILABLE` (14).
 pub fn grpc_refusal(decision: &Decision) -> Response<Bytes> {
-    let mut response = Response::new(Bytes::new());
-    let h = response.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    let (status, message) = match decision.verdict {
-        Verdict::FailedClosed => (14, "the rate limiter cannot reach its counters; retry shortly".to_string()),
+    let status = match decision.verdict {
+        Verdict::FailedClosed => tonic::Status::unavailable("the rate limiter cannot reach its counters; retry shortly"),
         _ => {
             let refusing = decision.refusing().next();
             let rule = refusing.map_or("", |r| r.rule.name.as_str());
-            let message = match decision.retry_after_ms() {
-                Some(ms) => format!("rate limited by rule {rule}; retry after {} s", ceil_secs(ms)),
-                None => format!("rate limited by rule {rule}: this call costs more than the rule's whole limit"),
-            };
-            (refusing.map_or(crate::config::RESOURCE_EXHAUSTED, |r| r.rule.grpc_status), message)
+            let code = refusing.map_or(crate::config::RESOURCE_EXHAUSTED, |r| r.rule.grpc_status);
+            let code = tonic::Code::from(i32::from(code));
+            match decision.retry_after_ms() {
+                Some(ms) => {
+                    use tonic_types::{ErrorDetails, StatusExt};
+                    let wait = std::time::Duration::from_millis(ms);
+                    let message = format!("rate limited by rule {rule}; retry after {} s", ceil_secs(ms));
+                    tonic::Status::with_error_details(code, message, ErrorDetails::with_retry_info(Some(wait)))
+                }
+                None => tonic::Status::new(
+                    code,
+                    format!("rate limited by rule {rule}: this call costs more than the rule's whole limit"),
+                ),
+            }
         }
     };
-    h.insert(GRPC_STATUS, HeaderValue::from(status));
-    // grpc-message is percent-encoded (gRPC's HTTP/2 protocol spec).
-    let encoded = percent_encoding::utf8_percent_encode(&message, GRPC_MESSAGE_ESCAPES).to_string();
-    if let Ok(v) = HeaderValue::from_str(&encoded) {
-        h.insert(GRPC_MESSAGE, v);
-    }
-    refusal_headers(decision, h);
+    let mut response = grpc_status(&status);
+    refusal_headers(decision, response.headers_mut());
     response
 }
 
 /// tollgate's own failure answered to a gRPC call (trailers-only, HTTP 200):
-/// `code` is the gRPC status (14 `UNAVAILABLE`, 4 `DEADLINE_EXCEEDED`...).
-pub fn grpc_error(code: &'static str, message: &str) -> Response<Bytes> {
+/// `code` is `UNAVAILABLE`, `DEADLINE_EXCEEDED`...
+pub fn grpc_error(code: tonic::Code, message: &str) -> Response<Bytes> {
+    grpc_status(&tonic::Status::new(code, message))
+}
+
+/// A trailers-only gRPC response carrying `status`.
+fn grpc_status(status: &tonic::Status) -> Response<Bytes> {
     let mut response = Response::new(Bytes::new());
     let h = response.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    h.insert(GRPC_STATUS, HeaderValue::from_static(code));
-    let encoded = percent_encoding::utf8_percent_encode(message, GRPC_MESSAGE_ESCAPES).to_string();
-    if let Ok(v) = HeaderValue::from_str(&encoded) {
-        h.insert(GRPC_MESSAGE, v);
+    // Fails only for metadata a caller put in, and this status has none.
+    if let Err(e) = status.add_header(h) {
+        tracing::debug!(error = %e, "gRPC status not rendered whole");
     }
     response
 }
@@ -102,11 +108,6 @@ pub fn grpc_timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
         _ => return None,
     })
 }
-
-/// What `grpc-message` percent-encodes: anything outside printable ASCII, and `%`.
-const GRPC_MESSAGE_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b'%');
-const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
-const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 
 /// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`...).
 pub fn is_grpc(headers: &HeaderMap) -> bool {

@@ -153,12 +153,15 @@ impl Proxy {
     ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+        // gRPC is HTTP/2 end to end: a call that came over it goes on over
+        // it whatever the upstream's scheme (grpc_pass, Envoy's http2 cluster).
+        let needs_h2 = req.version() == Version::HTTP_2 && render::is_grpc(req.headers());
         let host = admitted.host.as_deref();
         let (upstream_req, body_sent) = match self.upstream_request(req, peer, host, upgrade) {
             Ok(r) => r,
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
-        let response = self.exchange(upstream_req, body_sent).await?;
+        let response = self.exchange(upstream_req, body_sent, needs_h2).await?;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(switch_protocols(client_upgrade, response));
         }
@@ -222,6 +225,7 @@ impl Proxy {
         &self,
         upstream_req: Request<ClientBody>,
         body_sent: tokio::sync::oneshot::Receiver<()>,
+        needs_h2: bool,
     ) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
         let sent = Instant::now();
         // The wait for the answer starts once the request has been sent
@@ -234,7 +238,7 @@ impl Proxy {
                 tokio::time::sleep(timeout).await;
             };
             tokio::select! {
-                answer = self.pool.send(upstream_req) => Ok(answer),
+                answer = self.pool.send(upstream_req, needs_h2) => Ok(answer),
                 () = waited => Err(()),
             }
         };
@@ -455,8 +459,8 @@ fn refusal(decision: &Decision) -> Response<ProxyBody> {
 /// 504 as DEADLINE_EXCEEDED (4), as Envoy maps them.
 fn grpc_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
     let code = match status {
-        StatusCode::GATEWAY_TIMEOUT => "4",
-        _ => "14",
+        StatusCode::GATEWAY_TIMEOUT => tonic::Code::DeadlineExceeded,
+        _ => tonic::Code::Unavailable,
     };
     render::grpc_error(code, message).map(|b| Either::Right(Full::new(b)))
 }

@@ -138,9 +138,13 @@ impl UpstreamPool {
     }
 
     /// Sends `req` (origin-form URI, `Host` set) and returns the response
-    /// head; the body streams from the upstream as it is read.
-    pub async fn send(&self, mut req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
-        if let Some(h2) = self.shared_h2() {
+    /// head; the body streams from the upstream as it is read. `needs_h2`
+    /// (a gRPC call that came over HTTP/2) sends it over HTTP/2 even to a
+    /// plain `http://` upstream, with prior knowledge (h2c), as gRPC
+    /// servers speak no HTTP/1.1.
+    pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
+        let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
+        if let Some(h2) = self.shared_h2(h2c) {
             // A body-less request can be sent again as it was if the
             // upstream refuses it unprocessed.
             let again = req.body().is_end_stream().then(|| Replay::of(&req));
@@ -161,9 +165,10 @@ impl UpstreamPool {
             *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         loop {
-            let (mut sender, reused) = match self.take() {
+            // The HTTP/1.1 stack is never h2c's.
+            let (mut sender, reused) = match if h2c { None } else { self.take() } {
                 Some(sender) => (sender, true),
-                None => match self.connect().await? {
+                None => match self.connect(h2c).await? {
                     Connected::Http1(sender) => (sender, false),
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
@@ -186,9 +191,10 @@ impl UpstreamPool {
     }
 
     /// The thread's HTTP/2 connection, while it is open.
-    fn shared_h2(&self) -> Option<http2::SendRequest<ClientBody>> {
-        // A plain http:// upstream never has one: no lock on its hot path.
-        if self.inner.tls.is_none() && !self.inner.h2c {
+    fn shared_h2(&self, h2c: bool) -> Option<http2::SendRequest<ClientBody>> {
+        // A plain http:// upstream has one only for gRPC: no lock on the
+        // hot path of its other requests.
+        if self.inner.tls.is_none() && !h2c {
             return None;
         }
         let mut h2 = self.inner.h2.lock().unwrap_or_else(|p| p.into_inner());
@@ -217,9 +223,9 @@ impl UpstreamPool {
             .and_then(|h| Authority::try_from(h.as_bytes()).ok())
             .unwrap_or_else(|| self.inner.authority.clone());
         let mut parts = std::mem::take(req.uri_mut()).into_parts();
-        parts.scheme = Some(match self.inner.h2c {
-            true => http::uri::Scheme::HTTP,
-            false => http::uri::Scheme::HTTPS,
+        parts.scheme = Some(match self.inner.tls {
+            None => http::uri::Scheme::HTTP,
+            Some(_) => http::uri::Scheme::HTTPS,
         });
         parts.authority = Some(authority);
         if parts.path_and_query.is_none() {
@@ -297,7 +303,9 @@ impl UpstreamPool {
         });
     }
 
-    async fn connect(&self) -> Result<Connected, SendError> {
+    /// Opens a connection: TLS for an `https://` upstream (the protocol by
+    /// ALPN), else HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1.
+    async fn connect(&self, h2c: bool) -> Result<Connected, SendError> {
         let authority = &self.inner.authority;
         let connect_error = |source| SendError::Connect {
             authority: authority.clone(),
@@ -335,7 +343,7 @@ impl UpstreamPool {
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
         match &self.inner.tls {
-            None if self.inner.h2c => start_h2(stream).await.map(Connected::Http2),
+            None if h2c => start_h2(stream).await.map(Connected::Http2),
             None => start_connection(stream).await.map(Connected::Http1),
             Some(tls) => {
                 let stream = tls
