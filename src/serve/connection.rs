@@ -85,10 +85,12 @@ pub(super) struct ConnMetrics {
 /// When a connection last began or finished a request, for its watchdog.
 struct Activity {
     opened: Instant,
-    /// Where each request's time, head to last byte, is recorded.
-    response_seconds: Histogram,
-    /// Where the time from accept to the first request's head is recorded.
-    first_request_seconds: Histogram,
+    /// The listener it came in on.
+    listener: Arc<Listener>,
+    /// The client's address.
+    peer: SocketAddr,
+    /// The client's TLS session, once its handshake is done.
+    tls: std::sync::OnceLock<ClientTls>,
     /// Milliseconds after `opened` when a request last began or finished.
     last_ms: AtomicU64,
     served: AtomicBool,
@@ -108,11 +110,12 @@ struct Activity {
 }
 
 impl Activity {
-    fn new(response_seconds: Histogram, first_request_seconds: Histogram) -> Self {
+    fn new(listener: Arc<Listener>, peer: SocketAddr) -> Self {
         Activity {
             opened: Instant::now(),
-            response_seconds,
-            first_request_seconds,
+            listener,
+            peer,
+            tls: std::sync::OnceLock::new(),
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
             begun: AtomicU64::new(0),
@@ -134,7 +137,7 @@ impl Activity {
         self.touch();
         self.served.store(true, Ordering::Relaxed);
         if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
-            self.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
+            self.listener.metrics.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
         }
         if closes {
             self.closes.store(true, Ordering::Relaxed);
@@ -185,7 +188,7 @@ impl Drop for Busy {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
         self.0.touch();
-        self.0.response_seconds.observe(self.1.elapsed().as_secs_f64());
+        self.0.listener.metrics.response_seconds.observe(self.1.elapsed().as_secs_f64());
     }
 }
 
@@ -243,12 +246,13 @@ impl AsyncWrite for ClientIo {
     }
 }
 
-/// Waits until a parked connection's socket has bytes.
-async fn readable(stream: &ClientStream) -> io::Result<()> {
+/// Whether a parked connection's socket has bytes. Polled in place, so the
+/// wait keeps no future of its own (tokio's `readable()` is 168 bytes).
+fn poll_readable(stream: &ClientStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
     match stream {
-        ClientStream::Plain(s) => s.readable().await,
+        ClientStream::Plain(s) => s.poll_read_ready(cx),
         // Never parked: the session may hold bytes it already decrypted.
-        ClientStream::Tls(_) => Ok(()),
+        ClientStream::Tls(_) => Poll::Ready(Ok(())),
     }
 }
 
@@ -292,15 +296,40 @@ impl ClientIo {
     }
 }
 
-/// Serves `handler` on one accepted connection until it closes.
-pub(super) async fn serve<F, Fut, B>(
+/// An HTTP/1 connection between requests with no hyper state: the
+/// socket, the request handler, and where parking last left off.
+struct Parked<S> {
+    io: ClientIo,
+    service: S,
+    /// Requests begun when hyper was last rebuilt after a park.
+    rebuilt_at: u64,
+}
+
+/// What every connection of one listener shares.
+pub(super) struct Listener {
+    /// How requests are read and answered.
+    pub protocols: Protocols,
+    /// Timeouts and sizes.
+    pub limits: ConnLimits,
+    /// Where the connections report.
+    pub metrics: ConnMetrics,
+}
+
+/// Serves `handler` on one accepted connection until it closes; `held`
+/// (its slot and its place in the gauge of open connections) is let go of
+/// with it.
+///
+/// This task's own state is what a parked connection costs (the socket,
+/// the handler, the wait for bytes); every phase that serves requests is
+/// boxed and let go of while parked, or the task would be as large as its
+/// largest phase for as long as the connection is open (~3.4 KB).
+pub(super) async fn serve<F, Fut, B, H>(
     stream: TcpStream,
     peer: SocketAddr,
     handler: F,
-    protocols: Protocols,
-    limits: ConnLimits,
+    listener: Arc<Listener>,
     mut stop: watch::Receiver<bool>,
-    metrics: ConnMetrics,
+    held: H,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
@@ -308,15 +337,65 @@ pub(super) async fn serve<F, Fut, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
-    let ConnMetrics {
-        waiting,
-        response_seconds,
-        first_request_seconds,
-        tls_failures,
-    } = metrics;
+    let _held = held;
+    let activity = Arc::new(Activity::new(listener, peer));
+    let seen = activity.clone();
+    let service = service_fn(move |mut req: Request<Incoming>| {
+        if let Some(tls) = seen.tls.get() {
+            req.extensions_mut().insert(tls.clone());
+        }
+        let busy = seen.began(asks_to_close(&req));
+        let head = req.method() == http::Method::HEAD;
+        let response = handler(req, seen.peer);
+        async move {
+            let response = response.await;
+            Ok::<_, Infallible>(until_sent(response, head, busy))
+        }
+    });
+    let mut parked = Box::pin(open(stream, service, stop.clone(), &activity)).await;
+    while let Some(idle) = &parked {
+        let shared = &activity.listener;
+        tracing::trace!(peer = %activity.peer, "idle connection parked");
+        let waiting = Held::new(shared.metrics.waiting.clone());
+        tokio::select! {
+            readable = std::future::poll_fn(|cx| poll_readable(&idle.io.stream, cx)) => {
+                if let Err(e) = readable {
+                    tracing::debug!(peer = %activity.peer, error = %e, "parked connection failed");
+                    return;
+                }
+            }
+            _ = tokio::time::sleep(activity.left(&shared.limits)) => {
+                tracing::debug!(peer = %activity.peer, "idle connection closed");
+                return;
+            }
+            _ = stopped(&mut stop) => return,
+        }
+        drop(waiting);
+        let Some(idle) = parked.take() else { return };
+        parked = Box::pin(serve_http1(idle, stop.clone())).await;
+    }
+}
+
+/// Opens a connection (the TLS handshake, the protocol sniff) and serves
+/// it until it closes, or parks (HTTP/1 only).
+async fn open<S, B>(
+    stream: TcpStream,
+    service: S,
+    mut stop: watch::Receiver<bool>,
+    activity: &Arc<Activity>,
+) -> Option<Parked<S>>
+where
+    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    let (peer, shared) = (activity.peer, &*activity.listener);
+    let (metrics, protocols, limits) = (&shared.metrics, &shared.protocols, &shared.limits);
     let tls_listener = protocols.tls.is_some();
-    let activity = Arc::new(Activity::new(response_seconds, first_request_seconds));
-    let held = Held::new(waiting.clone());
+    let held = Held::new(metrics.waiting.clone());
     // The handshake and the first bytes share the header read timeout: a
     // client that opens a connection and says nothing is closed either way.
     let opened = async {
@@ -326,7 +405,7 @@ pub(super) async fn serve<F, Fut, B>(
                 Ok(session) => ClientStream::Tls(Box::new(session)),
                 Err(e) => {
                     tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    tls_failures.inc();
+                    metrics.tls_failures.inc();
                     return None;
                 }
             },
@@ -348,61 +427,48 @@ pub(super) async fn serve<F, Fut, B>(
         Some((io, protocol))
     };
     let (io, protocol) = tokio::select! {
-        opened = opened => match opened {
-            Some(opened) => opened,
-            None => return,
-        },
+        opened = opened => opened?,
         _ = tokio::time::sleep(limits.header_read_timeout) => {
             tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
             if tls_listener {
                 // With TLS, ALPN names the protocol as the handshake ends:
                 // what ran out of time was the handshake.
-                tls_failures.inc();
+                metrics.tls_failures.inc();
             }
-            return;
+            return None;
         }
-        _ = stopped(&mut stop) => return,
+        _ = stopped(&mut stop) => return None,
     };
     drop(held);
-    let tls = match &io.stream {
-        ClientStream::Tls(session) => Some(ClientTls::of(session.get_ref().1)),
-        ClientStream::Plain(_) => None,
-    };
-    let seen = activity.clone();
-    let service = service_fn(move |mut req: Request<Incoming>| {
-        if let Some(tls) = &tls {
-            req.extensions_mut().insert(tls.clone());
-        }
-        let busy = seen.began(asks_to_close(&req));
-        let head = req.method() == http::Method::HEAD;
-        let response = handler(req, peer);
-        async move {
-            let response = response.await;
-            Ok::<_, Infallible>(until_sent(response, head, busy))
-        }
-    });
+    if let ClientStream::Tls(session) = &io.stream {
+        let _ = activity.tls.set(ClientTls::of(session.get_ref().1));
+    }
     match protocol {
-        Ok(Some(Protocol::Http1)) => serve_http1(io, service, &protocols.http1, peer, &limits, stop, waiting).await,
+        Ok(Some(Protocol::Http1)) => {
+            let parked = Parked {
+                io,
+                service,
+                rebuilt_at: u64::MAX,
+            };
+            serve_http1(parked, stop).await
+        }
         Ok(Some(Protocol::Http2)) => {
             let conn = protocols.http2.serve_connection(TokioIo::new(io), service);
-            watch_http2(conn, &activity, peer, &limits, stop).await
+            watch_http2(conn, activity, peer, limits, stop).await;
+            None
         }
-        Ok(None) => {}
-        Err(e) => tracing::debug!(%peer, error = %e, "connection failed before its first request"),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::debug!(%peer, error = %e, "connection failed before its first request");
+            None
+        }
     }
 }
 
-/// Serves HTTP/1 requests on `io`, parking the connection whenever it sits
-/// idle, until it closes.
-async fn serve_http1<S, B>(
-    mut io: ClientIo,
-    mut service: S,
-    http1: &http1::Builder,
-    peer: SocketAddr,
-    limits: &ConnLimits,
-    mut stop: watch::Receiver<bool>,
-    waiting: Gauge,
-) where
+/// Serves HTTP/1 requests on a connection until it closes (`None`) or sits
+/// idle long enough to be parked.
+async fn serve_http1<S, B>(parked: Parked<S>, mut stop: watch::Receiver<bool>) -> Option<Parked<S>>
+where
     S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
     S::Future: Send + 'static,
     S::Error: Into<Box<dyn StdError + Send + Sync>>,
@@ -410,20 +476,26 @@ async fn serve_http1<S, B>(
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
+    let Parked {
+        mut io,
+        mut service,
+        rebuilt_at,
+    } = parked;
     let activity = io.activity.clone();
+    let (peer, shared) = (activity.peer, &*activity.listener);
+    let (http1, limits) = (&shared.protocols.http1, &shared.limits);
     // Without keep-alive hyper closes after every response: nothing to park.
     // A TLS session is not parked (hyper's successor could not see what
     // the session had decrypted and not handed over).
     let keep_alive = !limits.keepalive_timeout.is_zero() && matches!(io.stream, ClientStream::Plain(_));
-    // Requests begun when hyper was last rebuilt after a park. Until one
-    // more begins it is not parked again: a new hyper connection counts as
+    // Until one more request begins than when hyper was last rebuilt after
+    // a park, it is not parked again: a new hyper connection counts as
     // busy until its first message is done, and asked to close then, it
     // would answer that message with `Connection: close`; and parking one
     // handed part of a request would spin until the rest came.
-    let mut rebuilt_at: Option<u64> = None;
+    let mut rebuilt_at = rebuilt_at;
     loop {
-        // Boxed, so that while parked the task holds none of it.
-        let mut conn = Box::new(http1.serve_connection(TokioIo::new(io), service).with_upgrades());
+        let mut conn = http1.serve_connection(TokioIo::new(io), service).with_upgrades();
         activity.parking.store(false, Ordering::Relaxed);
         activity.read_while_parking.store(false, Ordering::Relaxed);
         let mut closing = false;
@@ -433,27 +505,27 @@ async fn serve_http1<S, B>(
             // it looks again at least every keep-alive timeout, and while
             // the connection is busy, every PARK_AFTER (parking it at most
             // twice that after it fell idle).
-            let may_park = keep_alive && !closing && rebuilt_at != Some(activity.begun.load(Ordering::Relaxed));
+            let may_park = keep_alive && !closing && rebuilt_at != activity.begun.load(Ordering::Relaxed);
             let mut wake = activity.left(limits).min(limits.recheck_every());
             if may_park {
                 wake = wake.min(activity.park_in().unwrap_or(PARK_AFTER));
             }
             tokio::select! {
-                result = Pin::new(&mut *conn) => break result,
+                result = Pin::new(&mut conn) => break result,
                 _ = stopped(&mut stop), if !closing => {
-                    Pin::new(&mut *conn).graceful_shutdown();
+                    Pin::new(&mut conn).graceful_shutdown();
                     closing = true;
                 }
                 _ = tokio::time::sleep(wake), if !closing => {
                     if activity.left(limits).is_zero() {
                         tracing::debug!(%peer, "idle connection closed");
-                        Pin::new(&mut *conn).graceful_shutdown();
+                        Pin::new(&mut conn).graceful_shutdown();
                         closing = true;
                     } else if may_park && activity.park_in().is_some_and(|p| p.is_zero()) {
                         // hyper has no message in progress: it closes at
                         // once, having flushed what it wrote.
                         activity.parking.store(true, Ordering::Relaxed);
-                        Pin::new(&mut *conn).graceful_shutdown();
+                        Pin::new(&mut conn).graceful_shutdown();
                         closing = true;
                         parking = true;
                     }
@@ -462,13 +534,11 @@ async fn serve_http1<S, B>(
         };
         if let Err(e) = ended {
             tracing::debug!(%peer, error = %e, "connection ended with an error");
-            return;
+            return None;
         }
         let clean = parking && !activity.read_while_parking.load(Ordering::Relaxed) && activity.park_in().is_some();
-        let Some(parts) = conn.into_parts().filter(|_| clean) else {
-            // Closed for good, or upgraded (the upgrade owns the socket now).
-            return;
-        };
+        // Closed for good, or upgraded (the upgrade owns the socket now).
+        let parts = conn.into_parts().filter(|_| clean)?;
         // A copy: what hyper hands back shares its whole read buffer, which
         // is let go of here, not held while parked.
         let replay = Bytes::copy_from_slice(&parts.read_buf);
@@ -476,26 +546,11 @@ async fn serve_http1<S, B>(
         io = parts.io.into_inner();
         io.replay = replay;
         service = parts.service;
-        rebuilt_at = Some(activity.begun.load(Ordering::Relaxed));
-        if !io.replay.is_empty() {
-            // The client has begun its next request: serve it at once.
-            continue;
+        rebuilt_at = activity.begun.load(Ordering::Relaxed);
+        if io.replay.is_empty() {
+            return Some(Parked { io, service, rebuilt_at });
         }
-        tracing::trace!(%peer, "idle connection parked");
-        let _held = Held::new(waiting.clone());
-        tokio::select! {
-            readable = readable(&io.stream) => {
-                if let Err(e) = readable {
-                    tracing::debug!(%peer, error = %e, "parked connection failed");
-                    return;
-                }
-            }
-            _ = tokio::time::sleep(activity.left(limits)) => {
-                tracing::debug!(%peer, "idle connection closed");
-                return;
-            }
-            _ = stopped(&mut stop) => return,
-        }
+        // The client has begun its next request: serve it at once.
     }
 }
 

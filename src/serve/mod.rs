@@ -144,6 +144,12 @@ pub async fn serve<F, Fut, B>(
         first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
         tls_failures: crate::metrics::get().tls_handshake_failures(gate.name),
     };
+    // Shared: each connection's task holds only a pointer to it.
+    let shared = Arc::new(connection::Listener {
+        protocols,
+        limits,
+        metrics,
+    });
     loop {
         // Finished connections are reaped as they finish, not at the next
         // accept: each holds its task's memory until joined, and after a
@@ -170,15 +176,9 @@ pub async fn serve<F, Fut, B>(
         };
         let Some(slot) = slot else { break };
         let held = (slot, crate::metrics::Held::new(open.clone()));
-        let handler = handler.clone();
-        let stop = shutdown.clone();
-        let protocols = protocols.clone();
-        let metrics = metrics.clone();
-        connections.spawn(async move {
-            // The slot and the gauge are given back when the task ends.
-            let _held = held;
-            connection::serve(stream, peer, handler, protocols, limits, stop, metrics).await;
-        });
+        // The slot and the gauge are given back when the task ends.
+        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), held);
+        connections.spawn(fut);
     }
     drop(listener);
     let drained = async { while connections.join_next().await.is_some() {} };
