@@ -49,6 +49,7 @@ use tokio::sync::watch;
 
 use super::{ConnLimits, stopped};
 use crate::metrics::Held;
+use super::parking::{Lot, Resume};
 use crate::tls::{ClientStream, ClientTls};
 
 /// How long an HTTP/1 connection sits idle before hyper's state for it is
@@ -246,16 +247,6 @@ impl AsyncWrite for ClientIo {
     }
 }
 
-/// Whether a parked connection's socket has bytes. Polled in place, so the
-/// wait keeps no future of its own (tokio's `readable()` is 168 bytes).
-fn poll_readable(stream: &ClientStream, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-    match stream {
-        ClientStream::Plain(s) => s.poll_read_ready(cx),
-        // Never parked: the session may hold bytes it already decrypted.
-        ClientStream::Tls(_) => Poll::Ready(Ok(())),
-    }
-}
-
 /// Which protocol a connection's first bytes speak.
 enum Protocol {
     Http1,
@@ -313,22 +304,20 @@ pub(super) struct Listener {
     pub limits: ConnLimits,
     /// Where the connections report.
     pub metrics: ConnMetrics,
+    /// Where its idle connections wait (none if it could not be made:
+    /// they are closed instead).
+    pub lot: Option<Arc<Lot>>,
 }
 
-/// Serves `handler` on one accepted connection until it closes; `held`
-/// (its slot and its place in the gauge of open connections) is let go of
-/// with it.
-///
-/// This task's own state is what a parked connection costs (the socket,
-/// the handler, the wait for bytes); every phase that serves requests is
-/// boxed and let go of while parked, or the task would be as large as its
-/// largest phase for as long as the connection is open (~3.4 KB).
+/// Serves `handler` on one accepted connection until it closes or parks;
+/// `held` (its slot and its place in the gauge of open connections) goes
+/// with it, into the lot while it is parked.
 pub(super) async fn serve<F, Fut, B, H>(
     stream: TcpStream,
     peer: SocketAddr,
     handler: F,
     listener: Arc<Listener>,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
     held: H,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
@@ -336,8 +325,8 @@ pub(super) async fn serve<F, Fut, B, H>(
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    H: Send + 'static,
 {
-    let _held = held;
     let activity = Arc::new(Activity::new(listener, peer));
     let seen = activity.clone();
     let service = service_fn(move |mut req: Request<Incoming>| {
@@ -352,27 +341,75 @@ pub(super) async fn serve<F, Fut, B, H>(
             Ok::<_, Infallible>(until_sent(response, head, busy))
         }
     });
-    let mut parked = Box::pin(open(stream, service, stop.clone(), &activity)).await;
-    while let Some(idle) = &parked {
-        let shared = &activity.listener;
-        tracing::trace!(peer = %activity.peer, "idle connection parked");
-        let waiting = Held::new(shared.metrics.waiting.clone());
-        tokio::select! {
-            readable = std::future::poll_fn(|cx| poll_readable(&idle.io.stream, cx)) => {
-                if let Err(e) = readable {
-                    tracing::debug!(peer = %activity.peer, error = %e, "parked connection failed");
-                    return;
-                }
-            }
-            _ = tokio::time::sleep(activity.left(&shared.limits)) => {
-                tracing::debug!(peer = %activity.peer, "idle connection closed");
-                return;
-            }
-            _ = stopped(&mut stop) => return,
-        }
-        drop(waiting);
-        let Some(idle) = parked.take() else { return };
-        parked = Box::pin(serve_http1(idle, stop.clone())).await;
+    if let Some(idle) = Box::pin(open(stream, service, stop.clone(), &activity)).await {
+        park(idle, stop, held);
+    }
+}
+
+/// Hands an idle connection to its listener's lot, to be served again by
+/// [`resume`] when its client sends; this task ends. A connection that
+/// cannot be parked is closed, as a keep-alive connection may be at any
+/// time between requests.
+fn park<S, B, H>(idle: Parked<S>, stop: watch::Receiver<bool>, held: H)
+where
+    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    H: Send + 'static,
+{
+    let Parked {
+        io,
+        service,
+        rebuilt_at,
+    } = idle;
+    let ClientIo { stream, activity, .. } = io;
+    let peer = activity.peer;
+    // TLS connections are never parked (see `serve_http1`).
+    let ClientStream::Plain(stream) = stream else { return };
+    let shared = &activity.listener;
+    let Some(lot) = &shared.lot else {
+        tracing::debug!(%peer, "idle connection closed: no parking lot");
+        return;
+    };
+    let keepalive = activity.left(&shared.limits);
+    let waiting = Held::new(shared.metrics.waiting.clone());
+    let lot = lot.clone();
+    let resume_activity = activity.clone();
+    let resume: Resume = Box::new(move |stream| {
+        let io = ClientIo {
+            stream: ClientStream::Plain(stream),
+            replay: Bytes::new(),
+            activity: resume_activity,
+        };
+        let idle = Parked {
+            io,
+            service,
+            rebuilt_at,
+        };
+        Box::pin(resume(idle, stop, held))
+    });
+    tracing::trace!(%peer, "idle connection parked");
+    if let Err(e) = lot.park(stream, keepalive, waiting, resume) {
+        tracing::debug!(%peer, error = %e, "idle connection closed");
+    }
+}
+
+/// Serves a connection its lot handed back, until it closes or parks again.
+async fn resume<S, B, H>(idle: Parked<S>, stop: watch::Receiver<bool>, held: H)
+where
+    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn StdError + Send + Sync>>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    H: Send + 'static,
+{
+    if let Some(idle) = serve_http1(idle, stop.clone()).await {
+        park(idle, stop, held);
     }
 }
 

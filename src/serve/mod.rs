@@ -25,6 +25,7 @@ use tokio::task::JoinSet;
 use crate::tls::TlsListener;
 
 mod connection;
+mod parking;
 
 /// Limits applied to client connections.
 #[derive(Debug, Clone, Copy)]
@@ -144,11 +145,17 @@ pub async fn serve<F, Fut, B>(
         first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
         tls_failures: crate::metrics::get().tls_handshake_failures(gate.name),
     };
+    // Parked connections come back through `resumed` to be spawned here.
+    let (resumed_tx, mut resumed) = tokio::sync::mpsc::unbounded_channel();
+    let lot = parking::Lot::start(resumed_tx, shutdown.clone())
+        .inspect_err(|e| tracing::warn!(listener = gate.name, error = %e, "idle connections will be closed, not parked"))
+        .ok();
     // Shared: each connection's task holds only a pointer to it.
     let shared = Arc::new(connection::Listener {
         protocols,
         limits,
         metrics,
+        lot,
     });
     loop {
         // Finished connections are reaped as they finish, not at the next
@@ -157,6 +164,10 @@ pub async fn serve<F, Fut, B>(
         let accepted = tokio::select! {
             accepted = accept(&listener, &gate, &mut shutdown) => accepted,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+            Some(task) = resumed.recv() => {
+                connections.spawn(task);
+                continue;
+            }
         };
         let Some((stream, peer)) = accepted else { break };
         // At the bound, this connection waits for a slot and nothing more is
@@ -170,6 +181,10 @@ pub async fn serve<F, Fut, B>(
                 tokio::select! {
                     slot = &mut waiting => break Some(slot),
                     Some(_) = connections.join_next(), if !connections.is_empty() => {}
+                    // A parked connection already holds its slot.
+                    Some(task) = resumed.recv() => {
+                        connections.spawn(task);
+                    }
                     _ = stopped(&mut shutdown) => break None,
                 }
             }
