@@ -143,7 +143,13 @@ async fn out_of_file_descriptors_the_proxy_keeps_serving_and_says_so_once() {
         up.addr,
         &["--max-connections", "100000", "--proxy-threads", "1"],
     );
-    // Lower the running process's file limit to what it holds plus a few.
+    // Lower the running process's file limit to what it holds plus a few,
+    // once each listener has served (and so opened what it keeps open).
+    assert_eq!(get(&client(), &tg.url("/x"), &[]).await.status, 200);
+    metric(&tg, "tollgate_client_connections{listener=\"proxy\"}").await;
+    if let Some(check) = tg.check {
+        get(&client(), &format!("http://{check}/"), &[]).await;
+    }
     let open = std::fs::read_dir(format!("/proc/{}/fd", tg.pid())).unwrap().count();
     let limit = open + 8;
     let status = std::process::Command::new("prlimit")

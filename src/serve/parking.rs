@@ -16,6 +16,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::io;
+use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -43,7 +44,8 @@ const SWEEP_EVERY: Duration = Duration::from_millis(500);
 
 /// One listener's parked connections.
 pub(super) struct Lot {
-    registry: Registry,
+    /// The set they wait in: one file descriptor per lot.
+    poll: Mutex<Poll>,
     state: Mutex<State>,
     /// The accept loop, which spawns a connection's task again.
     resumed: mpsc::UnboundedSender<Resumed>,
@@ -78,16 +80,17 @@ impl Lot {
     /// task that watches them (until `stop` turns true, closing them all).
     pub(super) fn start(resumed: mpsc::UnboundedSender<Resumed>, stop: watch::Receiver<bool>) -> io::Result<Arc<Lot>> {
         let poll = Poll::new()?;
+        let fd = SetFd(poll.as_raw_fd());
         let lot = Arc::new(Lot {
-            registry: poll.registry().try_clone()?,
+            poll: Mutex::new(poll),
             state: Mutex::new(State::default()),
             resumed,
         });
-        // SAFETY: the Poll owns its epoll descriptor for as long as it lives
-        // (it moves into the AsyncFd) and always reports that one.
-        let events = unsafe { AsyncFd::register_with_interest(poll, tokio::io::Interest::READABLE) }
+        // SAFETY: the descriptor is the Poll's, which the lot owns; the
+        // AsyncFd lives in the lot's task, which holds the lot.
+        let set = unsafe { AsyncFd::register_with_interest(fd, tokio::io::Interest::READABLE) }
             .map_err(io::Error::from)?;
-        tokio::spawn(watch_lot(Arc::downgrade(&lot), events, stop));
+        tokio::spawn(watch_lot(lot.clone(), set, stop));
         Ok(lot)
     }
 
@@ -108,7 +111,7 @@ impl Lot {
         let token = Token(state.next);
         state.next = state.next.wrapping_add(1);
         // Readable covers the client hanging up too (read returns 0).
-        self.registry.register(&mut stream, token, Interest::READABLE)?;
+        self.registry(|r| r.register(&mut stream, token, Interest::READABLE))?;
         state.deadlines.insert((deadline, token));
         state.parked.insert(
             token,
@@ -122,13 +125,17 @@ impl Lot {
         Ok(())
     }
 
+    fn registry<T>(&self, with: impl FnOnce(&Registry) -> io::Result<T>) -> io::Result<T> {
+        with(self.poll.lock().unwrap_or_else(|p| p.into_inner()).registry())
+    }
+
     /// Takes a connection off the lot, out of the set.
     fn take(&self, token: Token) -> Option<Parked> {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut parked = state.parked.remove(&token)?;
         state.deadlines.remove(&(parked.deadline, token));
         drop(state);
-        let _ = self.registry.deregister(&mut parked.stream);
+        let _ = self.registry(|r| r.deregister(&mut parked.stream));
         Some(parked)
     }
 
@@ -165,7 +172,7 @@ impl Lot {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         state.deadlines.clear();
         for (_, mut parked) in state.parked.drain() {
-            let _ = self.registry.deregister(&mut parked.stream);
+            let _ = self.registry(|r| r.deregister(&mut parked.stream));
         }
     }
 
@@ -176,17 +183,27 @@ impl Lot {
     }
 }
 
-/// Serves the lot's set until the lot is dropped or the server stops.
-async fn watch_lot(lot: std::sync::Weak<Lot>, mut set: AsyncFd<Poll>, mut stop: watch::Receiver<bool>) {
+/// The lot's epoll descriptor, as tokio watches it.
+struct SetFd(RawFd);
+
+impl AsRawFd for SetFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Serves the lot's set until the server stops.
+async fn watch_lot(lot: Arc<Lot>, set: AsyncFd<SetFd>, mut stop: watch::Receiver<bool>) {
     let mut events = Events::with_capacity(EVENTS);
     let mut sweep = tokio::time::interval(SWEEP_EVERY);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            ready = set.readable_mut() => {
-                let Ok(mut ready) = ready else { return };
-                let polled = ready.try_io(|set| {
-                    set.get_mut().poll(&mut events, Some(Duration::ZERO))?;
+            ready = set.readable() => {
+                let Ok(mut ready) = ready else { break };
+                let polled = ready.try_io(|_| {
+                    let mut poll = lot.poll.lock().unwrap_or_else(|p| p.into_inner());
+                    poll.poll(&mut events, Some(Duration::ZERO))?;
                     match events.is_empty() {
                         // Drained: tokio waits for the set's next edge.
                         true => Err(io::ErrorKind::WouldBlock.into()),
@@ -196,23 +213,20 @@ async fn watch_lot(lot: std::sync::Weak<Lot>, mut set: AsyncFd<Poll>, mut stop: 
                 if let Ok(Err(e)) = polled {
                     tracing::warn!(error = %e, "the parked connections' set failed");
                 }
-                let Some(lot) = lot.upgrade() else { return };
                 for event in events.iter() {
                     lot.wake(event.token());
                 }
             }
-            _ = sweep.tick() => {
-                let Some(lot) = lot.upgrade() else { return };
-                lot.sweep(Instant::now());
-            }
+            _ = sweep.tick() => lot.sweep(Instant::now()),
             _ = super::stopped(&mut stop) => {
-                if let Some(lot) = lot.upgrade() {
-                    lot.close_all();
-                }
-                return;
+                lot.close_all();
+                break;
             }
         }
     }
+    // Off tokio's reactor before the lot (and with it the descriptor) can go.
+    drop(set);
+    drop(lot);
 }
 
 #[cfg(test)]
