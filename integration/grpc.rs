@@ -496,3 +496,145 @@ rules:
         Err(tonic::Code::ResourceExhausted)
     );
 }
+
+#[tokio::test]
+async fn callers_that_stop_reading_do_not_stall_everyone_elses_calls() {
+    // All callers share the one upstream HTTP/2 connection of the one
+    // worker thread; each staller leaves a 5 MB response unread.
+    let server = echo::start().await;
+    let tg = Tollgate::start_upstream_url(
+        "domain: grpc\nrules: []\n",
+        &format!("h2c://{server}"),
+        &["--proxy-threads", "1"],
+    );
+    let mut stalled = Vec::new();
+    for _ in 0..6 {
+        let mut client = echo::client(tg.addr).await;
+        client.ready().await.unwrap();
+        let answer = client
+            .server_streaming(
+                tonic::Request::new(bytes::Bytes::from_static(b"5000")),
+                http::uri::PathAndQuery::from_static("/test.Echo/Many"),
+                echo::Raw,
+            )
+            .await
+            .unwrap();
+        stalled.push((client, answer.into_inner()));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut victim = echo::client(tg.addr).await;
+    victim.ready().await.unwrap();
+    let call = victim.client_streaming(
+        tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"abc")])),
+        http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
+        echo::Raw,
+    );
+    let sum = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .expect("another caller's call went through while six stalled")
+        .unwrap()
+        .into_inner();
+    assert_eq!(sum, "1 3".as_bytes());
+    // The stalled ones still get every message once they read.
+    let (_, mut first) = stalled.remove(0);
+    let mut n = 0;
+    while first.message().await.unwrap().is_some() {
+        n += 1;
+    }
+    assert_eq!(n, 5000);
+}
+
+#[tokio::test]
+async fn a_malformed_grpc_timeout_is_answered_here_and_never_reaches_the_upstream() {
+    let server = echo::start().await;
+    let tg = h2c_upstream(server, "domain: grpc\nrules: []\n");
+    let answer = raw_call(tg.addr, Some("abc")).await;
+    assert_eq!(answer.status(), 200);
+    assert_eq!(
+        answer.headers().get("grpc-status").unwrap(),
+        "13",
+        "INTERNAL, as a gRPC server answers it"
+    );
+    let message = answer.headers().get("grpc-message").unwrap().to_str().unwrap();
+    assert!(message.contains("grpc-timeout"), "{message}");
+}
+
+#[tokio::test]
+async fn the_callers_deadline_replaces_the_upstream_timeout_both_ways() {
+    // An h2c upstream that answers after 2 s; --upstream-timeout is 1 s.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let slow = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req| async {
+                    tokio::time::sleep(Duration::from_secs(2)).await;
+                    let mut answer = http::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
+                    answer.headers_mut().insert("grpc-status", "0".parse().unwrap());
+                    Ok::<_, std::convert::Infallible>(answer)
+                });
+                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    let tg = Tollgate::start_upstream_url(
+        "domain: grpc\nrules: []\n",
+        &format!("h2c://{slow}"),
+        &["--upstream-timeout", "1s"],
+    );
+    let answer = raw_call(tg.addr, Some("10S")).await;
+    assert_eq!(
+        answer.headers().get("grpc-status").unwrap(),
+        "0",
+        "a 10 s deadline waits for the 2 s upstream"
+    );
+    let answer = raw_call(tg.addr, None).await;
+    assert_eq!(
+        answer.headers().get("grpc-status").unwrap(),
+        "4",
+        "without a deadline --upstream-timeout applies"
+    );
+}
+
+#[tokio::test]
+async fn tollgates_own_answers_are_grpc_statuses_whatever_the_content_types_case() {
+    let server = echo::start().await;
+    let limits = "\
+domain: grpc
+rules:
+  - name: weighted
+    match: { path: /test.Echo/* }
+    cost: header:x-cost
+    limits: [{ requests: 5, per: 60s }]
+";
+    let tg = h2c_upstream(server, limits);
+    let mut client = echo::client(tg.addr).await;
+    client.ready().await.unwrap();
+    let mut request = tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"x")]));
+    request.metadata_mut().insert("x-cost", "abc".parse().unwrap());
+    let bad = client
+        .client_streaming(
+            request,
+            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
+            echo::Raw,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
+    assert!(bad.message().contains("x-cost"), "{bad:?}");
+    // Media types are case-insensitive: a refusal is still a gRPC one.
+    let mut h2 = h2_sender(tg.addr).await;
+    let call = |cost: &'static str| {
+        http::Request::post(format!("http://{}/test.Echo/Sum", tg.addr))
+            .header("content-type", "APPLICATION/GRPC")
+            .header("te", "trailers")
+            .header("x-cost", cost)
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(&[0, 0, 0, 0, 0])))
+            .unwrap()
+    };
+    let refused = h2.send_request(call("6")).await.unwrap();
+    assert_eq!(refused.status(), 200);
+    assert_eq!(refused.headers().get("grpc-status").unwrap(), "8");
+}

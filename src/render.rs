@@ -44,7 +44,13 @@ pub fn refusal(decision: &Decision, status: StatusCode) -> Response<Bytes> {
 /// they retry at once. A store that failed closed answers `UNAVAILABLE` (14).
 pub fn grpc_refusal(decision: &Decision) -> Response<Bytes> {
     let status = match decision.verdict {
-        Verdict::FailedClosed => tonic::Status::unavailable("the rate limiter cannot reach its counters; retry shortly"),
+        Verdict::FailedClosed => {
+            use tonic_types::{ErrorDetails, StatusExt};
+            // As its Retry-After: 1.
+            let wait = ErrorDetails::with_retry_info(Some(std::time::Duration::from_secs(1)));
+            let message = "the rate limiter cannot reach its counters; retry shortly";
+            tonic::Status::with_error_details(tonic::Code::Unavailable, message, wait)
+        }
         _ => {
             let refusing = decision.refusing().next();
             let rule = refusing.map_or("", |r| r.rule.name.as_str());
@@ -87,10 +93,24 @@ fn grpc_status(status: &tonic::Status) -> Response<Bytes> {
     response
 }
 
-/// A gRPC call's deadline from its `grpc-timeout` header (`100m`, `5S`:
-/// up to eight digits and a unit of H, M, S, m, u or n), if it has one.
-pub fn grpc_timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
-    let text = headers.get("grpc-timeout")?.to_str().ok()?;
+/// A `grpc-timeout` that is not up to eight digits and a unit of H, M, S,
+/// m, u or n (`100m`, `5S`).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+#[error("malformed grpc-timeout")]
+pub struct MalformedTimeout;
+
+/// A gRPC call's deadline from its `grpc-timeout` header (`Ok(None)`
+/// without one).
+pub fn grpc_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>, MalformedTimeout> {
+    match headers.get("grpc-timeout") {
+        None => Ok(None),
+        Some(v) => grpc_timeout(v).map(Some).ok_or(MalformedTimeout),
+    }
+}
+
+/// A `grpc-timeout` value read as a duration, if it is well formed.
+fn grpc_timeout(value: &HeaderValue) -> Option<std::time::Duration> {
+    let text = value.to_str().ok()?;
     let split = text.len().checked_sub(1)?;
     let (digits, unit) = (text.get(..split)?, text.get(split..)?);
     if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
@@ -109,12 +129,15 @@ pub fn grpc_timeout(headers: &HeaderMap) -> Option<std::time::Duration> {
     })
 }
 
-/// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`...).
+/// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`,
+/// in any case, as media types are). gRPC-Web (`application/grpc-web…`) is
+/// another protocol, answered as plain HTTP.
 pub fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v == "application/grpc" || v.starts_with("application/grpc+") || v.starts_with("application/grpc;"))
+    let Some(v) = headers.get(CONTENT_TYPE) else { return false };
+    let v = v.as_bytes();
+    let prefix = b"application/grpc";
+    v.get(..prefix.len()).is_some_and(|p| p.eq_ignore_ascii_case(prefix))
+        && matches!(v.get(prefix.len()), None | Some(b'+' | b';'))
 }
 
 /// tollgate's own answer to a request it cannot decide or forward: a small
@@ -263,17 +286,33 @@ mod grpc_tests {
         let at = |v: &str| {
             let mut h = HeaderMap::new();
             h.insert("grpc-timeout", HeaderValue::from_str(v).unwrap());
-            grpc_timeout(&h)
+            grpc_deadline(&h)
         };
         use std::time::Duration;
-        assert_eq!(at("100m"), Some(Duration::from_millis(100)));
-        assert_eq!(at("5S"), Some(Duration::from_secs(5)));
-        assert_eq!(at("2H"), Some(Duration::from_secs(7200)));
-        assert_eq!(at("99999999n"), Some(Duration::from_nanos(99_999_999)));
+        assert_eq!(grpc_deadline(&HeaderMap::new()), Ok(None));
+        assert_eq!(at("100m"), Ok(Some(Duration::from_millis(100))));
+        assert_eq!(at("5S"), Ok(Some(Duration::from_secs(5))));
+        assert_eq!(at("2H"), Ok(Some(Duration::from_secs(7200))));
+        assert_eq!(at("99999999n"), Ok(Some(Duration::from_nanos(99_999_999))));
         // The largest a caller can write stays a plain (if distant) deadline.
-        assert_eq!(at("99999999H"), Some(Duration::from_secs(99_999_999 * 3600)));
-        for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S", "１S"] {
-            assert_eq!(at(bad), None, "{bad}");
+        assert_eq!(at("99999999H"), Ok(Some(Duration::from_secs(99_999_999 * 3600))));
+        for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S", "１S", "abc"] {
+            assert_eq!(at(bad), Err(MalformedTimeout), "{bad}");
+        }
+    }
+
+    #[test]
+    fn grpc_calls_are_told_by_their_content_type_in_any_case() {
+        let grpc = |v: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_str(v).unwrap());
+            is_grpc(&h)
+        };
+        for yes in ["application/grpc", "application/grpc+proto", "APPLICATION/GRPC", "Application/gRPC+json", "application/grpc;x=1"] {
+            assert!(grpc(yes), "{yes}");
+        }
+        for no in ["application/grpc-web", "application/grpc-web+proto", "application/grpcx", "text/plain", "application/gr"] {
+            assert!(!grpc(no), "{no}");
         }
     }
 }

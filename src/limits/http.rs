@@ -59,6 +59,10 @@ pub enum RequestError {
     /// More than one `Host` header (RFC 9112 §3.2).
     #[error("more than one Host header")]
     HostRepeated,
+    /// A host with userinfo (`user@host`), which neither `:authority`
+    /// (RFC 9113 §8.3.1) nor `Host` (RFC 9112 §3.2) may carry.
+    #[error("the host must not carry userinfo (user@host)")]
+    HostUserinfo,
     /// An HTTP/1.1 request without `Host` (RFC 9112 §3.2).
     #[error("HTTP/1.1 request without a Host header")]
     HostMissing,
@@ -89,6 +93,14 @@ pub fn request_host<'a>(
     let host = hosts.next();
     if hosts.next().is_some() {
         return Err(RequestError::HostRepeated);
+    }
+    // RFC 9113 §8.3.1: no userinfo in :authority; RFC 9112 §3.2: none in Host.
+    // `user@api.example.com` would dodge a rule on api.example.com while
+    // an upstream that drops the userinfo serves it as that host.
+    let userinfo = uri.authority().is_some_and(|a| a.as_str().contains('@'))
+        || host.is_some_and(|h| h.as_bytes().contains(&b'@'));
+    if userinfo {
+        return Err(RequestError::HostUserinfo);
     }
     if let Some(authority) = uri.authority() {
         let differs = host
@@ -565,5 +577,21 @@ rules:
         assert_eq!(strip_port("example.com"), "example.com");
         assert_eq!(strip_port("[::1]:80"), "[::1]");
         assert_eq!(strip_port("[::1]"), "[::1]");
+    }
+
+    #[test]
+    fn a_host_with_userinfo_is_refused_in_either_place() {
+        // `user@api.example.com` would miss a rule on api.example.com.
+        let uri: http::Uri = "http://user@api.example.com/x".parse().unwrap();
+        let none = HeaderMap::new();
+        let refused = request_host(http::Version::HTTP_2, &uri, &none);
+        assert!(matches!(refused, Err(RequestError::HostUserinfo)), "{refused:?}");
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::HOST, "user@api.example.com".parse().unwrap());
+        let origin: http::Uri = "/x".parse().unwrap();
+        let refused = request_host(http::Version::HTTP_11, &origin, &headers);
+        assert!(matches!(refused, Err(RequestError::HostUserinfo)), "{refused:?}");
+        headers.insert(http::header::HOST, "api.example.com".parse().unwrap());
+        assert_eq!(request_host(http::Version::HTTP_11, &origin, &headers).unwrap(), Some("api.example.com"));
     }
 }

@@ -114,15 +114,25 @@ impl Proxy {
         // A gRPC caller's deadline counts from here: tollgate never makes it
         // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
         let grpc = render::is_grpc(req.headers());
-        let deadline = grpc
-            .then(|| render::grpc_timeout(req.headers()))
-            .flatten()
-            .and_then(|d| tokio::time::Instant::now().checked_add(d));
+        let deadline = match grpc.then(|| render::grpc_deadline(req.headers())) {
+            None | Some(Ok(None)) => None,
+            Some(Ok(Some(d))) => Some(tokio::time::Instant::now().checked_add(d)),
+            // Answered here, as a gRPC server would (INTERNAL): passed on,
+            // grpc-core servers fail every later call on the shared upstream
+            // connection that carries a new grpc-timeout value.
+            Some(Err(e)) => {
+                metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
+                return grpc_status(tonic::Code::Internal, &e.to_string());
+            }
+        };
+        // The caller's deadline, when it set one, bounds the wait for the
+        // upstream instead of --upstream-timeout (longer or shorter).
+        let caller_bounds = deadline.is_some();
         let answer = async {
             let admitted = self.decide(&req, peer).await?;
-            self.forward(req, peer, admitted).await
+            self.forward(req, peer, admitted, caller_bounds).await
         };
-        let answer = match deadline {
+        let answer = match deadline.flatten() {
             None => answer.await,
             Some(deadline) => match tokio::time::timeout_at(deadline, answer).await {
                 Ok(answer) => answer,
@@ -131,13 +141,12 @@ impl Proxy {
         };
         match answer {
             Ok(response) => response,
-            // Upstream failures a gRPC client can tell apart: UNAVAILABLE
-            // (it may retry elsewhere), DEADLINE_EXCEEDED.
-            Err(answer) if grpc && matches!(answer.status(), StatusCode::BAD_GATEWAY | StatusCode::GATEWAY_TIMEOUT) => {
-                let message = match answer.status() {
-                    StatusCode::GATEWAY_TIMEOUT => "upstream timed out",
-                    _ => "upstream unavailable",
-                };
+            // tollgate's own answers, as a gRPC client can tell them apart:
+            // a bad request is INVALID_ARGUMENT (a bare 400 reads as
+            // INTERNAL), an unreachable upstream UNAVAILABLE (it may retry
+            // elsewhere), a slow one DEADLINE_EXCEEDED.
+            Err(answer) if grpc && !render::is_grpc(answer.headers()) => {
+                let message = answer.extensions().get::<ErrorText>().map_or("", |t| &t.0);
                 grpc_failure(answer.status(), message)
             }
             Err(answer) => answer,
@@ -150,6 +159,7 @@ impl Proxy {
         mut req: Request<Incoming>,
         peer: SocketAddr,
         admitted: Admitted,
+        caller_bounds: bool,
     ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
@@ -161,7 +171,7 @@ impl Proxy {
             Ok(r) => r,
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
-        let response = self.exchange(upstream_req, body_sent, needs_h2).await?;
+        let response = self.exchange(upstream_req, body_sent, needs_h2, caller_bounds).await?;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(switch_protocols(client_upgrade, response));
         }
@@ -226,6 +236,7 @@ impl Proxy {
         upstream_req: Request<ClientBody>,
         body_sent: tokio::sync::oneshot::Receiver<()>,
         needs_h2: bool,
+        caller_bounds: bool,
     ) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
         let sent = Instant::now();
         // The wait for the answer starts once the request has been sent
@@ -234,6 +245,10 @@ impl Proxy {
         let timeout = self.options.upstream_timeout;
         let answer = {
             let waited = async {
+                if caller_bounds {
+                    // The caller's own deadline ends the wait (in `handle`).
+                    return std::future::pending().await;
+                }
                 let _ = body_sent.await;
                 tokio::time::sleep(timeout).await;
             };
@@ -455,18 +470,31 @@ fn refusal(decision: &Decision) -> Response<ProxyBody> {
     render::refusal(decision, decision.status()).map(|b| Either::Right(Full::new(b)))
 }
 
-/// tollgate's own failure, answered to a gRPC call: 502 as UNAVAILABLE (14),
-/// 504 as DEADLINE_EXCEEDED (4), as Envoy maps them.
+/// tollgate's own failure, answered to a gRPC call: 400 as INVALID_ARGUMENT,
+/// 502 as UNAVAILABLE (14), 504 as DEADLINE_EXCEEDED (4), as Envoy maps them.
 fn grpc_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
     let code = match status {
         StatusCode::GATEWAY_TIMEOUT => tonic::Code::DeadlineExceeded,
-        _ => tonic::Code::Unavailable,
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE => tonic::Code::Unavailable,
+        s if s.is_client_error() => tonic::Code::InvalidArgument,
+        _ => tonic::Code::Unknown,
     };
+    grpc_status(code, message)
+}
+
+fn grpc_status(code: tonic::Code, message: &str) -> Response<ProxyBody> {
     render::grpc_error(code, message).map(|b| Either::Right(Full::new(b)))
 }
 
+/// Why tollgate answered a request itself, kept beside the answer so that
+/// a gRPC call can be told the same in `grpc-message`.
+#[derive(Clone)]
+struct ErrorText(Box<str>);
+
 fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
-    render::error(status, message).map(|b| Either::Right(Full::new(b)))
+    let mut response = render::error(status, message).map(|b| Either::Right(Full::new(b)));
+    response.extensions_mut().insert(ErrorText(message.into()));
+    response
 }
 
 #[cfg(test)]

@@ -151,11 +151,13 @@ pub fn poll_upstream(
     cx: &mut Context<'_>,
 ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
     let frame = timer.poll(body, cx);
-    if let Poll::Ready(Some(Err(e))) = &frame
-        && e.is::<Stalled>()
-    {
-        crate::metrics::get().body_stalled(true);
-        tracing::warn!(error = %e, "upstream response body stalled; closing the client connection");
+    if let Poll::Ready(Some(Err(e))) = &frame {
+        if e.is::<Stalled>() {
+            crate::metrics::get().body_stalled(true);
+            tracing::warn!(error = %e, "upstream response body stalled; ending the response");
+        } else {
+            tracing::warn!(error = %e, "upstream response body failed midway; ending the response");
+        }
     }
     frame
 }

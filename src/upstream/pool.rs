@@ -233,6 +233,14 @@ impl UpstreamPool {
         }
         *req.uri_mut() = Uri::from_parts(parts)?;
         *req.version_mut() = http::Version::HTTP_2;
+        // Never put in the shared HPACK table: a value one caller chose
+        // could change how grpc-core reads the same header on everyone's
+        // later calls on this connection.
+        for (name, value) in req.headers_mut().iter_mut() {
+            if name.as_str().starts_with("grpc-") {
+                value.set_sensitive(true);
+            }
+        }
         let response = match h2.try_send_request(req).await {
             Ok(response) => response,
             Err(mut e) => match e.take_message() {
@@ -464,6 +472,12 @@ fn as_http1(mut req: Request<ClientBody>) -> Request<ClientBody> {
     req
 }
 
+/// Most response bytes one HTTP/2 stream may have in flight to tollgate.
+const STREAM_WINDOW: u32 = 1 << 20;
+
+/// The whole HTTP/2 connection's receive window: the most HTTP/2 allows.
+const CONNECTION_WINDOW: u32 = (1 << 31) - 1;
+
 /// Begins HTTP/2 on a new connection the upstream chose h2 for; the
 /// connection runs on its own task until it closes.
 async fn start_h2<T>(io: T) -> Result<http2::SendRequest<ClientBody>, SendError>
@@ -472,6 +486,12 @@ where
 {
     let (sender, conn) = http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
+        // Every client's streams share this connection: a response its
+        // client does not read holds its stream's window, never the whole
+        // connection's (with hyper's 5 MB, three stalled readers stalled
+        // every call). Each stalled stream holds at most 1 MB here.
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .handshake(TokioIo::new(io))
         .await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
