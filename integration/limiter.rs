@@ -118,6 +118,27 @@ impl Clock for Ticking {
 }
 
 for_each_store! {
+    async fn a_cached_refusal_stops_naming_a_window_once_it_has_freed(s, clock: ManualClock = ManualClock::new(T0)) {
+        // Found by an independent tester: with both windows full, later
+        // cached refusals kept reporting the 2 s window as r=0 long after
+        // it had emptied.
+        let h = hits("  - name: multi\n    limits: [{requests: 2, per: 2s}, {requests: 4, per: 20s}]\n");
+        for step in [0, 0, 2_000, 0] {
+            clock.advance(step);
+            assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        }
+        let fresh = s.decide(&h).await;
+        assert_eq!(fresh.verdict, Verdict::Limited);
+        let over: Vec<u64> = fresh.rules[0].windows.iter().filter(|w| w.over()).map(|w| w.window.period_ms).collect();
+        assert_eq!(over, [2_000, 20_000], "both full");
+        clock.advance(3_000);
+        let cached = s.decide(&h).await;
+        assert_eq!(cached.verdict, Verdict::Limited);
+        assert_eq!(cached.retry_after_ms(), Some(15_000), "the first units leave the 20 s window at 20 s");
+        let named: Vec<(u64, u64)> = cached.rules[0].windows.iter().map(|w| (w.window.period_ms, w.remaining)).collect();
+        assert_eq!(named, [(20_000, 0)], "the 2 s window has emptied: not reported as full");
+    }
+
     async fn remaining_and_retry_follow_the_windows(s, clock: ManualClock = ManualClock::new(T0)) {
         let h = hits("  - name: r\n    limits: [{requests: 2, per: 10s}, {requests: 3, per: 60s}]\n");
         let d = s.decide(&h).await;

@@ -7,9 +7,10 @@
 //! comes again before its retry time: a flood from one caller over its limit
 //! costs the store about one call per retry period per instance. The whole
 //! decision is kept, every counter of the request read, so the answer stays
-//! exact: the same retry time, and each window that has freed up since is
-//! reported as fitting. A request this instance admits drops every cached
-//! refusal of the counters it charged; a reload of the limits drops them all.
+//! exact: the same retry time, and a window whose retry or reset time has
+//! passed since is no longer reported (what is left in it is not known).
+//! A request this instance admits drops every cached refusal of the
+//! counters it charged; a reload of the limits drops them all.
 //!
 //! [`RejectionLog`]: one log line per refused counter, then a summary of how
 //! many more were refused, at most every few seconds per counter.
@@ -108,10 +109,16 @@ impl DenialCache {
         for (outcome, hit) in decision.rules.iter_mut().zip(hits) {
             // Same rule, new handle (a reload clears the cache anyway).
             outcome.rule = hit.rule.clone();
+            // A window whose retry or reset time has come since is no longer
+            // known (what is left in it now): it is not reported, rather
+            // than reported stale (r=0 long after it emptied).
+            outcome.windows.retain(|w| {
+                let passed = |ms: u64| ms <= elapsed;
+                !passed(w.reset_ms) && !w.retry_ms.is_some_and(passed)
+            });
             for w in &mut outcome.windows {
-                w.reset_ms = w.reset_ms.saturating_sub(elapsed).max(1);
-                // A window whose retry time has come fits now.
-                w.retry_ms = w.retry_ms.and_then(|r| r.checked_sub(elapsed).filter(|r| *r > 0));
+                w.reset_ms = w.reset_ms.saturating_sub(elapsed);
+                w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed));
             }
             outcome.over = outcome.windows.iter().any(super::WindowOutcome::over);
         }
