@@ -856,3 +856,23 @@ async fn a_flood_of_fresh_keys_stays_within_max_counters() {
     assert!(value("tollgate_counters_evicted_total ") >= 350.0, "{metrics}");
     assert!(tg.logged("memory store full"), "one line says eviction started");
 }
+
+#[tokio::test]
+async fn http2_requests_are_held_to_the_same_header_field_bound_as_http1() {
+    // README: at most 100 header fields. hyper bounds HTTP/1 only; an
+    // independent tester passed 120 over HTTP/2.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &[]);
+    let mut h2 = h2_sender(tg.addr).await;
+    let request = |fields: usize| {
+        let mut req = http::Request::get(format!("http://{}/x", tg.addr));
+        for i in 0..fields {
+            req = req.header(format!("x-field-{i}"), "v");
+        }
+        req.body(http_body_util::Full::new(bytes::Bytes::new())).unwrap()
+    };
+    let many = h2.send_request(request(120)).await.unwrap();
+    assert_eq!(many.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    let fine = h2.send_request(request(90)).await.unwrap();
+    assert_eq!(fine.status(), StatusCode::OK, "the connection goes on");
+}

@@ -335,9 +335,15 @@ pub(super) async fn serve<F, Fut, B, H>(
         }
         let busy = seen.began(asks_to_close(&req));
         let head = req.method() == http::Method::HEAD;
-        let response = handler(req, seen.peer);
+        // hyper bounds the header fields of HTTP/1 requests only; HTTP/2
+        // ones get the same bound here (431, as hyper answers HTTP/1).
+        let fields = seen.listener.limits.max_headers;
+        let response = (req.headers().len() <= fields).then(|| handler(req, seen.peer));
         async move {
-            let response = response.await;
+            let response = match response {
+                Some(response) => Some(response.await),
+                None => None,
+            };
             Ok::<_, Infallible>(until_sent(response, head, busy))
         }
     });
@@ -659,13 +665,19 @@ fn asks_to_close(req: &Request<Incoming>) -> bool {
 /// no body (RFC 9110 §9.3.2). hyper drops the body on HTTP/1; on HTTP/2 it
 /// would send it and the client resets the stream (curl: PROTOCOL_ERROR;
 /// Envoy's ext_authz client: an error, which `failure_mode_allow` turns
-/// into an admission). Headers stay as they are.
+/// into an admission). Headers stay as they are. No response: the request
+/// had too many header fields (431, no body).
 #[allow(clippy::type_complexity)]
 fn until_sent<B: Body>(
-    response: Response<B>,
+    response: Option<Response<B>>,
     head: bool,
     busy: Busy,
 ) -> Response<Either<http_body_util::combinators::MapFrame<B, impl FnMut(hyper::body::Frame<B::Data>) -> hyper::body::Frame<B::Data>>, Empty<B::Data>>> {
+    let Some(response) = response else {
+        let mut refused = Response::new(Either::Right(Empty::new()));
+        *refused.status_mut() = http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        return refused;
+    };
     response.map(|body| {
         if head {
             Either::Right(Empty::new())
