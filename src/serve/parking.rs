@@ -134,6 +134,12 @@ impl Lot {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let mut parked = state.parked.remove(&token)?;
         state.deadlines.remove(&(parked.deadline, token));
+        // A map never shrinks by itself: after a burst it would keep the
+        // burst's table for good.
+        let (len, capacity) = (state.parked.len(), state.parked.capacity());
+        if capacity > 1024 && len < capacity / 8 {
+            state.parked.shrink_to(len.saturating_mul(2));
+        }
         drop(state);
         let _ = self.registry(|r| r.deregister(&mut parked.stream));
         Some(parked)
@@ -174,6 +180,7 @@ impl Lot {
         for (_, mut parked) in state.parked.drain() {
             let _ = self.registry(|r| r.deregister(&mut parked.stream));
         }
+        state.parked.shrink_to_fit();
     }
 
     /// How many connections are parked.
