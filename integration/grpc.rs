@@ -638,3 +638,38 @@ rules:
     assert_eq!(refused.status(), 200);
     assert_eq!(refused.headers().get("grpc-status").unwrap(), "8");
 }
+
+#[tokio::test]
+async fn a_caller_that_pauses_its_upload_is_told_so_not_that_the_upstream_failed() {
+    let server = echo::start().await;
+    let tg = Tollgate::start_upstream_url(
+        "domain: grpc\nrules: []\n",
+        &format!("h2c://{server}"),
+        &["--upstream-body-timeout", "1s"],
+    );
+    let mut client = echo::client(tg.addr).await;
+    client.ready().await.unwrap();
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(1);
+    tx.send(bytes::Bytes::from_static(b"first")).await.unwrap();
+    let pausing = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let _ = tx.send(bytes::Bytes::from_static(b"late")).await;
+    });
+    let failed = client
+        .client_streaming(
+            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
+            echo::Raw,
+        )
+        .await
+        .unwrap_err();
+    assert_ne!(
+        failed.code(),
+        tonic::Code::Unavailable,
+        "not a retry-elsewhere: {failed:?}"
+    );
+    assert_eq!(failed.code(), tonic::Code::InvalidArgument, "{failed:?}");
+    assert!(tg.logged("client request body failed"), "{}", tg.log_text());
+    assert!(!tg.logged("upstream failed"), "{}", tg.log_text());
+    pausing.abort();
+}

@@ -26,7 +26,7 @@ use crate::render;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
-use crate::upstream::{ClientBody, Upstream, UpstreamBody, UpstreamPool};
+use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
@@ -234,7 +234,7 @@ impl Proxy {
     async fn exchange(
         &self,
         upstream_req: Request<ClientBody>,
-        body_sent: tokio::sync::oneshot::Receiver<()>,
+        body_sent: BodyProgress,
         needs_h2: bool,
         caller_bounds: bool,
     ) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
@@ -249,7 +249,7 @@ impl Proxy {
                     // The caller's own deadline ends the wait (in `handle`).
                     return std::future::pending().await;
                 }
-                let _ = body_sent.await;
+                let _ = body_sent.clone().wait_for(Option::is_some).await;
                 tokio::time::sleep(timeout).await;
             };
             tokio::select! {
@@ -265,7 +265,7 @@ impl Proxy {
         metrics::get().upstream(class, sent.elapsed());
         match answer {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) if e.is_client_body() => {
+            Ok(Err(e)) if e.is_client_body() || *body_sent.borrow() == Some(false) => {
                 tracing::info!(error = %e, "client request body failed");
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
@@ -288,7 +288,7 @@ impl Proxy {
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
-    ) -> Result<(Request<ClientBody>, tokio::sync::oneshot::Receiver<()>), StatusCode> {
+    ) -> Result<(Request<ClientBody>, BodyProgress), StatusCode> {
         let (mut parts, body) = req.into_parts();
         let tls = parts.extensions.get::<crate::tls::ClientTls>().is_some();
         let (body, sent) = ClientBody::new(body, self.options.body_timeout);

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use tokio::sync::oneshot;
+use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
 /// What a body reports when it stalls or fails.
@@ -71,19 +71,25 @@ impl IdleTimer {
     }
 }
 
+/// How far the client's body got: `None` while it is being read, then
+/// `Some(true)` once read whole or `Some(false)` if it failed (a stall, a
+/// reset). An HTTP/2 upstream exchange that fails after the client's body
+/// did is the client's doing, though hyper reports the reset stream.
+pub type BodyProgress = watch::Receiver<Option<bool>>;
+
 /// The client's request body on its way upstream.
 pub struct ClientBody {
     /// `None`: no body (a request sent again, whose body was empty).
     body: Option<Incoming>,
     timer: IdleTimer,
-    /// Fired once the whole body has been read (or it failed).
-    sent: Option<oneshot::Sender<()>>,
+    /// Told once the whole body has been read, or it failed.
+    sent: Option<watch::Sender<Option<bool>>>,
 }
 
 impl ClientBody {
-    /// Wraps `body`; the receiver resolves once it has been sent whole.
-    pub fn new(body: Incoming, idle: Duration) -> (Self, oneshot::Receiver<()>) {
-        let (tx, rx) = oneshot::channel();
+    /// Wraps `body`, with where its progress is told.
+    pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
+        let (tx, rx) = watch::channel(None);
         let mut body = ClientBody {
             body: Some(body),
             timer: IdleTimer::new(idle),
@@ -91,7 +97,7 @@ impl ClientBody {
         };
         // An empty body is never polled: it is sent with the head.
         if body.is_end_stream() {
-            body.finished();
+            body.finished(true);
         }
         (body, rx)
     }
@@ -105,9 +111,9 @@ impl ClientBody {
         }
     }
 
-    fn finished(&mut self) {
+    fn finished(&mut self, whole: bool) {
         if let Some(tx) = self.sent.take() {
-            let _ = tx.send(());
+            let _ = tx.send(Some(whole));
         }
     }
 }
@@ -123,12 +129,12 @@ impl Body for ClientBody {
         };
         let frame = this.timer.poll(Pin::new(body), cx);
         match &frame {
-            Poll::Ready(None) => this.finished(),
+            Poll::Ready(None) => this.finished(true),
             Poll::Ready(Some(Err(e))) => {
                 if e.is::<Stalled>() {
                     crate::metrics::get().body_stalled(false);
                 }
-                this.finished();
+                this.finished(false);
             }
             _ => {}
         }

@@ -7,7 +7,7 @@ request_path! {
     pub mod pool;
 }
 
-pub use body::ClientBody;
+pub use body::{BodyProgress, ClientBody};
 pub use pool::{UpstreamBody, UpstreamPool};
 
 use std::path::Path;
