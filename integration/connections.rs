@@ -267,3 +267,41 @@ async fn the_default_bound_is_half_the_raised_file_limit_left_after_a_reserve() 
     // A keep-alive timeout far past any clock still serves.
     assert!(answer(&mut served(&tg).await, Duration::from_secs(5)).await.is_some());
 }
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_gets_the_keepalive_timeout_and_a_begun_head_the_header_one() {
+    // HTTP/1.0 keep-alive connections are never parked: an independent
+    // tester found them (and TLS ones) closed at --header-read-timeout
+    // while idle, not --keepalive-timeout.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--keepalive-timeout", "5s", "--header-read-timeout", "1500ms"],
+    );
+    let request = b"GET /x HTTP/1.0\r\nHost: t\r\nConnection: keep-alive\r\n\r\n";
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    for round in 0..2 {
+        s.write_all(request).await.unwrap();
+        let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        let head = String::from_utf8_lossy(&buf[..n]).to_ascii_lowercase();
+        assert!(head.starts_with("http/1.0 200"), "round {round}: {head}");
+        assert!(head.contains("connection: keep-alive"), "round {round}: {head}");
+        // Idle past the header read timeout, within the keep-alive one.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+    }
+    // A head begun and never finished has the header read timeout.
+    s.write_all(b"GET /slow HTTP/1.0\r\nHost: t\r\n").await.unwrap();
+    let started = Instant::now();
+    let closed = tokio::time::timeout(Duration::from_secs(4), s.read(&mut buf)).await;
+    assert!(matches!(closed, Ok(Ok(0)) | Ok(Err(_))), "closed: {closed:?}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(1200) && took < Duration::from_millis(3500),
+        "closed {took:?} after the head began"
+    );
+}

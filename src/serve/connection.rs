@@ -108,6 +108,12 @@ struct Activity {
     /// hyper read from the socket after that: it was not idle after all
     /// (draining a request body, say), so the connection is not reused.
     read_while_parking: AtomicBool,
+    /// Whether head starts are tracked (HTTP/1: hyper's own header read
+    /// timer would run while a keep-alive connection idles, too).
+    heads: AtomicBool,
+    /// 1 + milliseconds after `opened` when the head of the next request
+    /// began to arrive; 0 when none is arriving.
+    head_ms: AtomicU64,
 }
 
 impl Activity {
@@ -124,6 +130,8 @@ impl Activity {
             in_flight: AtomicU64::new(0),
             parking: AtomicBool::new(false),
             read_while_parking: AtomicBool::new(false),
+            heads: AtomicBool::new(false),
+            head_ms: AtomicU64::new(0),
         }
     }
 
@@ -137,6 +145,7 @@ impl Activity {
     fn began(self: &Arc<Self>, closes: bool) -> Busy {
         self.touch();
         self.served.store(true, Ordering::Relaxed);
+        self.head_ms.store(0, Ordering::Relaxed);
         if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
             self.listener.metrics.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
         }
@@ -173,11 +182,37 @@ impl Activity {
             if self.in_flight.load(Ordering::Relaxed) > 0 {
                 return limits.recheck_every();
             }
+            if let Some(head) = self.head_begun() {
+                // The next request's head has begun: it gets the header
+                // read timeout from its first byte, as NGINX's
+                // client_header_timeout.
+                return limits.header_read_timeout.saturating_sub(head);
+            }
             limits.keepalive_timeout
         } else {
             limits.header_read_timeout
         };
         limit.saturating_sub(self.since_last())
+    }
+
+    /// How long ago the first byte of a request head not yet whole arrived,
+    /// on a connection that served one before (HTTP/1 only).
+    fn head_begun(&self) -> Option<Duration> {
+        let at = self.head_ms.load(Ordering::Relaxed).checked_sub(1)?;
+        Some(self.opened.elapsed().saturating_sub(Duration::from_millis(at)))
+    }
+
+    /// Bytes came from the client: between requests of an HTTP/1
+    /// connection, they begin the next request's head.
+    fn bytes_read(&self) {
+        if self.heads.load(Ordering::Relaxed)
+            && self.in_flight.load(Ordering::Relaxed) == 0
+            && self.served.load(Ordering::Relaxed)
+            && self.head_ms.load(Ordering::Relaxed) == 0
+        {
+            let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            self.head_ms.store(ms.saturating_add(1), Ordering::Relaxed);
+        }
     }
 }
 
@@ -209,12 +244,18 @@ impl AsyncRead for ClientIo {
             let n = self.replay.len().min(buf.remaining());
             let replayed = self.replay.split_to(n);
             buf.put_slice(&replayed);
+            self.activity.bytes_read();
             return Poll::Ready(Ok(()));
         }
         if self.activity.parking.load(Ordering::Relaxed) {
             self.activity.read_while_parking.store(true, Ordering::Relaxed);
         }
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let read = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            self.activity.bytes_read();
+        }
+        read
     }
 }
 
@@ -531,6 +572,7 @@ where
     // A TLS session is not parked (hyper's successor could not see what
     // the session had decrypted and not handed over).
     let keep_alive = !limits.keepalive_timeout.is_zero() && matches!(io.stream, ClientStream::Plain(_));
+    activity.heads.store(true, Ordering::Relaxed);
     // Until one more request begins than when hyper was last rebuilt after
     // a park, it is not parked again: a new hyper connection counts as
     // busy until its first message is done, and asked to close then, it
@@ -548,10 +590,17 @@ where
             // it looks again at least every keep-alive timeout, and while
             // the connection is busy, every PARK_AFTER (parking it at most
             // twice that after it fell idle).
-            let may_park = keep_alive && !closing && rebuilt_at != activity.begun.load(Ordering::Relaxed);
-            let mut wake = activity.left(limits).min(limits.recheck_every());
-            if may_park {
-                wake = wake.min(activity.park_in().unwrap_or(PARK_AFTER));
+            let fresh = rebuilt_at == activity.begun.load(Ordering::Relaxed);
+            let may_park = keep_alive && !closing && !fresh;
+            // Every PARK_AFTER at least: a request head that begins is not
+            // announced either, and has the header read timeout from then.
+            let mut wake = activity.left(limits).min(limits.recheck_every()).min(PARK_AFTER);
+            if keep_alive && !closing {
+                // A rebuilt connection looks again every PARK_AFTER until
+                // its next request has begun, or it would sleep through it
+                // and never park again.
+                let park_in = if fresh { None } else { activity.park_in() };
+                wake = wake.min(park_in.unwrap_or(PARK_AFTER));
             }
             tokio::select! {
                 result = Pin::new(&mut conn) => break result,
@@ -560,7 +609,12 @@ where
                     closing = true;
                 }
                 _ = tokio::time::sleep(wake), if !closing => {
-                    if activity.left(limits).is_zero() {
+                    let head_due = !activity.served.load(Ordering::Relaxed) || activity.head_begun().is_some();
+                    if activity.left(limits).is_zero() && head_due {
+                        // hyper would wait for the rest of the head.
+                        tracing::debug!(%peer, "connection closed: request head not received within the header read timeout");
+                        return None;
+                    } else if activity.left(limits).is_zero() {
                         tracing::debug!(%peer, "idle connection closed");
                         Pin::new(&mut conn).graceful_shutdown();
                         closing = true;

@@ -124,7 +124,11 @@ pub async fn serve<F, Fut, B>(
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
         .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
+        // The connection's watchdog times heads from their first byte:
+        // hyper's timer also runs while a keep-alive connection idles, and
+        // closed idle TLS and HTTP/1.0 ones at this timeout, not
+        // --keepalive-timeout.
+        .header_read_timeout(None)
         .keep_alive(!limits.keepalive_timeout.is_zero())
         .max_headers(limits.max_headers)
         .max_buf_size(limits.max_header_bytes.max(8192));
