@@ -305,3 +305,41 @@ async fn an_idle_keep_alive_connection_gets_the_keepalive_timeout_and_a_begun_he
         "closed {took:?} after the head began"
     );
 }
+
+#[tokio::test]
+async fn every_request_on_a_connection_is_held_to_the_header_byte_bound() {
+    // README: 64 KiB of headers. An independent tester got 131 KB through
+    // on a connection's second request (hyper bounds only the first).
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    let big = format!(
+        "GET /x HTTP/1.1\r\nHost: t\r\n{}\r\n",
+        (0..40)
+            .map(|i| format!("x-big-{i}: {}\r\n", "v".repeat(2500)))
+            .collect::<String>()
+    );
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+    let mut buf = vec![0u8; 8192];
+    let n = s.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    s.write_all(big.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(5), async {
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buf[..n]);
+            if answer.windows(4).any(|w| w == b"\r\n\r\n") {
+                break;
+            }
+        }
+    })
+    .await;
+    assert!(
+        String::from_utf8_lossy(&answer).starts_with("HTTP/1.1 431"),
+        "a 100 KB head on the second request: {}",
+        String::from_utf8_lossy(&answer)
+    );
+}

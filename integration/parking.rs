@@ -390,3 +390,29 @@ async fn random_sequences_of_requests_and_pauses_are_each_answered_once_in_order
         done.unwrap();
     }
 }
+
+#[tokio::test]
+async fn a_request_that_carried_upgrade_leaves_an_ordinary_keep_alive_connection() {
+    // curl --http2 on http:// sends `Upgrade: h2c`; tollgate drops it and
+    // answers over HTTP/1.1. An independent tester found such connections
+    // closed a second later, where parking would have let go of them.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    for upgrade in ["h2c", "foo"] {
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        let mut rest = Vec::new();
+        let asking = format!(
+            "GET /first HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: {upgrade}\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
+        );
+        s.write_all(asking.as_bytes()).await.unwrap();
+        let first = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+        assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+        tokio::time::sleep(PARKED).await;
+        s.write_all(b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
+        let second = response(&mut s, &mut rest, Duration::from_secs(5)).await;
+        assert!(
+            second.as_deref().is_some_and(|r| r.starts_with("HTTP/1.1 200")),
+            "Upgrade: {upgrade}: the connection still serves after an idle gap: {second:?}"
+        );
+    }
+}

@@ -761,7 +761,9 @@ async fn an_upstream_that_picks_h2_gets_one_multiplexed_connection() {
     let started = std::time::Instant::now();
     let answer = raw(
         tg.addr,
-        b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+        // `close`: `raw` reads until the connection ends, and one that
+        // carried Upgrade is otherwise kept alive.
+        b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, close\r\nUpgrade: websocket\r\n\
           Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n",
         Duration::from_secs(5),
     )

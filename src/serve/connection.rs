@@ -98,8 +98,9 @@ struct Activity {
     /// Requests begun on the connection.
     begun: AtomicU64,
     /// A request asked for the connection to close after its response
-    /// (HTTP/1.0, `Connection: close`): it is never parked, so hyper's
-    /// close (which may be how the response ends) is not skipped.
+    /// (HTTP/1.0, `Connection: close`) or carried `Upgrade`: it is never
+    /// parked, so hyper's close (which may be how the response ends) is not
+    /// skipped (see [`asks_to_close`]).
     closes: AtomicBool,
     /// Requests whose response has not been sent to the end yet.
     in_flight: AtomicU64,
@@ -376,10 +377,12 @@ pub(super) async fn serve<F, Fut, B, H>(
         }
         let busy = seen.began(asks_to_close(&req));
         let head = req.method() == http::Method::HEAD;
-        // hyper bounds the header fields of HTTP/1 requests only; HTTP/2
-        // ones get the same bound here (431, as hyper answers HTTP/1).
-        let fields = seen.listener.limits.max_headers;
-        let response = (req.headers().len() <= fields).then(|| handler(req, seen.peer));
+        // hyper bounds the header fields of HTTP/1 requests only, and their
+        // bytes only on a connection's first request; every request gets
+        // both bounds here (431, as hyper answers).
+        let limits = &seen.listener.limits;
+        let fits = req.headers().len() <= limits.max_headers && header_bytes(req.headers()) <= limits.max_header_bytes;
+        let response = fits.then(|| handler(req, seen.peer));
         async move {
             let response = match response {
                 Some(response) => Some(response.await),
@@ -702,11 +705,23 @@ async fn watch_http2<S, B>(
     }
 }
 
-/// Whether a request asks for its connection to close after the response:
-/// HTTP/1.0 and older (hyper keeps those alive only when asked; never
-/// parking them is the safe side), or `Connection: close`.
+/// The size of a header block as HTTP/1 writes it (`name: value\r\n`).
+fn header_bytes(headers: &http::HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
+        .fold(0, usize::saturating_add)
+}
+
+/// Whether a request makes its connection one never to park: it asks to
+/// close after the response (HTTP/1.0 and older, which hyper keeps alive
+/// only when asked, so never parking them is the safe side; or
+/// `Connection: close`), or it carried `Upgrade` (`h2c`, a WebSocket
+/// refused...): hyper hands such a connection to the upgrade when asked to
+/// let go of it, even when none happened, and it would be closed instead.
 fn asks_to_close(req: &Request<Incoming>) -> bool {
     req.version() < http::Version::HTTP_11
+        || req.headers().contains_key(http::header::UPGRADE)
         || req.headers().get_all(http::header::CONNECTION).iter().any(|v| {
             v.as_bytes()
                 .split(|&b| b == b',')
