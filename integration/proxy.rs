@@ -327,6 +327,18 @@ async fn websocket_upgrades_pass_through() {
         .unwrap()
         .unwrap();
     assert_eq!(echoed, b"ping through the tunnel");
+    // The tunnel is a client connection for the gauge and --max-connections
+    // for as long as it runs (an independent tester opened 30 past a bound
+    // of 10, the gauge reading 0).
+    let open = "tollgate_client_connections{listener=\"proxy\"}";
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(metric(&tg, open).await, 1, "the tunnel counts");
+    drop(s);
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&tg, open).await != 0 {
+        assert!(std::time::Instant::now() < until, "counted out when it closes");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]

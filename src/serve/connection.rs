@@ -90,6 +90,10 @@ struct Activity {
     listener: Arc<Listener>,
     /// The client's address.
     peer: SocketAddr,
+    /// The connection's slot and its place in the gauge of open ones: let
+    /// go of when the last holder of the connection (its task, the lot, a
+    /// tunnel over its socket) lets go of this.
+    _held: Box<dyn Send + Sync>,
     /// The client's TLS session, once its handshake is done.
     tls: std::sync::OnceLock<ClientTls>,
     /// Milliseconds after `opened` when a request last began or finished.
@@ -118,11 +122,12 @@ struct Activity {
 }
 
 impl Activity {
-    fn new(listener: Arc<Listener>, peer: SocketAddr) -> Self {
+    fn new(listener: Arc<Listener>, peer: SocketAddr, held: Box<dyn Send + Sync>) -> Self {
         Activity {
             opened: Instant::now(),
             listener,
             peer,
+            _held: held,
             tls: std::sync::OnceLock::new(),
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
@@ -353,23 +358,23 @@ pub(super) struct Listener {
 
 /// Serves `handler` on one accepted connection until it closes or parks;
 /// `held` (its slot and its place in the gauge of open connections) goes
-/// with it, into the lot while it is parked.
-pub(super) async fn serve<F, Fut, B, H>(
+/// with its [`Activity`]: into the lot while it is parked, and into a
+/// tunnel (WebSocket) its socket is handed to, for as long as that runs.
+pub(super) async fn serve<F, Fut, B>(
     stream: TcpStream,
     peer: SocketAddr,
     handler: F,
     listener: Arc<Listener>,
     stop: watch::Receiver<bool>,
-    held: H,
+    held: Box<dyn Send + Sync>,
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
-    H: Send + 'static,
 {
-    let activity = Arc::new(Activity::new(listener, peer));
+    let activity = Arc::new(Activity::new(listener, peer, held));
     let seen = activity.clone();
     let service = service_fn(move |mut req: Request<Incoming>| {
         if let Some(tls) = seen.tls.get() {
@@ -392,7 +397,7 @@ pub(super) async fn serve<F, Fut, B, H>(
         }
     });
     if let Some(idle) = Box::pin(open(stream, service, stop.clone(), &activity)).await {
-        park(idle, stop, held);
+        park(idle, stop);
     }
 }
 
@@ -400,7 +405,7 @@ pub(super) async fn serve<F, Fut, B, H>(
 /// [`resume`] when its client sends; this task ends. A connection that
 /// cannot be parked is closed, as a keep-alive connection may be at any
 /// time between requests.
-fn park<S, B, H>(idle: Parked<S>, stop: watch::Receiver<bool>, held: H)
+fn park<S, B>(idle: Parked<S>, stop: watch::Receiver<bool>)
 where
     S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
     S::Future: Send + 'static,
@@ -408,7 +413,6 @@ where
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
-    H: Send + 'static,
 {
     let Parked {
         io,
@@ -439,7 +443,7 @@ where
             service,
             rebuilt_at,
         };
-        Box::pin(resume(idle, stop, held))
+        Box::pin(resume(idle, stop))
     });
     tracing::trace!(%peer, "idle connection parked");
     if let Err(e) = lot.park(stream, keepalive, waiting, resume) {
@@ -448,7 +452,7 @@ where
 }
 
 /// Serves a connection its lot handed back, until it closes or parks again.
-async fn resume<S, B, H>(idle: Parked<S>, stop: watch::Receiver<bool>, held: H)
+async fn resume<S, B>(idle: Parked<S>, stop: watch::Receiver<bool>)
 where
     S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
     S::Future: Send + 'static,
@@ -456,10 +460,9 @@ where
     B: Body + Send + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
-    H: Send + 'static,
 {
     if let Some(idle) = serve_http1(idle, stop.clone()).await {
-        park(idle, stop, held);
+        park(idle, stop);
     }
 }
 

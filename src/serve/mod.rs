@@ -196,7 +196,7 @@ pub async fn serve<F, Fut, B>(
         let Some(slot) = slot else { break };
         let held = (slot, crate::metrics::Held::new(open.clone()));
         // The slot and the gauge are given back when the task ends.
-        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), held);
+        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), Box::new(held));
         connections.spawn(fut);
     }
     drop(listener);
