@@ -102,7 +102,13 @@ pub struct MalformedTimeout;
 /// A gRPC call's deadline from its `grpc-timeout` header (`Ok(None)`
 /// without one).
 pub fn grpc_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>, MalformedTimeout> {
-    match headers.get("grpc-timeout") {
+    let mut values = headers.get_all("grpc-timeout").iter();
+    let first = values.next();
+    // Two deadlines: tollgate would keep one and the upstream the other.
+    if values.next().is_some() {
+        return Err(MalformedTimeout);
+    }
+    match first {
         None => Ok(None),
         Some(v) => grpc_timeout(v).map(Some).ok_or(MalformedTimeout),
     }
@@ -299,6 +305,10 @@ mod grpc_tests {
         for bad in ["", "m", "100", "123456789m", "10x", "-1S", "1.5S", "１S", "abc"] {
             assert_eq!(at(bad), Err(MalformedTimeout), "{bad}");
         }
+        let mut twice = HeaderMap::new();
+        twice.append("grpc-timeout", HeaderValue::from_static("1S"));
+        twice.append("grpc-timeout", HeaderValue::from_static("abc"));
+        assert_eq!(grpc_deadline(&twice), Err(MalformedTimeout), "sent twice");
     }
 
     #[test]

@@ -63,6 +63,10 @@ pub enum RequestError {
     /// (RFC 9113 §8.3.1) nor `Host` (RFC 9112 §3.2) may carry.
     #[error("the host must not carry userinfo (user@host)")]
     HostUserinfo,
+    /// A host with a comma: a list, or a single header value that an
+    /// upstream splits into one.
+    #[error("the host must be one host name, not a list")]
+    HostList,
     /// An HTTP/1.1 request without `Host` (RFC 9112 §3.2).
     #[error("HTTP/1.1 request without a Host header")]
     HostMissing,
@@ -101,6 +105,14 @@ pub fn request_host<'a>(
         || host.is_some_and(|h| h.as_bytes().contains(&b'@'));
     if userinfo {
         return Err(RequestError::HostUserinfo);
+    }
+    // `api.example.com,other` names no host, misses rules on
+    // api.example.com, and is what an upstream reading X-Forwarded-Host as
+    // a list takes for api.example.com.
+    let listed = uri.authority().is_some_and(|a| a.as_str().contains(','))
+        || host.is_some_and(|h| h.as_bytes().contains(&b','));
+    if listed {
+        return Err(RequestError::HostList);
     }
     if let Some(authority) = uri.authority() {
         let differs = host
@@ -591,6 +603,9 @@ rules:
         let origin: http::Uri = "/x".parse().unwrap();
         let refused = request_host(http::Version::HTTP_11, &origin, &headers);
         assert!(matches!(refused, Err(RequestError::HostUserinfo)), "{refused:?}");
+        headers.insert(http::header::HOST, "api.example.com,other".parse().unwrap());
+        let refused = request_host(http::Version::HTTP_11, &origin, &headers);
+        assert!(matches!(refused, Err(RequestError::HostList)), "{refused:?}");
         headers.insert(http::header::HOST, "api.example.com".parse().unwrap());
         assert_eq!(request_host(http::Version::HTTP_11, &origin, &headers).unwrap(), Some("api.example.com"));
     }

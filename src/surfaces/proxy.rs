@@ -266,7 +266,8 @@ impl Proxy {
         match answer {
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) if e.is_client_body() || *body_sent.borrow() == Some(false) => {
-                tracing::info!(error = %e, "client request body failed");
+                // Over HTTP/2 hyper reports the stream it reset for it.
+                tracing::info!(error = %e, "client request body failed (stalled past --upstream-body-timeout, or reset); the exchange was ended");
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
             Ok(Err(e)) => {
