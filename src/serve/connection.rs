@@ -104,8 +104,8 @@ struct Activity {
     /// A request asked for the connection to close after its response
     /// (HTTP/1.0, `Connection: close`) or carried `Upgrade`: it is never
     /// parked, so hyper's close (which may be how the response ends) is not
-    /// skipped (see [`asks_to_close`]).
-    closes: AtomicBool,
+    /// skipped (see [`never_parks`]).
+    never_park: AtomicBool,
     /// Requests whose response has not been sent to the end yet.
     in_flight: AtomicU64,
     /// The watchdog asked hyper to let go of the connection while idle.
@@ -132,7 +132,7 @@ impl Activity {
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
             begun: AtomicU64::new(0),
-            closes: AtomicBool::new(false),
+            never_park: AtomicBool::new(false),
             in_flight: AtomicU64::new(0),
             parking: AtomicBool::new(false),
             read_while_parking: AtomicBool::new(false),
@@ -146,17 +146,18 @@ impl Activity {
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
-    /// A request began (`closes`: asking to close the connection after
-    /// it); the connection is busy until the result is dropped.
-    fn began(self: &Arc<Self>, closes: bool) -> Busy {
+    /// A request began (`never_park`: it makes its connection one never to
+    /// park, see [`never_parks`]); the connection is busy until the result
+    /// is dropped.
+    fn began(self: &Arc<Self>, never_park: bool) -> Busy {
         self.touch();
         self.served.store(true, Ordering::Relaxed);
         self.head_ms.store(0, Ordering::Relaxed);
         if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
             self.listener.metrics.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
         }
-        if closes {
-            self.closes.store(true, Ordering::Relaxed);
+        if never_park {
+            self.never_park.store(true, Ordering::Relaxed);
         }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
         Busy(self.clone(), Instant::now())
@@ -167,7 +168,7 @@ impl Activity {
     fn park_in(&self) -> Option<Duration> {
         if !self.served.load(Ordering::Relaxed)
             || self.in_flight.load(Ordering::Relaxed) > 0
-            || self.closes.load(Ordering::Relaxed)
+            || self.never_park.load(Ordering::Relaxed)
         {
             return None;
         }
@@ -334,6 +335,32 @@ impl ClientIo {
     }
 }
 
+/// The request handler as one connection serves it: the bounds hyper's
+/// connections need, named once.
+trait Handler:
+    hyper::service::HttpService<
+        Incoming,
+        ResBody: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + Send + 'static,
+        Future: Send + 'static,
+        Error: Into<Box<dyn StdError + Send + Sync>>,
+    > + Unpin
+    + Send
+    + 'static
+{
+}
+
+impl<S> Handler for S where
+    S: hyper::service::HttpService<
+            Incoming,
+            ResBody: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + Send + 'static,
+            Future: Send + 'static,
+            Error: Into<Box<dyn StdError + Send + Sync>>,
+        > + Unpin
+        + Send
+        + 'static
+{
+}
+
 /// An HTTP/1 connection between requests with no hyper state: the
 /// socket, the request handler, and where parking last left off.
 struct Parked<S> {
@@ -380,7 +407,7 @@ pub(super) async fn serve<F, Fut, B>(
         if let Some(tls) = seen.tls.get() {
             req.extensions_mut().insert(tls.clone());
         }
-        let busy = seen.began(asks_to_close(&req));
+        let busy = seen.began(never_parks(&req));
         let head = req.method() == http::Method::HEAD;
         // hyper bounds the header fields of HTTP/1 requests only, and their
         // bytes only on a connection's first request; every request gets
@@ -405,14 +432,9 @@ pub(super) async fn serve<F, Fut, B>(
 /// [`resume`] when its client sends; this task ends. A connection that
 /// cannot be parked is closed, as a keep-alive connection may be at any
 /// time between requests.
-fn park<S, B>(idle: Parked<S>, stop: watch::Receiver<bool>)
+fn park<S>(idle: Parked<S>, stop: watch::Receiver<bool>)
 where
-    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Handler,
 {
     let Parked {
         io,
@@ -452,14 +474,9 @@ where
 }
 
 /// Serves a connection its lot handed back, until it closes or parks again.
-async fn resume<S, B>(idle: Parked<S>, stop: watch::Receiver<bool>)
+async fn resume<S>(idle: Parked<S>, stop: watch::Receiver<bool>)
 where
-    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Handler,
 {
     if let Some(idle) = serve_http1(idle, stop.clone()).await {
         park(idle, stop);
@@ -468,19 +485,14 @@ where
 
 /// Opens a connection (the TLS handshake, the protocol sniff) and serves
 /// it until it closes, or parks (HTTP/1 only).
-async fn open<S, B>(
+async fn open<S>(
     stream: TcpStream,
     service: S,
     mut stop: watch::Receiver<bool>,
     activity: &Arc<Activity>,
 ) -> Option<Parked<S>>
 where
-    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Handler,
 {
     let (peer, shared) = (activity.peer, &*activity.listener);
     let (metrics, protocols, limits) = (&shared.metrics, &shared.protocols, &shared.limits);
@@ -557,14 +569,9 @@ where
 
 /// Serves HTTP/1 requests on a connection until it closes (`None`) or sits
 /// idle long enough to be parked.
-async fn serve_http1<S, B>(parked: Parked<S>, mut stop: watch::Receiver<bool>) -> Option<Parked<S>>
+async fn serve_http1<S>(parked: Parked<S>, mut stop: watch::Receiver<bool>) -> Option<Parked<S>>
 where
-    S: hyper::service::HttpService<Incoming, ResBody = B> + Unpin + Send + 'static,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+    S: Handler,
 {
     let Parked {
         mut io,
@@ -658,20 +665,13 @@ where
 }
 
 /// Watches an HTTP/2 connection until it closes.
-async fn watch_http2<S, B>(
+async fn watch_http2<S: Handler>(
     conn: http2::Connection<TokioIo<ClientIo>, S, TokioExecutor>,
     activity: &Activity,
     peer: SocketAddr,
     limits: &ConnLimits,
     mut stop: watch::Receiver<bool>,
-) where
-    S: hyper::service::HttpService<Incoming, ResBody = B>,
-    S::Future: Send + 'static,
-    S::Error: Into<Box<dyn StdError + Send + Sync>>,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
+) {
     // Boxed, or every connection's task would be as large as an HTTP/2
     // connection's state, HTTP/1 or not.
     let mut conn = Box::pin(conn);
@@ -722,7 +722,7 @@ fn header_bytes(headers: &http::HeaderMap) -> usize {
 /// `Connection: close`), or it carried `Upgrade` (`h2c`, a WebSocket
 /// refused...): hyper hands such a connection to the upgrade when asked to
 /// let go of it, even when none happened, and it would be closed instead.
-fn asks_to_close(req: &Request<Incoming>) -> bool {
+fn never_parks(req: &Request<Incoming>) -> bool {
     req.version() < http::Version::HTTP_11
         || req.headers().contains_key(http::header::UPGRADE)
         || req.headers().get_all(http::header::CONNECTION).iter().any(|v| {

@@ -125,12 +125,18 @@ impl Proxy {
                 return grpc_status(tonic::Code::Internal, &e.to_string());
             }
         };
-        // The caller's deadline, when it set one, bounds the wait for the
-        // upstream instead of --upstream-timeout (longer or shorter).
-        let caller_bounds = deadline.is_some();
+        let call = Call {
+            // The caller's deadline, when it set one, bounds the wait for
+            // the upstream instead of --upstream-timeout (longer or shorter).
+            caller_bounds: deadline.is_some(),
+            // gRPC is HTTP/2 end to end: a call that came over it goes on
+            // over it whatever the upstream's scheme (grpc_pass, Envoy's
+            // http2 cluster).
+            needs_h2: grpc && req.version() == Version::HTTP_2,
+        };
         let answer = async {
             let admitted = self.decide(&req, peer).await?;
-            self.forward(req, peer, admitted, caller_bounds).await
+            self.forward(req, peer, admitted, call).await
         };
         let answer = match deadline.flatten() {
             None => answer.await,
@@ -159,19 +165,16 @@ impl Proxy {
         mut req: Request<Incoming>,
         peer: SocketAddr,
         admitted: Admitted,
-        caller_bounds: bool,
+        call: Call,
     ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-        // gRPC is HTTP/2 end to end: a call that came over it goes on over
-        // it whatever the upstream's scheme (grpc_pass, Envoy's http2 cluster).
-        let needs_h2 = req.version() == Version::HTTP_2 && render::is_grpc(req.headers());
         let host = admitted.host.as_deref();
         let (upstream_req, body_sent) = match self.upstream_request(req, peer, host, upgrade) {
             Ok(r) => r,
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
-        let response = self.exchange(upstream_req, body_sent, needs_h2, caller_bounds).await?;
+        let response = self.exchange(upstream_req, body_sent, call).await?;
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(switch_protocols(client_upgrade, response));
         }
@@ -235,21 +238,26 @@ impl Proxy {
         &self,
         upstream_req: Request<ClientBody>,
         body_sent: BodyProgress,
-        needs_h2: bool,
-        caller_bounds: bool,
+        call: Call,
     ) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
+        let Call { caller_bounds, needs_h2 } = call;
         let sent = Instant::now();
         // The wait for the answer starts once the request has been sent
         // whole: a long upload is the client's time, not the upstream's
         // (a stalled one is cut by the body timeout instead).
         let timeout = self.options.upstream_timeout;
+        let mut body_sent = body_sent;
+        // What the body told, if the wait below took it.
+        let body_told = std::sync::OnceLock::new();
         let answer = {
             let waited = async {
                 if caller_bounds {
                     // The caller's own deadline ends the wait (in `handle`).
                     return std::future::pending().await;
                 }
-                let _ = body_sent.clone().wait_for(Option::is_some).await;
+                if let Ok(whole) = (&mut body_sent).await {
+                    let _ = body_told.set(whole);
+                }
                 tokio::time::sleep(timeout).await;
             };
             tokio::select! {
@@ -265,7 +273,7 @@ impl Proxy {
         metrics::get().upstream(class, sent.elapsed());
         match answer {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) if e.is_client_body() || *body_sent.borrow() == Some(false) => {
+            Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_recv().ok()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
                 tracing::info!(error = %e, "client request body failed (stalled past --upstream-body-timeout, or reset); the exchange was ended");
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
@@ -485,6 +493,15 @@ fn grpc_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
 
 fn grpc_status(code: tonic::Code, message: &str) -> Response<ProxyBody> {
     render::grpc_error(code, message).map(|b| Either::Right(Full::new(b)))
+}
+
+/// How a gRPC call is forwarded (both false for other requests).
+#[derive(Clone, Copy)]
+struct Call {
+    /// The caller's grpc-timeout bounds the wait for the upstream.
+    caller_bounds: bool,
+    /// It goes upstream over HTTP/2 whatever the upstream's scheme.
+    needs_h2: bool,
 }
 
 /// Why tollgate answered a request itself, kept beside the answer so that

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use tokio::sync::watch;
+use tokio::sync::oneshot;
 use tokio::time::{Instant, Sleep};
 
 /// What a body reports when it stalls or fails.
@@ -71,11 +71,11 @@ impl IdleTimer {
     }
 }
 
-/// How far the client's body got: `None` while it is being read, then
-/// `Some(true)` once read whole or `Some(false)` if it failed (a stall, a
-/// reset). An HTTP/2 upstream exchange that fails after the client's body
-/// did is the client's doing, though hyper reports the reset stream.
-pub type BodyProgress = watch::Receiver<Option<bool>>;
+/// Told once the client's body has been read: `true` whole, `false` if it
+/// failed (a stall, a reset). An HTTP/2 upstream exchange that fails after
+/// the client's body did is the client's doing, though hyper reports the
+/// reset stream.
+pub type BodyProgress = oneshot::Receiver<bool>;
 
 /// The client's request body on its way upstream.
 pub struct ClientBody {
@@ -83,13 +83,13 @@ pub struct ClientBody {
     body: Option<Incoming>,
     timer: IdleTimer,
     /// Told once the whole body has been read, or it failed.
-    sent: Option<watch::Sender<Option<bool>>>,
+    sent: Option<oneshot::Sender<bool>>,
 }
 
 impl ClientBody {
     /// Wraps `body`, with where its progress is told.
     pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
-        let (tx, rx) = watch::channel(None);
+        let (tx, rx) = oneshot::channel();
         let mut body = ClientBody {
             body: Some(body),
             timer: IdleTimer::new(idle),
@@ -113,7 +113,7 @@ impl ClientBody {
 
     fn finished(&mut self, whole: bool) {
         if let Some(tx) = self.sent.take() {
-            let _ = tx.send(Some(whole));
+            let _ = tx.send(whole);
         }
     }
 }
