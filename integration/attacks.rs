@@ -876,3 +876,17 @@ async fn http2_requests_are_held_to_the_same_header_field_bound_as_http1() {
     let fine = h2.send_request(request(90)).await.unwrap();
     assert_eq!(fine.status(), StatusCode::OK, "the connection goes on");
 }
+
+#[tokio::test]
+async fn a_host_list_or_userinfo_cannot_dodge_a_host_rule() {
+    // Either would miss a rule on api.example.com while an upstream reading
+    // X-Forwarded-Host as a list, or dropping userinfo, serves that host.
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: api\n    match: { host: api.example.com }\n    limits: [{ requests: 100, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    for host in ["api.example.com,other", "user@api.example.com"] {
+        let request = format!("GET /x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        let answer = raw(tg.addr, request.as_bytes(), Duration::from_secs(5)).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{host}: {answer}");
+    }
+}

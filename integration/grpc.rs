@@ -128,17 +128,19 @@ async fn raw_call(addr: std::net::SocketAddr, timeout: Option<&str>) -> http::Re
     h2.send_request(req).await.unwrap()
 }
 
-#[tokio::test]
-async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
-    // An h2c upstream that takes 3 s to answer anything.
+/// An h2c upstream that answers every call OK (`grpc-status: 0`, no
+/// messages) after `delay`.
+async fn slow_h2c_upstream(delay: Duration) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let slow = listener.local_addr().unwrap();
+    let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         while let Ok((stream, _)) = listener.accept().await {
             tokio::spawn(async move {
-                let service = hyper::service::service_fn(|_req| async {
-                    tokio::time::sleep(Duration::from_secs(3)).await;
-                    Ok::<_, std::convert::Infallible>(http::Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
+                let service = hyper::service::service_fn(move |_req| async move {
+                    tokio::time::sleep(delay).await;
+                    let mut answer = http::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
+                    answer.headers_mut().insert("grpc-status", "0".parse().unwrap());
+                    Ok::<_, std::convert::Infallible>(answer)
                 });
                 let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
                     .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
@@ -146,6 +148,12 @@ async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
             });
         }
     });
+    addr
+}
+
+#[tokio::test]
+async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
+    let slow = slow_h2c_upstream(Duration::from_secs(3)).await;
     let tg = h2c_upstream(slow, "domain: grpc\nrules: []\n");
     let started = std::time::Instant::now();
     let answer = raw_call(tg.addr, Some("300m")).await;
@@ -310,6 +318,22 @@ mod echo {
             .unwrap();
         tonic::client::Grpc::new(channel)
     }
+
+    /// A call to `/test.Echo/Sum` streaming `request`'s messages: "COUNT BYTES".
+    pub async fn sum<S>(
+        client: &mut tonic::client::Grpc<tonic::transport::Channel>,
+        request: tonic::Request<S>,
+    ) -> Result<Bytes, tonic::Status>
+    where
+        S: tokio_stream::Stream<Item = Bytes> + Send + 'static,
+    {
+        client.ready().await.unwrap();
+        let path = http::uri::PathAndQuery::from_static("/test.Echo/Sum");
+        client
+            .client_streaming(request, path, Raw)
+            .await
+            .map(|r| r.into_inner())
+    }
 }
 
 #[tokio::test]
@@ -347,17 +371,8 @@ async fn a_client_stream_and_a_bidirectional_one_flow_message_by_message() {
     let server = echo::start().await;
     let tg = h2c_upstream(server, "domain: grpc\nrules: []\n");
     let mut client = echo::client(tg.addr).await;
-    client.ready().await.unwrap();
     let uploads = tokio_stream::iter((0..300).map(|i| bytes::Bytes::from(vec![b'u'; 100 + i])));
-    let sum = client
-        .client_streaming(
-            tonic::Request::new(uploads),
-            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
-            echo::Raw,
-        )
-        .await
-        .unwrap()
-        .into_inner();
+    let sum = echo::sum(&mut client, tonic::Request::new(uploads)).await.unwrap();
     let bytes: usize = (0..300).map(|i| 100 + i).sum();
     assert_eq!(sum, format!("300 {bytes}").as_bytes());
 
@@ -417,17 +432,9 @@ async fn grpc_calls_go_over_http2_to_a_plain_http_upstream_and_other_requests_ov
     // over h2c, the rest over HTTP/1.1.
     let server = echo::start().await;
     let tg = Tollgate::start_upstream_url("domain: grpc\nrules: []\n", &format!("http://{server}"), &[]);
-    let mut echo = echo::client(tg.addr).await;
-    echo.ready().await.unwrap();
-    let sum = echo
-        .client_streaming(
-            tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"abc")])),
-            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
-            echo::Raw,
-        )
-        .await
-        .unwrap()
-        .into_inner();
+    let mut grpc = echo::client(tg.addr).await;
+    let one = tokio_stream::iter([bytes::Bytes::from_static(b"abc")]);
+    let sum = echo::sum(&mut grpc, tonic::Request::new(one)).await.unwrap();
     assert_eq!(sum, "1 3".as_bytes());
     let plain = get(&client(), &tg.url("/version"), &[]).await;
     assert_eq!(plain.status, 200);
@@ -523,17 +530,12 @@ async fn callers_that_stop_reading_do_not_stall_everyone_elses_calls() {
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     let mut victim = echo::client(tg.addr).await;
-    victim.ready().await.unwrap();
-    let call = victim.client_streaming(
-        tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"abc")])),
-        http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
-        echo::Raw,
-    );
+    let one = tokio_stream::iter([bytes::Bytes::from_static(b"abc")]);
+    let call = echo::sum(&mut victim, tonic::Request::new(one));
     let sum = tokio::time::timeout(Duration::from_secs(5), call)
         .await
         .expect("another caller's call went through while six stalled")
-        .unwrap()
-        .into_inner();
+        .unwrap();
     assert_eq!(sum, "1 3".as_bytes());
     // The stalled ones still get every message once they read.
     let (_, mut first) = stalled.remove(0);
@@ -561,24 +563,8 @@ async fn a_malformed_grpc_timeout_is_answered_here_and_never_reaches_the_upstrea
 
 #[tokio::test]
 async fn the_callers_deadline_replaces_the_upstream_timeout_both_ways() {
-    // An h2c upstream that answers after 2 s; --upstream-timeout is 1 s.
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let slow = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|_req| async {
-                    tokio::time::sleep(Duration::from_secs(2)).await;
-                    let mut answer = http::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
-                    answer.headers_mut().insert("grpc-status", "0".parse().unwrap());
-                    Ok::<_, std::convert::Infallible>(answer)
-                });
-                let _ = hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            });
-        }
-    });
+    // --upstream-timeout is 1 s.
+    let slow = slow_h2c_upstream(Duration::from_secs(2)).await;
     let tg = Tollgate::start_upstream_url(
         "domain: grpc\nrules: []\n",
         &format!("h2c://{slow}"),
@@ -611,17 +597,9 @@ rules:
 ";
     let tg = h2c_upstream(server, limits);
     let mut client = echo::client(tg.addr).await;
-    client.ready().await.unwrap();
     let mut request = tonic::Request::new(tokio_stream::iter([bytes::Bytes::from_static(b"x")]));
     request.metadata_mut().insert("x-cost", "abc".parse().unwrap());
-    let bad = client
-        .client_streaming(
-            request,
-            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
-            echo::Raw,
-        )
-        .await
-        .unwrap_err();
+    let bad = echo::sum(&mut client, request).await.unwrap_err();
     assert_eq!(bad.code(), tonic::Code::InvalidArgument, "{bad:?}");
     assert!(bad.message().contains("x-cost"), "{bad:?}");
     // Media types are case-insensitive: a refusal is still a gRPC one.
@@ -648,21 +626,14 @@ async fn a_caller_that_pauses_its_upload_is_told_so_not_that_the_upstream_failed
         &["--upstream-body-timeout", "1s"],
     );
     let mut client = echo::client(tg.addr).await;
-    client.ready().await.unwrap();
     let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(1);
     tx.send(bytes::Bytes::from_static(b"first")).await.unwrap();
     let pausing = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(3)).await;
         let _ = tx.send(bytes::Bytes::from_static(b"late")).await;
     });
-    let failed = client
-        .client_streaming(
-            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
-            http::uri::PathAndQuery::from_static("/test.Echo/Sum"),
-            echo::Raw,
-        )
-        .await
-        .unwrap_err();
+    let uploads = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let failed = echo::sum(&mut client, tonic::Request::new(uploads)).await.unwrap_err();
     assert_ne!(
         failed.code(),
         tonic::Code::Unavailable,
@@ -672,4 +643,20 @@ async fn a_caller_that_pauses_its_upload_is_told_so_not_that_the_upstream_failed
     assert!(tg.logged("client request body failed"), "{}", tg.log_text());
     assert!(!tg.logged("upstream failed"), "{}", tg.log_text());
     pausing.abort();
+}
+
+#[tokio::test]
+async fn two_grpc_timeouts_are_answered_here_like_a_malformed_one() {
+    // tollgate would keep one deadline and the upstream the other.
+    let tg = h2c_upstream(echo::start().await, "domain: grpc\nrules: []\n");
+    let mut h2 = h2_sender(tg.addr).await;
+    let req = http::Request::post(format!("http://{}/test.Echo/Sum", tg.addr))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("grpc-timeout", "100S")
+        .header("grpc-timeout", "500m")
+        .body(http_body_util::Full::new(bytes::Bytes::from_static(&[0, 0, 0, 0, 0])))
+        .unwrap();
+    let answer = h2.send_request(req).await.unwrap();
+    assert_eq!(answer.headers().get("grpc-status").unwrap(), "13");
 }
