@@ -884,9 +884,14 @@ async fn a_host_list_or_userinfo_cannot_dodge_a_host_rule() {
     let up = TestUpstream::start().await;
     let limits = "domain: d\nrules:\n  - name: api\n    match: { host: api.example.com }\n    limits: [{ requests: 100, per: 60s }]\n";
     let tg = Tollgate::start(limits, up.addr, &[]);
-    for host in ["api.example.com,other", "user@api.example.com"] {
-        let request = format!("GET /x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
-        let answer = raw(tg.addr, request.as_bytes(), Duration::from_secs(5)).await;
-        assert!(answer.starts_with("HTTP/1.1 400"), "{host}: {answer}");
+    for surface in [HttpSurface::Proxy, HttpSurface::ExtAuthz, HttpSurface::AuthRequest] {
+        for host in ["api.example.com,other", "user@api.example.com"] {
+            let said = outcome(&tg, surface, "GET", "/x", &[("host", host)]).await;
+            assert_eq!(said, "bad", "{surface:?} with Host {host}");
+        }
+        assert_eq!(
+            outcome(&tg, surface, "GET", "/x", &[("host", "api.example.com")]).await,
+            "admitted"
+        );
     }
 }
