@@ -118,6 +118,32 @@ impl Clock for Ticking {
 }
 
 for_each_store! {
+    async fn a_dry_run_answers_as_a_decision_would_and_charges_nothing(s, clock: ManualClock = ManualClock::new(T0)) {
+        // The admin page's "what would this request get?".
+        let h = costing(hits("  - name: d\n    limits: [{requests: 3, per: 10s}, {requests: 5, per: 60s}]\n"), 2);
+        let (fresh, counts) = s.limiter.explain(&h).await.unwrap();
+        assert_eq!(fresh.verdict, Verdict::Allowed);
+        assert_eq!(counts[0].windows.iter().map(|w| w.used).collect::<Vec<_>>(), [0, 0]);
+        assert!(!counts[0].charged);
+        for _ in 0..5 {
+            assert_eq!(s.limiter.explain(&h).await.unwrap().0.verdict, Verdict::Allowed);
+        }
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed, "the dry runs took nothing");
+        clock.advance(1_000);
+        let (full, counts) = s.limiter.explain(&h).await.unwrap();
+        assert_eq!(full.verdict, Verdict::Limited, "2 more do not fit in 3 per 10 s");
+        assert_eq!(full.retry_after_ms(), Some(9_000));
+        assert_eq!(counts[0].windows.iter().map(|w| w.used).collect::<Vec<_>>(), [2, 2]);
+        let decided = s.decide(&h).await;
+        assert_eq!(decided.verdict, Verdict::Limited);
+        assert_eq!(decided.retry_after_ms(), full.retry_after_ms(), "the dry run said what the decision says");
+        let one = costing(h.clone(), 1);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed, "a unit still fits: nothing was charged");
+        let (after, counts) = s.limiter.explain(&one).await.unwrap();
+        assert_eq!(after.verdict, Verdict::Limited);
+        assert_eq!(counts[0].windows[0].used, 3);
+    }
+
     async fn a_cached_refusal_stops_naming_a_window_once_it_has_freed(s, clock: ManualClock = ManualClock::new(T0)) {
         // Found by an independent tester: with both windows full, later
         // cached refusals kept reporting the 2 s window as r=0 long after

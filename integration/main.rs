@@ -12,6 +12,7 @@ mod limiter;
 mod model;
 mod nginx;
 mod operations;
+mod operator_page;
 mod parking;
 mod production;
 mod proxy;

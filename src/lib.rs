@@ -27,7 +27,7 @@
 //! `limits::Catalog` on every change; `client_ip` and `path` normalise what
 //! callers send; `serve` is the accept loop every listener shares and
 //! `serve::connection` one client connection's life; `admin` and `metrics`
-//! report; `heap` gives freed memory back. `settings` holds every flag; `server` starts what
+//! report (`activity` keeps the recent past the admin page shows); `heap` gives freed memory back. `settings` holds every flag; `server` starts what
 //! they describe (worker threads in `server::workers`, listeners, the
 //! store) and stops it; `main.rs` parses the flags and waits for signals.
 
@@ -64,6 +64,7 @@ pub mod surfaces;
 pub mod upstream;
 
 request_path! {
+    pub mod activity;
     pub mod client_ip;
     pub mod render;
     pub mod limiter;

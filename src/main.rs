@@ -18,7 +18,7 @@ fn main() -> ExitCode {
     tollgate::heap::no_transparent_huge_pages();
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    if argv.get(1).and_then(|a| a.to_str()) != Some("check") {
+    if !matches!(argv.get(1).and_then(|a| a.to_str()), Some("check" | "explain")) {
         // envoyproxy/ratelimit's environment, read as our flags.
         if let Some(problem) = tollgate::ratelimit_env::unsupported(get) {
             eprintln!("tollgate: {problem}");
@@ -34,6 +34,9 @@ fn main() -> ExitCode {
     }) = cli.command
     {
         return check(&config, merge_domain_config);
+    }
+    if let Some(Command::Explain(args)) = cli.command {
+        return explain(&args);
     }
     init_logging(cli.run.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
@@ -76,6 +79,32 @@ fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
         }
         Err(e) => {
             eprintln!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `tollgate explain`: asks a running instance, prints its answer.
+fn explain(args: &tollgate::settings::ExplainArgs) -> ExitCode {
+    use tollgate::admin::client;
+    let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tollgate: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(client::ask(args)) {
+        Ok(answer) if args.json => {
+            println!("{answer:#}");
+            ExitCode::SUCCESS
+        }
+        Ok(answer) => {
+            print!("{}", client::render(args, &answer));
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("tollgate explain: {e}");
             ExitCode::FAILURE
         }
     }

@@ -7,7 +7,7 @@
 //! so the number of series stays bounded by the configuration.
 
 use std::collections::HashMap;
-use std::sync::{LazyLock, Mutex, OnceLock, RwLock};
+use std::sync::{Arc, LazyLock, Mutex, OnceLock, RwLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -183,14 +183,22 @@ pub struct Metrics {
     tls_handshake_failures: Family<ListenerLabels, Counter>,
     /// The version last published per file, so a reload retires the old series.
     versions: Mutex<HashMap<String, String>>,
-    /// Per rule name, one counter handle per outcome.
-    rule_counters: RwLock<HashMap<String, [Option<Counter>; RuleEvent::COUNT]>>,
+    /// Per rule name, one counter handle per outcome and its recent
+    /// activity for the admin page.
+    rule_counters: RwLock<HashMap<String, RuleHandles>>,
     /// Handles of `requests`, per surface and verdict, made on first use
     /// (so a series appears once it counts something) and then reused
     /// instead of hashing the labels on every request.
     request_counters: [[OnceLock<Counter>; Answer::COUNT]; Surface::COUNT],
     /// Handles of `upstream`, per entry of `UPSTREAM_CLASSES`.
     upstream_counters: [OnceLock<Counter>; UPSTREAM_CLASSES.len()],
+}
+
+/// What one rule name's decisions are recorded into.
+#[derive(Default)]
+struct RuleHandles {
+    counters: [Option<Counter>; RuleEvent::COUNT],
+    activity: Arc<crate::activity::RuleActivity>,
 }
 
 /// Every class `upstream` is called with.
@@ -396,15 +404,19 @@ impl Metrics {
 
     /// Records what one rule said.
     pub fn rule(&self, rule: &str, outcome: RuleEvent) {
+        use crate::activity::Outcome;
+        let recent = match outcome {
+            RuleEvent::Allowed => Outcome::Allowed,
+            RuleEvent::Limited | RuleEvent::LimitedCached => Outcome::Limited,
+            RuleEvent::ShadowLimited => Outcome::ShadowLimited,
+            RuleEvent::FailedOpen | RuleEvent::FailedClosed => Outcome::Failed,
+        };
         // The hot path reuses counter handles instead of building labels.
-        if let Some(Some(c)) = self
-            .rule_counters
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(rule)
-            .map(|cs| &cs[outcome as usize])
+        if let Some(handles) = self.rule_counters.read().unwrap_or_else(|e| e.into_inner()).get(rule)
+            && let Some(c) = &handles.counters[outcome as usize]
         {
             c.inc();
+            handles.activity.record(recent);
             return;
         }
         let counter = self.decisions.get_or_create_owned(&DecisionLabels {
@@ -413,7 +425,15 @@ impl Metrics {
         });
         counter.inc();
         let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
-        counters.entry(rule.to_string()).or_default()[outcome as usize] = Some(counter);
+        let handles = counters.entry(rule.to_string()).or_default();
+        handles.counters[outcome as usize] = Some(counter);
+        handles.activity.record(recent);
+    }
+
+    /// The recent activity of the rule named `rule`, if it decided anything.
+    pub fn rule_activity(&self, rule: &str) -> Option<Arc<crate::activity::RuleActivity>> {
+        let counters = self.rule_counters.read().unwrap_or_else(|e| e.into_inner());
+        counters.get(rule).map(|h| h.activity.clone())
     }
 
     /// Records a request's verdict on a surface.

@@ -37,6 +37,48 @@ pub enum Command {
         #[arg(long, env = "TOLLGATE_MERGE_DOMAIN_CONFIG", default_value_t = false, action = ArgAction::Set)]
         merge_domain_config: bool,
     },
+    /// Ask a running tollgate what a request would get now, charging nothing:
+    /// which rules match, which counter each uses, and every window's use.
+    Explain(Box<ExplainArgs>),
+}
+
+/// `tollgate explain`: an HTTP request (`-X`, `-H`, `--host`, `--client`,
+/// PATH) or an Envoy RLS one (`--domain`, `--descriptor`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct ExplainArgs {
+    /// The running tollgate's admin listener.
+    #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
+    pub admin: SocketAddr,
+    /// Its `--admin-token`, if it has one.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// The request's method.
+    #[arg(short = 'X', long, default_value = "GET")]
+    pub method: String,
+    /// A request header, `Name: value` (repeat for more).
+    #[arg(short = 'H', long = "header")]
+    pub headers: Vec<String>,
+    /// The host the request is for.
+    #[arg(long)]
+    pub host: Option<String>,
+    /// The client's address, as tollgate resolves it (after trusted proxies).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub client: String,
+    /// The path, with its query if any.
+    #[arg(default_value = "/")]
+    pub path: String,
+    /// An Envoy RLS domain: ask about descriptors instead of an HTTP request.
+    #[arg(long)]
+    pub domain: Option<String>,
+    /// An RLS descriptor, `key=value,key=value` (repeat for more).
+    #[arg(long = "descriptor", requires = "domain")]
+    pub descriptors: Vec<String>,
+    /// Units each descriptor asks for (the RLS request's hits_addend).
+    #[arg(long, default_value_t = 1)]
+    pub hits_addend: u64,
+    /// Print the admin listener's JSON answer as it came.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Everything `tollgate` is started with (each flag also read from its

@@ -4,6 +4,8 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
+
 use std::io::{BufRead, BufReader};
 use std::net::{SocketAddr, TcpListener as StdListener};
 use std::path::{Path, PathBuf};

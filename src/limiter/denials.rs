@@ -232,6 +232,11 @@ impl RejectionLog {
                 continue;
             };
             let window = outcome.windows.iter().find(|w| w.over());
+            let retry = match decision.never_fits() {
+                true => None,
+                false => outcome.windows.iter().filter_map(|w| w.retry_ms).max(),
+            };
+            crate::activity::get().refused(&hit.key, &outcome.rule.name, retry);
             let folded = match seen.get_mut(&hit.key) {
                 Some((at, folded)) if now.duration_since(*at) < LOG_EVERY => {
                     *folded = folded.saturating_add(1);

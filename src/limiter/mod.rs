@@ -56,6 +56,20 @@ impl Limiter {
         }
     }
 
+    /// The store's name: `memory` or `redis`.
+    pub fn store_name(&self) -> &'static str {
+        self.store.name()
+    }
+
+    /// Where the Redis store is, safe to show (never credentials); `None`
+    /// for the memory store.
+    pub fn store_address(&self) -> Option<&str> {
+        match &self.store {
+            Store::Memory(_) => None,
+            Store::Redis(r) => Some(r.server()),
+        }
+    }
+
     /// Drops every cached denial (the limits changed, so they may be wrong).
     pub fn forget_denials(&self) {
         self.denials.clear();
@@ -129,17 +143,26 @@ impl Limiter {
         decision
     }
 
+    /// What `hits` would get now, charging nothing (the admin page's dry
+    /// run): the decision, and per hit what the store counted. Neither the
+    /// denial cache nor the metrics see it.
+    pub async fn explain(&self, hits: &[Hit]) -> Result<(Decision, Vec<CheckCount>), StoreError> {
+        let checks = checks_of(hits);
+        let answer = tokio::time::timeout(self.deadline, self.store.peek(&checks))
+            .await
+            .map_err(|_| StoreError::Timeout(self.deadline))??;
+        if answer.checks.len() != hits.len() {
+            return Err(StoreError::Reply {
+                store: self.store.name(),
+                reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
+            });
+        }
+        let counts = answer.checks.clone();
+        Ok((decision_of(hits, answer), counts))
+    }
+
     async fn ask_store(&self, hits: &[Hit]) -> Decision {
-        let checks: Vec<Check<'_>> = hits
-            .iter()
-            .map(|h| Check {
-                key: &h.key,
-                windows: &h.rule.windows,
-                cost: h.cost,
-                shadow: h.rule.shadow,
-                quota: h.rule.quota,
-            })
-            .collect();
+        let checks = checks_of(hits);
         let asked = Instant::now();
         // Nothing to wait for in process: no deadline timer on the hot path.
         let answer = match self.store.in_process() {
@@ -149,59 +172,28 @@ impl Limiter {
                 Err(_) => Err(StoreError::Timeout(self.deadline)),
             },
         };
-        let answer = match answer {
+        match answer {
             // Every surface renders one outcome per hit, in order.
             Ok(answer) if answer.checks.len() != hits.len() => {
                 let e = StoreError::Reply {
                     store: self.store.name(),
                     reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
                 };
-                return self.failed(hits, e);
+                self.failed(hits, e)
             }
             Ok(answer) => {
-                metrics::get().store_time(asked.elapsed());
-                answer
+                let took = asked.elapsed();
+                metrics::get().store_time(took);
+                crate::activity::get().store_answered(took);
+                decision_of(hits, answer)
             }
-            Err(e) => return self.failed(hits, e),
-        };
-        let rules = hits
-            .iter()
-            .zip(answer.checks)
-            .map(|(hit, count)| {
-                let windows: Vec<WindowOutcome> = hit
-                    .rule
-                    .windows
-                    .iter()
-                    .zip(&count.windows)
-                    .map(|(window, c)| {
-                        let taken = if count.charged { hit.cost } else { 0 };
-                        WindowOutcome {
-                            window: *window,
-                            remaining: window.requests.saturating_sub(c.used.saturating_add(taken)),
-                            reset_ms: c.reset_ms,
-                            retry_ms: c.retry_ms,
-                            never: c.never,
-                        }
-                    })
-                    .collect();
-                RuleOutcome {
-                    rule: hit.rule.clone(),
-                    over: windows.iter().any(WindowOutcome::over),
-                    charged: count.charged,
-                    windows,
-                }
-            })
-            .collect();
-        let verdict = if answer.admitted {
-            Verdict::Allowed
-        } else {
-            Verdict::Limited
-        };
-        Decision { verdict, rules }
+            Err(e) => self.failed(hits, e),
+        }
     }
 
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
         metrics::get().store_error(error.label());
+        crate::activity::get().store_failed(&error.to_string());
         let closed = hits
             .iter()
             .any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
@@ -222,6 +214,57 @@ impl Limiter {
             .collect();
         Decision { verdict, rules }
     }
+}
+
+/// What the store is asked for `hits`.
+fn checks_of(hits: &[Hit]) -> Vec<Check<'_>> {
+    hits.iter()
+        .map(|h| Check {
+            key: &h.key,
+            windows: &h.rule.windows,
+            cost: h.cost,
+            shadow: h.rule.shadow,
+            quota: h.rule.quota,
+        })
+        .collect()
+}
+
+/// The decision the store's answer for `hits` (one count per hit) makes.
+fn decision_of(hits: &[Hit], answer: StoreAnswer) -> Decision {
+    let rules = hits
+        .iter()
+        .zip(answer.checks)
+        .map(|(hit, count)| {
+            let windows: Vec<WindowOutcome> = hit
+                .rule
+                .windows
+                .iter()
+                .zip(&count.windows)
+                .map(|(window, c)| {
+                    let taken = if count.charged { hit.cost } else { 0 };
+                    WindowOutcome {
+                        window: *window,
+                        remaining: window.requests.saturating_sub(c.used.saturating_add(taken)),
+                        reset_ms: c.reset_ms,
+                        retry_ms: c.retry_ms,
+                        never: c.never,
+                    }
+                })
+                .collect();
+            RuleOutcome {
+                rule: hit.rule.clone(),
+                over: windows.iter().any(WindowOutcome::over),
+                charged: count.charged,
+                windows,
+            }
+        })
+        .collect();
+    let verdict = if answer.admitted {
+        Verdict::Allowed
+    } else {
+        Verdict::Limited
+    };
+    Decision { verdict, rules }
 }
 
 /// The metrics word for what one rule said; `None` for a rule that had room

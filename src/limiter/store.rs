@@ -125,6 +125,11 @@ pub trait CounterStore: Send + Sync {
     /// Checks every window of every counter and charges them together.
     fn decide(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
 
+    /// Checks every window of every counter with the real costs and charges
+    /// nothing: what [`CounterStore::decide`] would answer now (an
+    /// operator's dry run).
+    fn peek(&self, checks: &[Check<'_>]) -> impl Future<Output = Result<StoreAnswer, StoreError>> + Send;
+
     /// Notes that these counters were asked about without a decision (a
     /// refusal from the denial cache), so the store keeps them as in use.
     /// A store that cannot see it cheaply does nothing.
@@ -160,6 +165,13 @@ impl CounterStore for Store {
         match self {
             Store::Memory(s) => s.decide(checks).await,
             Store::Redis(s) => s.decide(checks).await,
+        }
+    }
+
+    async fn peek(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
+        match self {
+            Store::Memory(s) => s.peek(checks).await,
+            Store::Redis(s) => s.peek(checks).await,
         }
     }
 

@@ -129,10 +129,85 @@ fn push_digest(key: &mut String, value: &[u8], mark: char) {
     key.push('|');
 }
 
+/// A counter key read back for people: its domain and the values that name
+/// it (a hashed value as `sha256:<hex>…`). `None` for a key of another layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyParts {
+    /// The domain (limits file) the counter belongs to.
+    pub domain: String,
+    /// The rule's id.
+    pub rule_id: String,
+    /// The values after the domain, in order, the rule's id left out (for
+    /// a descriptor: the first value, then keys and values alternating).
+    pub values: Vec<String>,
+}
+
+/// Reads `key` back into its parts (see [`KeyParts`]).
+pub fn describe(key: &str) -> Option<KeyParts> {
+    let rest = key.strip_prefix("tg:2{")?;
+    let (domain, rest) = component(rest)?;
+    let (first, rest) = component(rest)?;
+    let rest = rest.strip_prefix('}')?;
+    let (rule_id, mut rest) = component(rest)?;
+    let mut values = vec![first];
+    while !rest.is_empty() {
+        let (value, after) = component(rest)?;
+        values.push(value);
+        rest = after;
+    }
+    // A global counter carries the rule's id as its tag and an empty end.
+    if values.len() == 2 && values.first() == Some(&rule_id) && values.get(1).is_some_and(String::is_empty) {
+        values.clear();
+    }
+    Some(KeyParts {
+        domain,
+        rule_id,
+        values,
+    })
+}
+
+/// One `<len>=<value>|` (or a digest) off the front of `s`, and the rest.
+fn component(s: &str) -> Option<(String, &str)> {
+    let mark = s.find(['=', '#', '~'])?;
+    let len: usize = s.get(..mark)?.parse().ok()?;
+    let after = s.get(mark.checked_add(1)?..)?;
+    match s.as_bytes().get(mark)? {
+        b'=' => {
+            let value = after.get(..len)?;
+            let rest = after.get(len..)?.strip_prefix('|')?;
+            Some((value.to_owned(), rest))
+        }
+        _ => {
+            let (hex, rest) = after.split_once('|')?;
+            Some((format!("sha256:{hex}… ({len} bytes)"), rest))
+        }
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn keys_read_back_into_their_values() {
+        let t = |s: &str| Value::Text(s.to_string());
+        let k = http_key("api", "per-client", &[t("203.0.113.9"), t("a|1=b}")]);
+        let parts = describe(&k).unwrap();
+        assert_eq!(parts.domain, "api");
+        assert_eq!(parts.rule_id, "per-client");
+        assert_eq!(parts.values, ["203.0.113.9", "a|1=b}"]);
+        let global = describe(&http_key("api", "all", &[])).unwrap();
+        assert!(global.values.is_empty(), "{global:?}");
+        let d = describe(&descriptor_key("edge", "r", [("remote_address", "10.0.0.1"), ("path", "/x")])).unwrap();
+        assert_eq!(d.values, ["10.0.0.1", "remote_address", "path", "/x"]);
+        let long = describe(&http_key("api", "r", &[t(&"x".repeat(100))])).unwrap();
+        assert!(long.values[0].starts_with("sha256:"), "{long:?}");
+        let bytes = describe(&http_key("api", "r", &[Value::Bytes(vec![0xFF])])).unwrap();
+        assert!(bytes.values[0].starts_with("sha256:"), "{bytes:?}");
+        for bad in ["", "tg:{3=api|}", "tg:2{3=ap", "tg:2{99=api|", "tg:2{3=api|1=a|}x"] {
+            assert_eq!(describe(bad), None, "{bad}");
+        }
+    }
 
     #[test]
     fn values_cannot_collide_or_grow_keys() {

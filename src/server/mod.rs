@@ -432,8 +432,11 @@ impl Parts {
             token: settings.admin_token.clone(),
             hosts: settings.admin_hosts.clone(),
         };
-        let admin_handler =
-            Arc::new(Admin::new(self.limiter.clone(), self.files.clone(), access).with_tls(tls.cert.clone()));
+        let admin_handler = Arc::new(
+            Admin::new(self.limiter.clone(), self.files.clone(), access)
+                .with_tls(tls.cert.clone())
+                .with_quota_mode(settings.rls_quota_mode),
+        );
         let mut tasks = vec![tokio::spawn(serve(
             admin,
             self.conn_limits,

@@ -59,7 +59,9 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn decide_now(&self, checks: &[Check<'_>]) -> StoreAnswer {
+    /// Decides `checks` now; a `dry` run checks with the real costs and
+    /// charges nothing.
+    fn decide_now(&self, checks: &[Check<'_>], dry: bool) -> StoreAnswer {
         let now = self.clock.now_ms();
         // A panic elsewhere cannot leave a half-charged decision behind (the
         // charge loop below does not panic), so a poisoned lock is still sound.
@@ -107,7 +109,7 @@ impl MemoryStore {
         }
         admitted &= !quotas || quota_room;
         for (check, count) in checks.iter().zip(counts.iter_mut()) {
-            count.charged &= admitted && check.cost > 0;
+            count.charged &= admitted && check.cost > 0 && !dry;
             if count.charged {
                 state.charge(check.key, now, check.windows, check.cost, self.max_counters, checks);
             }
@@ -122,7 +124,11 @@ impl MemoryStore {
 
 impl CounterStore for MemoryStore {
     async fn decide(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
-        Ok(self.decide_now(checks))
+        Ok(self.decide_now(checks, false))
+    }
+
+    async fn peek(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
+        Ok(self.decide_now(checks, true))
     }
 
     fn in_process(&self) -> bool {
@@ -174,13 +180,13 @@ mod tests {
             precision_ms: 0,
         }];
         for i in 0..100 {
-            store.decide_now(&[check(&format!("k{i}"), &w, 1, false)]);
+            store.decide_now(&[check(&format!("k{i}"), &w, 1, false)], false);
         }
         assert_eq!(store.len(), 100);
         clock.advance(1_001);
         // A few per decision, never all at once: gone after enough decisions.
         for _ in 0..30 {
-            store.decide_now(&[check("live", &w, 1, false)]);
+            store.decide_now(&[check("live", &w, 1, false)], false);
         }
         assert_eq!(store.len(), 1, "only the live counter is left");
     }
@@ -196,15 +202,15 @@ mod tests {
         }];
         // A caller at its limit, asking again and again while the flood runs.
         for _ in 0..3 {
-            assert!(store.decide_now(&[check("busy", &hour, 1, false)]).admitted);
+            assert!(store.decide_now(&[check("busy", &hour, 1, false)], false).admitted);
         }
         for i in 0..50_000 {
             clock.advance(1);
-            store.decide_now(&[check(&format!("fresh{i}"), &hour, 1, false)]);
+            store.decide_now(&[check(&format!("fresh{i}"), &hour, 1, false)], false);
             assert!(store.len() <= 1_000);
             if i % 10 == 0 {
                 assert!(
-                    !store.decide_now(&[check("busy", &hour, 1, false)]).admitted,
+                    !store.decide_now(&[check("busy", &hour, 1, false)], false).admitted,
                     "a counter read every few ms is never the least recently used of a sample (flood step {i})"
                 );
             }
@@ -390,7 +396,7 @@ mod tests {
             picks.iter().map(|&(k, cost, role)| (k, windows_of(k), cost, role)).collect();
         let checks: Vec<Check<'_>> =
             specs.iter().map(|(k, w, cost, role)| with_role(names[*k], w, *cost, *role)).collect();
-        let answer = store.decide_now(&checks);
+        let answer = store.decide_now(&checks, false);
         let (admitted, expected) = model.decide(now, &specs);
         prop_assert_eq!(answer.admitted, admitted);
         for (count, (charged, windows)) in answer.checks.iter().zip(&expected) {
@@ -467,7 +473,7 @@ mod tests {
                 let within = |span: u64| -> u64 {
                     admitted.iter().filter(|(t, _)| now - t < span).map(|(_, n)| n).sum()
                 };
-                if store.decide_now(&[check("k", &w, cost, false)]).admitted {
+                if store.decide_now(&[check("k", &w, cost, false)], false).admitted {
                     prop_assert!(within(per) + cost <= limit, "more than {} within {}ms at {}", limit, per, now);
                     admitted.push((now, cost));
                 } else {
@@ -487,12 +493,12 @@ mod tests {
             precision_ms: 0,
         }];
         for _ in 0..200_000 {
-            store.decide_now(&[check("k", &w, 1, false)]);
+            store.decide_now(&[check("k", &w, 1, false)], false);
             clock.advance(1);
         }
         // Units leave one per ms from 1_000_000 + 3_600_000 on; 150_000 of
         // them must leave, the last of which was admitted at 1_000_000 + 149_999.
-        let a = store.decide_now(&[check("k", &w, 150_000, false)]);
+        let a = store.decide_now(&[check("k", &w, 150_000, false)], false);
         let now = clock.now_ms();
         assert_eq!(
             a.checks[0].windows[0].retry_ms,

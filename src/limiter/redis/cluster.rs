@@ -32,43 +32,14 @@ impl RedisStore {
     /// Decides one request's checks over the slots they fall in.
     pub(super) async fn decide_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
         let mut conn = cluster.get().await?;
-        // Keys with one hash tag share a slot and can be decided in one call.
-        let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-        for (i, c) in checks.iter().enumerate() {
-            groups.entry(hash_tag(&c.key)).or_default().push(i);
-        }
+        let groups = tag_groups(&checks);
         if groups.len() == 1 {
             return single(self.script.call(&mut conn, &[(&checks, false)]).await?);
         }
-        // Each part is decided alone, but quota mode is a rule about the
-        // whole request: parts carry quota checks as shadow ones (charged
-        // when they fit, never refusing) and the quota rule is applied here.
-        let as_part = |c: &OwnedCheck| OwnedCheck {
-            shadow: c.shadow || c.quota,
-            quota: false,
-            ..c.clone()
-        };
-        let parts: Vec<Vec<OwnedCheck>> = groups
-            .values()
-            .map(|idx| idx.iter().filter_map(|&i| checks.get(i).map(as_part)).collect())
-            .collect();
-        let mut answers = Vec::with_capacity(parts.len());
-        for part in &parts {
-            answers.push(single(self.script.call(&mut conn, &[(part, true)]).await?)?);
-        }
-        let enforced = answers.iter().all(|a| a.admitted);
-        let counts = in_order(&groups, answers, checks.len());
-        let quotas: Vec<bool> = checks
-            .iter()
-            .zip(&counts)
-            .filter(|(c, _)| c.quota)
-            .map(|(c, n)| c.shadow || n.windows.iter().all(|w| !w.over()))
-            .collect();
-        if !enforced || !(quotas.is_empty() || quotas.contains(&true)) {
-            return Ok(StoreAnswer {
-                admitted: false,
-                checks: counts,
-            });
+        let parts = parts(&groups, &checks);
+        let dry = self.dry_run(&mut conn, &groups, &parts, &checks).await?;
+        if !dry.admitted {
+            return Ok(dry);
         }
         let mut answers = Vec::with_capacity(parts.len());
         for part in &parts {
@@ -80,6 +51,66 @@ impl RedisStore {
             checks: in_order(&groups, answers, checks.len()),
         })
     }
+
+    /// What `checks` would get, charging nothing, over the slots they fall in.
+    pub(super) async fn peek_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
+        let mut conn = cluster.get().await?;
+        let groups = tag_groups(&checks);
+        let parts = parts(&groups, &checks);
+        self.dry_run(&mut conn, &groups, &parts, &checks).await
+    }
+
+    /// A dry run of every part, and the whole request's verdict from them.
+    async fn dry_run(
+        &self,
+        conn: &mut ClusterConnection,
+        groups: &BTreeMap<&str, Vec<usize>>,
+        parts: &[Vec<OwnedCheck>],
+        checks: &[OwnedCheck],
+    ) -> Result<StoreAnswer, StoreError> {
+        let mut answers = Vec::with_capacity(parts.len());
+        for part in parts {
+            answers.push(single(self.script.call(conn, &[(part, true)]).await?)?);
+        }
+        let enforced = answers.iter().all(|a| a.admitted);
+        let counts = in_order(groups, answers, checks.len());
+        let quotas: Vec<bool> = checks
+            .iter()
+            .zip(&counts)
+            .filter(|(c, _)| c.quota)
+            .map(|(c, n)| c.shadow || n.windows.iter().all(|w| !w.over()))
+            .collect();
+        Ok(StoreAnswer {
+            admitted: enforced && (quotas.is_empty() || quotas.contains(&true)),
+            checks: counts,
+        })
+    }
+}
+
+/// The checks' indexes by hash tag: keys with one tag share a slot and can
+/// be decided in one call.
+fn tag_groups(checks: &[OwnedCheck]) -> BTreeMap<&str, Vec<usize>> {
+    let mut groups: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
+    for (i, c) in checks.iter().enumerate() {
+        groups.entry(hash_tag(&c.key)).or_default().push(i);
+    }
+    groups
+}
+
+/// One part per group. Each part is decided alone, but quota mode is a rule
+/// about the whole request: parts carry quota checks as shadow ones
+/// (charged when they fit, never refusing) and the quota rule is applied
+/// over the parts' answers.
+fn parts(groups: &BTreeMap<&str, Vec<usize>>, checks: &[OwnedCheck]) -> Vec<Vec<OwnedCheck>> {
+    let as_part = |c: &OwnedCheck| OwnedCheck {
+        shadow: c.shadow || c.quota,
+        quota: false,
+        ..c.clone()
+    };
+    groups
+        .values()
+        .map(|idx| idx.iter().filter_map(|&i| checks.get(i).map(as_part)).collect())
+        .collect()
 }
 
 /// The parts' answers back in the order the checks came in.

@@ -326,5 +326,16 @@ impl CounterStore for RedisStore {
             Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
         }
     }
+
+    async fn peek(&self, checks: &[Check<'_>]) -> Result<StoreAnswer, StoreError> {
+        let checks = owned_checks(checks);
+        match &self.conn {
+            Conn::Node(node) => {
+                let mut conn = self.lane(node).link.get()?;
+                single(self.script.call(&mut conn, &[(&checks, true)]).await?)
+            }
+            Conn::Cluster(cluster) => self.peek_cluster(cluster, checks).await,
+        }
+    }
 }
 

@@ -1,18 +1,22 @@
-//! The admin listener: liveness, readiness and the active limits.
+//! The admin listener: liveness, readiness, the active limits, metrics, and
+//! the operator page (`/`) with the JSON behind it (`api`).
 //!
-//! Bound to loopback by default; it answers small documents about tollgate's
-//! own state and never echoes anything a caller sent. It answers only
+//! Bound to loopback by default. It answers only
 //! requests addressed to an IP literal, `localhost` or a configured name (a
 //! page a browser loaded from elsewhere cannot reach it through DNS
 //! rebinding), can require a bearer token for everything but the probes, and
 //! hides the values of header matches (they may be credentials).
+
+mod api;
+pub mod client;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Body;
 
 use crate::limiter::Limiter;
 use crate::reload::LiveFiles;
@@ -32,17 +36,44 @@ pub struct Admin {
     catalog: Arc<LiveFiles>,
     access: AdminAccess,
     tls: Option<Arc<crate::tls::LiveCert>>,
+    changes: Arc<api::Changes>,
+    quota_mode: bool,
 }
+
+/// The operator page, served from the binary (no external assets).
+const PAGE: &str = include_str!("page.html");
+
+/// Largest explain question read.
+const MAX_EXPLAIN_BYTES: usize = 64 * 1024;
 
 impl Admin {
     /// Admin endpoints for this limiter and these limits files.
     pub fn new(limiter: Arc<Limiter>, catalog: Arc<LiveFiles>, access: AdminAccess) -> Self {
+        let changes = Arc::new(api::Changes::default());
+        changes.observe(&catalog);
+        // Every reload, whether or not the page is open, so a rule shows as
+        // changed by the last reload of its file.
+        let (watched, seen) = (Arc::downgrade(&catalog), changes.clone());
+        catalog.on_change(move || {
+            if let Some(files) = watched.upgrade() {
+                seen.observe(&files);
+            }
+        });
         Admin {
             limiter,
             catalog,
             access,
             tls: None,
+            changes,
+            quota_mode: false,
         }
+    }
+
+    /// Answers RLS dry runs as the RLS does with `--rls-quota-mode`.
+    #[must_use]
+    pub fn with_quota_mode(mut self, on: bool) -> Self {
+        self.quota_mode = on;
+        self
     }
 
     /// Shows the listeners' certificate (and its last reload error) in `/config`.
@@ -79,9 +110,24 @@ impl Admin {
     }
 
     /// Handles one admin request.
-    pub async fn handle<B>(&self, req: Request<B>, _peer: SocketAddr) -> Response<Full<Bytes>> {
-        if req.method() != Method::GET && req.method() != Method::HEAD {
-            return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+    pub async fn handle<B>(&self, req: Request<B>, _peer: SocketAddr) -> Response<Full<Bytes>>
+    where
+        B: Body,
+        B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
+        let explaining = req.uri().path() == "/api/explain";
+        let allowed = match explaining {
+            true => req.method() == Method::POST,
+            false => req.method() == Method::GET || req.method() == Method::HEAD,
+        };
+        if !allowed {
+            let mut r = text(
+                StatusCode::METHOD_NOT_ALLOWED,
+                if explaining { "use POST\n" } else { "use GET\n" },
+            );
+            let allow = if explaining { "POST" } else { "GET, HEAD" };
+            r.headers_mut().insert(header::ALLOW, HeaderValue::from_static(allow));
+            return r;
         }
         if !self.host_allowed(&req) {
             return text(
@@ -109,6 +155,69 @@ impl Admin {
             }
         }
         match req.uri().path() {
+            "/" => {
+                let mut r = text(StatusCode::OK, PAGE);
+                let headers = r.headers_mut();
+                headers.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/html; charset=utf-8"),
+                );
+                // Nothing from elsewhere, no framing: caller-controlled text
+                // on the page can never run or be dressed up.
+                headers.insert(
+                    header::CONTENT_SECURITY_POLICY,
+                    HeaderValue::from_static(
+                        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                    ),
+                );
+                headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                r
+            }
+            "/api/state" => json(&api::state(&self.limiter, &self.catalog, &self.changes)),
+            "/api/status" => {
+                let state = api::state(&self.limiter, &self.catalog, &self.changes);
+                let pick = |k: &str| state.get(k).cloned().unwrap_or_default();
+                json(&serde_json::json!({
+                    "version": pick("version"),
+                    "started_at": pick("started_at"),
+                    "uptime_s": pick("uptime_s"),
+                    "store": pick("store"),
+                    "files": pick("files"),
+                    "refused": pick("refused"),
+                }))
+            }
+            "/api/rules" => {
+                self.changes.observe(&self.catalog);
+                json(&serde_json::json!({ "rules": api::rules(&self.catalog, &self.changes) }))
+            }
+            "/api/top-limited" => json(&serde_json::json!({ "top_limited": api::top_limited() })),
+            "/api/explain" => {
+                let typed = req
+                    .headers()
+                    .get(header::CONTENT_TYPE)
+                    .and_then(|v| v.to_str().ok())
+                    .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("application/json"));
+                if !typed {
+                    return error_json(
+                        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                        "send Content-Type: application/json",
+                    );
+                }
+                let body = match Limited::new(req.into_body(), MAX_EXPLAIN_BYTES).collect().await {
+                    Ok(b) => b.to_bytes(),
+                    Err(e) => {
+                        return error_json(
+                            StatusCode::BAD_REQUEST,
+                            &format!("cannot read the question (at most {MAX_EXPLAIN_BYTES} bytes): {e}"),
+                        );
+                    }
+                };
+                match api::explain(&self.limiter, &self.catalog, self.quota_mode, &body).await {
+                    Ok(answer) => json(&answer),
+                    Err(e) => error_json(StatusCode::BAD_REQUEST, &e.to_string()),
+                }
+            }
             "/healthz" => text(StatusCode::OK, "ok\n"),
             "/healthcheck" => healthcheck(),
             "/readyz" => match self.limiter.ready().await {
@@ -150,7 +259,7 @@ impl Admin {
             }
             _ => text(
                 StatusCode::NOT_FOUND,
-                "not found; try /healthz, /readyz, /metrics or /config\n",
+                "not found; try /, /healthz, /readyz, /metrics, /config or /api/state\n",
             ),
         }
     }
@@ -167,6 +276,21 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 /// pod restarted.
 fn healthcheck() -> Response<Full<Bytes>> {
     text(StatusCode::OK, "OK")
+}
+
+fn json(body: &serde_json::Value) -> Response<Full<Bytes>> {
+    let mut r = text(StatusCode::OK, &format!("{body}\n"));
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+fn error_json(status: StatusCode, error: &str) -> Response<Full<Bytes>> {
+    let mut r = json(&serde_json::json!({ "error": error }));
+    *r.status_mut() = status;
+    r
 }
 
 fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {

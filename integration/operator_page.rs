@@ -1,0 +1,470 @@
+//! The operator page (`GET /` on the admin listener), the JSON behind it,
+//! `tollgate explain` and the Grafana dashboard, used as an operator would:
+//! the page in a real headless Chromium, traffic through the real proxy,
+//! the limits file edited (and broken) on disk.
+
+use std::time::Duration;
+
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use http::{Method, StatusCode};
+use serde_json::{Value as Json, json};
+
+use crate::common::browser::Browser;
+use crate::common::{RedisServer, TestUpstream, Tollgate, binary, client, get, repo_file, send};
+
+const LIMITS: &str = r#"
+domain: api
+rules:
+  - name: login
+    match: { methods: [POST], path: /login }
+    by: [client_ip]
+    limits: [{ requests: 3, per: 60s }]
+  - name: per-key
+    match: { path: /api/* }
+    by: ["header:x-api-key"]
+    limits: [{ requests: 2, per: 60s }, { requests: 100, per: 1h }]
+  - name: secret-tier
+    match: { path: /api/*, headers: { authorization: "Bearer s3cr3t-token" } }
+    limits: [{ requests: 1000, per: 1m }]
+"#;
+
+async fn post_json(url: &str, body: &Json) -> (StatusCode, Json) {
+    let a = send(
+        &client(),
+        Method::POST,
+        url,
+        &[("content-type", "application/json")],
+        serde_json::to_vec(body).unwrap(),
+    )
+    .await;
+    (a.status, a.json())
+}
+
+async fn state(tg: &Tollgate) -> Json {
+    get(&client(), &format!("http://{}/api/state", tg.admin), &[])
+        .await
+        .json()
+}
+
+fn rule<'a>(state: &'a Json, name: &str) -> &'a Json {
+    state["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["name"] == name)
+        .unwrap_or_else(|| panic!("no rule {name} in {state}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn state_shows_rules_rates_and_the_most_refused_callers() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let c = client();
+    for _ in 0..5 {
+        send(&c, Method::POST, &tg.url("/login"), &[], Vec::new()).await;
+    }
+    for _ in 0..6 {
+        get(&c, &tg.url("/api/x"), &[("x-api-key", "k-hot")]).await;
+    }
+    let s = state(&tg).await;
+    assert_eq!(s["store"]["kind"], "memory");
+    assert_eq!(s["store"]["up"], true);
+    assert_eq!(s["files"][0]["domain"], "api");
+    assert_eq!(s["files"][0]["last_error"], Json::Null);
+    let login = rule(&s, "login");
+    assert_eq!(login["windows"], json!(["3 per 1m"]));
+    assert_eq!(login["match"], "POST /login");
+    assert_eq!(login["by"], json!(["client_ip"]));
+    let history = |r: &Json, k: &str| {
+        r["history"][k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(history(login, "allowed"), 3);
+    assert_eq!(history(login, "limited"), 2);
+    assert_eq!(history(rule(&s, "per-key"), "limited"), 4);
+    // A header match's value may be a credential: never shown.
+    let secret = rule(&s, "secret-tier");
+    assert!(!secret.to_string().contains("s3cr3t"), "{secret}");
+    assert_eq!(secret["match"], "/api/* header authorization=(hidden)");
+    let top = s["top_limited"].as_array().unwrap();
+    assert_eq!(top[0]["rule"], "per-key", "{top:?}");
+    assert_eq!(top[0]["values"], json!(["k-hot"]));
+    assert_eq!(top[0]["refusals"], 4);
+    assert!(top[0]["retry_in_ms"].as_u64().unwrap() > 50_000);
+    assert_eq!(top[1]["rule"], "login");
+    assert_eq!(top[1]["values"], json!(["127.0.0.1"]));
+    // After a second of life the rate is per second of it.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let s = state(&tg).await;
+    assert!(rule(&s, "per-key")["rate"]["limited"].as_f64().unwrap() > 0.0);
+    assert!(rule(&s, "per-key")["limited_share"].as_f64().unwrap() > 0.5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_is_a_dry_run_over_http_and_rls_forms() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let explain = format!("http://{}/api/explain", tg.admin);
+    let q = json!({"method": "GET", "path": "/api/v1?x=1", "headers": [["x-api-key", "k1"]], "client": "203.0.113.9"});
+    for _ in 0..10 {
+        let (status, a) = post_json(&explain, &q).await;
+        assert_eq!(status, StatusCode::OK, "{a}");
+        assert_eq!(a["verdict"], "allowed");
+        assert_eq!(a["rules"][0]["values"], json!(["k1"]));
+        assert_eq!(a["rules"][0]["windows"][0]["used"], 0, "nothing charged");
+    }
+    let c = client();
+    for _ in 0..2 {
+        assert_eq!(
+            get(&c, &tg.url("/api/v1"), &[("x-api-key", "k1")]).await.status,
+            StatusCode::OK
+        );
+    }
+    let (_, a) = post_json(&explain, &q).await;
+    assert_eq!(a["verdict"], "limited");
+    assert_eq!(a["status"], 429);
+    assert_eq!(a["rules"][0]["would_refuse"], true);
+    assert_eq!(a["rules"][0]["windows"][0]["used"], 2);
+    assert_eq!(a["rules"][0]["windows"][0]["remaining"], 0);
+    assert_eq!(a["rules"][0]["windows"][1]["remaining"], 98);
+    assert!(a["retry_after_ms"].as_u64().unwrap() > 55_000);
+    // No rule matches: said so, nothing else.
+    let (_, a) = post_json(&explain, &json!({"path": "/elsewhere"})).await;
+    assert_eq!(a["verdict"], "no_rule");
+    // What tollgate would refuse with 400, the question is refused for.
+    for (bad, says) in [
+        (json!({"method": "post", "path": "/login"}), "upper case"),
+        (json!({"path": "/api/a%2Fb"}), "path"),
+        (
+            json!({"path": "/api/x", "headers": [["x-api-key", "a"], ["x-api-key", "b"]]}),
+            "more than once",
+        ),
+        (json!({"path": "/x", "client": "not-an-ip"}), "IP address"),
+        (json!({"pathh": "/x"}), "unknown field"),
+    ] {
+        let (status, a) = post_json(&explain, &bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{bad}: {a}");
+        assert!(a["error"].as_str().unwrap().contains(says), "{bad}: {a}");
+    }
+    let a = send(
+        &c,
+        Method::POST,
+        &explain,
+        &[("content-type", "text/plain")],
+        b"{}".to_vec(),
+    )
+    .await;
+    assert_eq!(
+        a.status,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE,
+        "a cross-site form cannot post it"
+    );
+    let a = get(&c, &explain, &[]).await;
+    assert_eq!(a.status, StatusCode::METHOD_NOT_ALLOWED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_answers_rls_descriptors_from_redis_and_the_state_shows_redis_going_away() {
+    let mut redis = RedisServer::start();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(
+        &file,
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: { unit: minute, requests_per_unit: 2 }\n",
+    )
+    .unwrap();
+    let tg = Tollgate::start_rls(&[file], &["--redis", &redis.url()]);
+    let explain = format!("http://{}/api/explain", tg.admin);
+    let q = json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", "10.0.0.1"]], "hits_addend": 2}]});
+    let (status, a) = post_json(&explain, &q).await;
+    assert_eq!(status, StatusCode::OK, "{a}");
+    assert_eq!(a["verdict"], "allowed");
+    assert_eq!(a["rules"][0]["cost"], 2);
+    assert_eq!(a["rules"][0]["values"], json!(["10.0.0.1", "remote_address"]));
+    let (_, a) = post_json(
+        &explain,
+        &json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", "10.0.0.1"]], "hits_addend": 3}]}),
+    )
+    .await;
+    assert_eq!(a["verdict"], "limited");
+    assert_eq!(a["rules"][0]["windows"][0]["never"], true, "3 can never fit in 2");
+    let s = state(&tg).await;
+    assert_eq!(s["store"]["kind"], "redis");
+    assert!(s["store"]["address"].as_str().unwrap().contains("127.0.0.1"), "{s}");
+    redis.kill();
+    let (_, a) = post_json(&explain, &q).await;
+    assert_eq!(a["verdict"], "failed_open", "{a}");
+    assert!(a["store_error"].as_str().is_some(), "{a}");
+    // A real decision fails: the page says the store is down, and why.
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let _ = rls
+        .should_rate_limit(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![crate::envoy::descriptor(&[("remote_address", "10.0.0.2")])],
+            hits_addend: 0,
+        })
+        .await;
+    let s = state(&tg).await;
+    assert_eq!(s["store"]["up"], false, "{s}");
+    assert!(s["store"]["last_error"].as_str().is_some(), "{s}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tollgate_explain_asks_a_running_instance_from_a_terminal() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let c = client();
+    for _ in 0..3 {
+        send(&c, Method::POST, &tg.url("/login"), &[], Vec::new()).await;
+    }
+    let admin = tg.admin.to_string();
+    let out = std::process::Command::new(binary())
+        .args(["explain", "--admin", &admin, "-X", "POST", "/login"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("limited, status 429"), "{text}");
+    assert!(text.contains("rule login (counter 127.0.0.1)"), "{text}");
+    assert!(text.contains("3 per 1m: used 3/3, remaining 0"), "{text}");
+    let out = std::process::Command::new(binary())
+        .args(["explain", "--admin", &admin, "--json", "-H", "x-api-key: k", "/api/x"])
+        .output()
+        .unwrap();
+    let answer: Json = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(answer["verdict"], "allowed");
+    let out = std::process::Command::new(binary())
+        .args(["explain", "--admin", &admin, "-X", "post", "/login"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the method must be upper case"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_grafana_dashboard_queries_only_series_tollgate_exports() {
+    let dashboard: Json =
+        serde_json::from_slice(&std::fs::read(repo_file("conf/grafana/tollgate.json")).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    collect_exprs(&dashboard, &mut exprs);
+    assert!(exprs.len() >= 10, "{exprs:?}");
+    let mut names: Vec<String> = exprs.iter().flat_map(|e| metric_names(e)).collect();
+    names.sort();
+    names.dedup();
+    // Every family shows once it has a series: the source's registrations
+    // name them all (a family appears on /metrics with its first sample).
+    let registered = std::fs::read_to_string(repo_file("src/metrics.rs")).unwrap();
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    get(&client(), &tg.url("/api/x"), &[("x-api-key", "k")]).await;
+    let exported = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
+    let exported = String::from_utf8_lossy(&exported).into_owned();
+    for name in &names {
+        let family = ["_bucket", "_sum", "_count", "_total"]
+            .iter()
+            .find_map(|s| name.strip_suffix(s))
+            .unwrap_or(name);
+        assert!(
+            registered.contains(&format!("\"{family}\"")),
+            "the dashboard queries {name}, which tollgate does not register"
+        );
+        let kind_ok = match name {
+            n if n.ends_with("_total") => {
+                exported.contains(&format!("# TYPE {family} counter"))
+                    || !exported.contains(&format!("# TYPE {family} "))
+            }
+            n if n.ends_with("_bucket") || n.ends_with("_sum") || n.ends_with("_count") => {
+                exported.contains(&format!("# TYPE {family} histogram"))
+                    || !exported.contains(&format!("# TYPE {family} "))
+            }
+            _ => {
+                !exported.contains(&format!("# TYPE {family} counter"))
+                    && !exported.contains(&format!("# TYPE {family} histogram"))
+            }
+        };
+        assert!(kind_ok, "{name}: the suffix does not fit how tollgate exports {family}");
+    }
+    for busy in [
+        "tollgate_requests_total",
+        "tollgate_decisions_total",
+        "tollgate_decision_seconds_bucket",
+        "tollgate_client_connections",
+    ] {
+        assert!(exported.contains(busy), "{busy} after one request");
+        assert!(names.iter().any(|n| n == busy), "the dashboard shows {busy}");
+    }
+}
+
+fn collect_exprs(v: &Json, out: &mut Vec<String>) {
+    match v {
+        Json::Object(map) => {
+            for (k, v) in map {
+                match (k.as_str(), v) {
+                    ("expr" | "query", Json::String(e)) => out.push(e.clone()),
+                    (_, v) => collect_exprs(v, out),
+                }
+            }
+        }
+        Json::Array(items) => items.iter().for_each(|v| collect_exprs(v, out)),
+        _ => {}
+    }
+}
+
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let bytes = expr.as_bytes();
+    let mut i = 0;
+    while let Some(at) = expr[i..].find("tollgate_") {
+        let start = i + at;
+        let end = start
+            + expr[start..]
+                .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                .unwrap_or(expr.len() - start);
+        let before = start.checked_sub(1).map(|b| bytes[b]);
+        if !before.is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_') {
+            names.push(expr[start..end].to_string());
+        }
+        i = end;
+    }
+    names
+}
+
+/// The page as a person uses it: it loads, lists the rules, moves with
+/// traffic, shows a broken limits file and its recovery, answers the
+/// explain form, and shows a caller's `<script>` as text.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_in_a_browser() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let page = format!("http://{}/", tg.admin);
+    let a = get(&client(), &page, &[]).await;
+    assert!(
+        a.header("content-security-policy")
+            .unwrap()
+            .contains("default-src 'none'")
+    );
+    let b = Browser::start(1280, 1000).await;
+    b.open(&page).await;
+    b.wait_for("the first update", "return Number(document.body.dataset.updates) >= 1")
+        .await;
+    let rows = b
+        .run(
+            "return [...document.querySelectorAll('#rules tbody tr')].map(r => r.getAttribute('data-rule'))",
+            json!([]),
+        )
+        .await;
+    assert_eq!(rows, json!(["login", "per-key", "secret-tier"]));
+    assert!(b.text("#store").await.contains("memory"));
+
+    // Traffic: the counts and the top-limited list move without a reload.
+    let c = client();
+    // Short enough (64 bytes at most) to be kept in the key as sent.
+    let script = "<script>pwned=1</script><img src=x onerror=pwned=2>";
+    for _ in 0..6 {
+        get(&c, &tg.url("/api/x"), &[("x-api-key", script)]).await;
+    }
+    b.wait_for(
+        "a limited rate on per-key",
+        "const t = document.querySelector('#rules tr[data-rule=\"per-key\"] .rate-limited'); return t && Number(t.textContent) > 0",
+    )
+    .await;
+    let top = b
+        .wait_for(
+            "the caller in the top list",
+            "const r = document.querySelector('#top tr.top-row'); return r && r.textContent",
+        )
+        .await;
+    let top = top.as_str().unwrap();
+    assert!(top.contains("per-key"), "{top}");
+    assert!(top.contains(script), "the caller's value shown as text: {top}");
+    let pwned = b
+        .run(
+            "return [window.pwned, document.querySelectorAll('#top img, #top script').length]",
+            json!([]),
+        )
+        .await;
+    assert_eq!(pwned, json!([null, 0]), "nothing a caller sent ran or became markup");
+
+    // The explain form, filled in and submitted as a person would.
+    b.type_into("#x-method", "GET").await;
+    b.type_into("#x-path", "/api/y").await;
+    b.type_into("#x-headers", &format!("x-api-key: {script}")).await;
+    b.click("#x-submit").await;
+    let verdict = b
+        .wait_for(
+            "the explain answer",
+            "const v = document.querySelector('#explain-verdict'); return v && v.textContent",
+        )
+        .await;
+    assert!(verdict.as_str().unwrap().contains("limited"), "{verdict}");
+    let row = b.text("#explain-result tr.explain-row").await;
+    assert!(row.contains("2/2"), "{row}");
+    assert!(row.contains("<script>"), "{row}");
+    let pwned = b
+        .run(
+            "return [window.pwned, document.querySelectorAll('#explain-result img, #explain-result script').length]",
+            json!([]),
+        )
+        .await;
+    assert_eq!(pwned, json!([null, 0]));
+
+    // A broken edit shows, with file:line, until a good file arrives; the
+    // rule the good file changes is marked.
+    std::fs::write(
+        &tg.config,
+        LIMITS.replace("requests: 3, per: 60s", "requests: three, per: 60s"),
+    )
+    .unwrap();
+    let error = b
+        .wait_for(
+            "the reload error",
+            "const e = document.querySelector('.file-error'); return e && e.textContent",
+        )
+        .await;
+    let error = error.as_str().unwrap();
+    assert!(error.contains("limits.yaml:"), "{error}");
+    std::fs::write(
+        &tg.config,
+        LIMITS.replace("requests: 3, per: 60s", "requests: 30, per: 60s"),
+    )
+    .unwrap();
+    b.wait_for("the error to go", "return !document.querySelector('.file-error')")
+        .await;
+    let changed = b
+        .wait_for(
+            "the changed rule marked",
+            "return [...document.querySelectorAll('#rules tr')].filter(r => r.querySelector('.changed')).map(r => r.getAttribute('data-rule')).join(',')",
+        )
+        .await;
+    assert_eq!(changed, "login");
+    let windows = b.text("#rules tr[data-rule=\"login\"]").await;
+    assert!(windows.contains("30 per 1m"), "{windows}");
+
+    // Usable on a phone: nothing wider than the screen but the tables,
+    // which scroll inside their own boxes.
+    let b2 = Browser::start(390, 844).await;
+    b2.open(&page).await;
+    b2.wait_for("the first update", "return Number(document.body.dataset.updates) >= 1")
+        .await;
+    let overflow = b2
+        .run(
+            "return document.documentElement.scrollWidth - window.innerWidth",
+            json!([]),
+        )
+        .await;
+    assert!(
+        overflow.as_i64().unwrap() <= 0,
+        "the page scrolls sideways on a phone by {overflow} px"
+    );
+    if let Ok(dir) = std::env::var("TOLLGATE_SCREENSHOTS") {
+        std::fs::write(format!("{dir}/operator-page.png"), b.screenshot().await).unwrap();
+        std::fs::write(format!("{dir}/operator-page-phone.png"), b2.screenshot().await).unwrap();
+    }
+}

@@ -1,0 +1,468 @@
+//! The JSON behind the operator page: `/api/state` (status, rules with
+//! their live rates, the callers refused most) and `/api/explain` (what a
+//! request would get now, charging nothing).
+//!
+//! Everything a caller controls (counter values, paths, header values) goes
+//! out as JSON strings; the page puts them on screen as text.
+
+use std::collections::{HashMap, HashSet};
+use std::net::IpAddr;
+use std::sync::Mutex;
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method};
+use serde::Deserialize;
+use serde_json::{Value as Json, json};
+
+use crate::activity::{self, Outcome};
+use crate::config::{Part, PathPattern, Rule, ValuePattern, Window};
+use crate::limiter::{Decision, Limiter, Verdict};
+use crate::limits::descriptors::Descriptor;
+use crate::limits::http::{RequestInfo, request_host};
+use crate::limits::{self, keys};
+use crate::reload::LiveFiles;
+
+/// Callers shown in the top-limited list at most.
+const TOP_SHOWN: usize = 20;
+
+/// Which rules the last reload of each file added or changed.
+#[derive(Default)]
+pub(super) struct Changes {
+    files: Mutex<HashMap<String, FileRules>>,
+}
+
+struct FileRules {
+    version: String,
+    /// Per rule id, the rule as `/config` shows it.
+    rules: HashMap<String, String>,
+    changed: HashSet<String>,
+}
+
+impl Changes {
+    /// Looks at every file's version; a file whose version moved has its
+    /// rules compared with the ones it had.
+    pub(super) fn observe(&self, files: &LiveFiles) {
+        let mut known = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        for file in files.files().iter() {
+            let status = file.status();
+            if known.get(&status.file).is_some_and(|f| f.version == status.version) {
+                continue;
+            }
+            let limits = file.active().load_full();
+            let rules: HashMap<String, String> = limits
+                .rules
+                .iter()
+                .map(|r| (r.id.clone(), serde_json::to_string(&**r).unwrap_or_default()))
+                .collect();
+            let changed = match known.get(&status.file) {
+                Some(before) => rules
+                    .iter()
+                    .filter(|(id, text)| before.rules.get(*id) != Some(*text))
+                    .map(|(id, _)| id.clone())
+                    .collect(),
+                // Loaded at start: nothing to compare with.
+                None => HashSet::new(),
+            };
+            known.insert(
+                status.file.clone(),
+                FileRules {
+                    version: status.version.clone(),
+                    rules,
+                    changed,
+                },
+            );
+        }
+    }
+
+    fn changed(&self, file: &str, rule_id: &str) -> bool {
+        let known = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        known.get(file).is_some_and(|f| f.changed.contains(rule_id))
+    }
+}
+
+/// `/api/state`: everything the page shows.
+pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes) -> Json {
+    changes.observe(files);
+    json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "started_at": rfc3339(activity::get().started_at()),
+        "uptime_s": activity::get().uptime().as_secs(),
+        "store": store(limiter),
+        "files": files.files().iter().map(|f| {
+            let mut status = serde_json::to_value(&*f.status()).unwrap_or(Json::Null);
+            if let Some(map) = status.as_object_mut() {
+                map.insert("domain".into(), json!(f.active().load().domain));
+            }
+            status
+        }).collect::<Vec<_>>(),
+        "refused": files.refused().into_iter().map(|(file, error)| json!({"file": file, "last_error": error})).collect::<Vec<_>>(),
+        "rules": rules(files, changes),
+        "top_limited": top_limited(),
+    })
+}
+
+/// The counter store: what and where it is, and how it has answered.
+pub(super) fn store(limiter: &Limiter) -> Json {
+    let s = activity::get().store();
+    let round_trip = match (limiter.store_address(), s.calls) {
+        (None, _) | (_, 0) => Json::Null,
+        _ => json!({"calls": s.calls, "p50_ms": s.p50_ms, "p99_ms": s.p99_ms}),
+    };
+    json!({
+        "kind": limiter.store_name(),
+        "address": limiter.store_address(),
+        "up": s.up,
+        "last_error": s.last_error,
+        "round_trip": round_trip,
+    })
+}
+
+/// Every rule of every file, with its live rate and history.
+pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
+    let mut out = Vec::new();
+    for file in files.files().iter() {
+        let status = file.status();
+        let limits = file.active().load_full();
+        for rule in &limits.rules {
+            let summary = crate::metrics::get().rule_activity(&rule.name).map(|a| a.summary());
+            let rate = |o: Outcome| {
+                summary
+                    .as_ref()
+                    .and_then(|s| s.rate.get(o as usize).copied())
+                    .unwrap_or(0.0)
+            };
+            let history = |o: Outcome| match summary.as_ref().and_then(|s| s.history.get(o as usize)) {
+                Some(h) => json!(h),
+                None => json!(vec![0; activity::STEPS]),
+            };
+            let total: f64 = [
+                Outcome::Allowed,
+                Outcome::Limited,
+                Outcome::ShadowLimited,
+                Outcome::Failed,
+            ]
+            .into_iter()
+            .map(rate)
+            .sum();
+            let refused = rate(Outcome::Limited) + rate(Outcome::ShadowLimited);
+            out.push(json!({
+                "file": status.file,
+                "domain": limits.domain,
+                "id": rule.id,
+                "name": rule.name,
+                "match": match_summary(rule),
+                "by": rule.by.iter().map(Part::key).collect::<Vec<_>>(),
+                "windows": rule.windows.iter().map(window_text).collect::<Vec<_>>(),
+                "shadow": rule.shadow,
+                "quota": rule.quota,
+                "unlimited": rule.unlimited,
+                "status": rule.status.as_u16(),
+                "changed": changes.changed(&status.file, &rule.id),
+                "rate": {
+                    "allowed": round(rate(Outcome::Allowed)),
+                    "limited": round(rate(Outcome::Limited)),
+                    "shadow_limited": round(rate(Outcome::ShadowLimited)),
+                    "failed": round(rate(Outcome::Failed)),
+                },
+                "limited_share": (total > 0.0).then(|| round(refused / total)),
+                "history": {
+                    "step_s": activity::STEP_SECONDS,
+                    "allowed": history(Outcome::Allowed),
+                    "limited": history(Outcome::Limited),
+                    "shadow_limited": history(Outcome::ShadowLimited),
+                    "failed": history(Outcome::Failed),
+                },
+            }));
+        }
+    }
+    out
+}
+
+/// The counters refused most lately.
+pub(super) fn top_limited() -> Vec<Json> {
+    activity::get()
+        .top_limited(TOP_SHOWN)
+        .into_iter()
+        .map(|r| {
+            let parts = keys::describe(&r.counter);
+            json!({
+                "rule": r.rule,
+                "domain": parts.as_ref().map(|p| p.domain.clone()),
+                "counter": r.counter,
+                "values": parts.map(|p| p.values).unwrap_or_default(),
+                "refusals": r.refusals,
+                "last_refused_s_ago": round(r.last_ms_ago as f64 / 1000.0),
+                "retry_in_ms": r.retry_in_ms,
+            })
+        })
+        .collect()
+}
+
+/// What a rule matches, in one line.
+fn match_summary(rule: &Rule) -> String {
+    if let Some(entries) = &rule.descriptor {
+        let entries: Vec<String> = entries
+            .iter()
+            .map(|e| match &e.value {
+                ValuePattern::Any => e.key.clone(),
+                ValuePattern::Exact(v) | ValuePattern::Wildcard(v) => format!("{}={v}", e.key),
+            })
+            .collect();
+        return format!("descriptor {}", entries.join(", "));
+    }
+    let m = &rule.matcher;
+    let mut parts: Vec<String> = Vec::new();
+    if !m.methods.is_empty() {
+        parts.push(m.methods.iter().map(Method::as_str).collect::<Vec<_>>().join("|"));
+    }
+    match &m.path {
+        Some(PathPattern::Exact(p)) => parts.push(p.clone()),
+        Some(PathPattern::Prefix(p)) => parts.push(format!("{p}*")),
+        None => {}
+    }
+    if m.ignore_case {
+        parts.push("(any case)".into());
+    }
+    if let Some(h) = &m.host {
+        parts.push(format!("host {h}"));
+    }
+    for (name, value) in &m.headers {
+        // A matched value may be a credential: only whether one is required.
+        match value {
+            crate::config::HeaderValueMatch::Any => parts.push(format!("header {name}")),
+            crate::config::HeaderValueMatch::Exact(_) => parts.push(format!("header {name}=(hidden)")),
+        }
+    }
+    if parts.is_empty() {
+        return "every request".into();
+    }
+    parts.join(" ")
+}
+
+fn window_text(w: &Window) -> String {
+    let per = humantime::format_duration(std::time::Duration::from_millis(w.period_ms));
+    match w.precision_ms {
+        0 => format!("{} per {per}", w.requests),
+        p => format!(
+            "{} per {per} (in steps of {})",
+            w.requests,
+            humantime::format_duration(std::time::Duration::from_millis(p))
+        ),
+    }
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+fn rfc3339(t: std::time::SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// A dry-run question, in either form.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExplainRequest {
+    /// HTTP: the method (default GET).
+    method: Option<String>,
+    /// HTTP: the path, with the query if any (default `/`).
+    path: Option<String>,
+    /// HTTP: the host asked for.
+    host: Option<String>,
+    /// HTTP: request headers, in order.
+    #[serde(default)]
+    headers: Vec<(String, String)>,
+    /// HTTP: the client's address as tollgate resolves it (default 127.0.0.1).
+    client: Option<String>,
+    /// RLS: the domain.
+    domain: Option<String>,
+    /// RLS: the descriptors.
+    descriptors: Option<Vec<DescriptorRequest>>,
+}
+
+/// One RLS descriptor of a dry-run question.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DescriptorRequest {
+    entries: Vec<(String, String)>,
+    hits_addend: Option<u64>,
+}
+
+/// Why a dry-run question cannot be answered (400).
+#[derive(Debug, thiserror::Error)]
+pub enum ExplainError {
+    /// The body is not the JSON asked for.
+    #[error("not an explain request: {0}")]
+    Json(#[from] serde_json::Error),
+    /// A field holds something no request could.
+    #[error("{0}")]
+    Field(String),
+    /// tollgate would answer such a request 400 itself.
+    #[error("{0}")]
+    Request(#[from] limits::http::RequestError),
+}
+
+/// `/api/explain`: what the request described by `body` would get now.
+pub(super) async fn explain(
+    limiter: &Limiter,
+    files: &LiveFiles,
+    quota_mode: bool,
+    body: &[u8],
+) -> Result<Json, ExplainError> {
+    let q: ExplainRequest = serde_json::from_slice(body)?;
+    let catalog = files.catalog().load_full();
+    let hits = match (&q.domain, &q.descriptors) {
+        (Some(domain), Some(descriptors)) => {
+            let Some(limits) = catalog.domain(domain).cloned() else {
+                return Ok(
+                    json!({"verdict": "no_rule", "status": 200, "retry_after_ms": null, "store_error": null, "rules": [], "note": "no limits file has this domain"}),
+                );
+            };
+            let descriptors: Vec<Descriptor<'_>> = descriptors
+                .iter()
+                .map(|d| Descriptor {
+                    entries: d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
+                    limit: None,
+                    cost: d.hits_addend.filter(|&n| n > 0).unwrap_or(1),
+                })
+                .collect();
+            limits::resolve(&limits, &descriptors, quota_mode).hits
+        }
+        (None, None) => {
+            let method = q.method.as_deref().unwrap_or("GET");
+            let method = Method::from_bytes(method.as_bytes())
+                .map_err(|_| ExplainError::Field(format!("not a method: {method:?}")))?;
+            let target = q.path.as_deref().unwrap_or("/");
+            if !target.starts_with('/') {
+                return Err(ExplainError::Field("the path must start with /".into()));
+            }
+            let uri: http::Uri = target
+                .parse()
+                .map_err(|e| ExplainError::Field(format!("not a path: {e}")))?;
+            let mut headers = HeaderMap::new();
+            for (name, value) in &q.headers {
+                let name = HeaderName::from_bytes(name.as_bytes())
+                    .map_err(|_| ExplainError::Field(format!("not a header name: {name:?}")))?;
+                let value = HeaderValue::from_str(value)
+                    .map_err(|_| ExplainError::Field(format!("not a header value for {name}")))?;
+                headers.append(name, value);
+            }
+            if let Some(host) = &q.host
+                && !host.is_empty()
+            {
+                let value = HeaderValue::from_str(host).map_err(|_| ExplainError::Field("not a host".into()))?;
+                headers.insert(http::header::HOST, value);
+            }
+            // Without a host the question is about a request that named
+            // none (rules on a host then do not match), not a bad one.
+            let version = match headers.contains_key(http::header::HOST) {
+                true => http::Version::HTTP_11,
+                false => http::Version::HTTP_10,
+            };
+            let client: IpAddr = match q.client.as_deref() {
+                None | Some("") => IpAddr::from([127, 0, 0, 1]),
+                Some(c) => c
+                    .parse()
+                    .map_err(|_| ExplainError::Field(format!("not an IP address: {c:?}")))?,
+            };
+            let host = request_host(version, &uri, &headers)?;
+            let info = RequestInfo {
+                method: &method,
+                path: uri.path(),
+                query: uri.query(),
+                host,
+                headers: &headers,
+                client_ip: client,
+                client_cert: None,
+            };
+            catalog.http_hits(&info)?
+        }
+        _ => {
+            return Err(ExplainError::Field(
+                "give method/path/host/headers/client for an HTTP request, or domain and descriptors for an RLS one"
+                    .into(),
+            ));
+        }
+    };
+    drop(catalog);
+    if hits.is_empty() {
+        return Ok(
+            json!({"verdict": "no_rule", "status": 200, "retry_after_ms": null, "store_error": null, "rules": []}),
+        );
+    }
+    match limiter.explain(&hits).await {
+        Ok((decision, counts)) => {
+            let rules: Vec<Json> = hits
+                .iter()
+                .zip(&decision.rules)
+                .zip(&counts)
+                .map(|((hit, outcome), count)| {
+                    let parts = keys::describe(&hit.key);
+                    let windows: Vec<Json> = outcome
+                        .windows
+                        .iter()
+                        .zip(&count.windows)
+                        .map(|(w, c)| {
+                            json!({
+                                "window": window_text(&w.window),
+                                "limit": w.window.requests,
+                                "per_ms": w.window.period_ms,
+                                "used": c.used,
+                                "remaining": w.remaining,
+                                "reset_ms": w.reset_ms,
+                                "retry_ms": w.retry_ms,
+                                "never": w.never,
+                            })
+                        })
+                        .collect();
+                    json!({
+                        "rule": hit.rule.name,
+                        "id": hit.rule.id,
+                        "domain": parts.as_ref().map(|p| p.domain.clone()),
+                        "shadow": hit.rule.shadow,
+                        "quota": hit.rule.quota,
+                        "cost": hit.cost,
+                        "counter": hit.key,
+                        "values": parts.map(|p| p.values).unwrap_or_default(),
+                        "would_refuse": outcome.over,
+                        "windows": windows,
+                    })
+                })
+                .collect();
+            Ok(json!({
+                "verdict": verdict_word(&decision),
+                "status": match decision.verdict.admits() {
+                    true => 200,
+                    false => decision.status().as_u16(),
+                },
+                "retry_after_ms": decision.retry_after_ms(),
+                "store_error": null,
+                "rules": rules,
+            }))
+        }
+        Err(e) => {
+            let closed = hits
+                .iter()
+                .any(|h| h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow);
+            let rules: Vec<Json> = hits
+                .iter()
+                .map(|h| json!({"rule": h.rule.name, "id": h.rule.id, "counter": h.key, "cost": h.cost, "values": keys::describe(&h.key).map(|p| p.values).unwrap_or_default(), "windows": []}))
+                .collect();
+            Ok(json!({
+                "verdict": if closed { "failed_closed" } else { "failed_open" },
+                "status": if closed { 503 } else { 200 },
+                "retry_after_ms": null,
+                "store_error": e.to_string(),
+                "rules": rules,
+            }))
+        }
+    }
+}
+
+fn verdict_word(decision: &Decision) -> &'static str {
+    match decision.verdict {
+        Verdict::Allowed => "allowed",
+        Verdict::Limited => "limited",
+        Verdict::FailedOpen => "failed_open",
+        Verdict::FailedClosed => "failed_closed",
+    }
+}
