@@ -397,8 +397,12 @@ fn bucket_bound_us(i: usize) -> f64 {
 
 impl StoreHealth {
     fn answered(&self, took: Duration, now_s: u64) {
-        let us = took.as_secs_f64() * 1e6;
-        let bucket = (0..TRIP_BUCKETS).find(|&i| us <= bucket_bound_us(i)).unwrap_or(TRIP_BUCKETS - 1);
+        // Bucket i holds (bound(i-1), bound(i)]: i = ceil(2 log2(us / first)).
+        let ratio = took.as_secs_f64() * 1e6 / TRIP_FIRST_US;
+        let bucket = match ratio > 1.0 {
+            true => ((2.0 * ratio.log2()).ceil() as usize).min(TRIP_BUCKETS - 1),
+            false => 0,
+        };
         if let Some(second) = self.trips.get(slot(now_s, TRIP_SECONDS)) {
             let tag = now_s.saturating_add(1);
             let seen = second.at.load(Ordering::Acquire);

@@ -123,16 +123,23 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
         let status = file.status();
         let limits = file.active().load_full();
         for rule in &limits.rules {
-            let summary = crate::metrics::get().rule_activity(&rule.name).map(|a| a.summary());
+            // A rule with nothing in 15 minutes sends no history: with
+            // thousands of rules, most of the answer would be zeros.
+            let summary = crate::metrics::get()
+                .rule_activity(&rule.name)
+                .map(|a| a.summary())
+                .filter(|s| s.history.iter().any(|h| h.iter().any(|&n| n > 0)));
             let rate = |o: Outcome| {
                 summary
                     .as_ref()
                     .and_then(|s| s.rate.get(o as usize).copied())
                     .unwrap_or(0.0)
             };
-            let history = |o: Outcome| match summary.as_ref().and_then(|s| s.history.get(o as usize)) {
-                Some(h) => json!(h),
-                None => json!(vec![0; activity::STEPS]),
+            let history = |o: Outcome| {
+                summary
+                    .as_ref()
+                    .and_then(|s| s.history.get(o as usize))
+                    .map(|h| json!(h))
             };
             let total: f64 = [
                 Outcome::Allowed,
@@ -164,13 +171,13 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
                     "failed": round(rate(Outcome::Failed)),
                 },
                 "limited_share": (total > 0.0).then(|| round(refused / total)),
-                "history": {
+                "history": summary.as_ref().map(|_| json!({
                     "step_s": activity::STEP_SECONDS,
                     "allowed": history(Outcome::Allowed),
                     "limited": history(Outcome::Limited),
                     "shadow_limited": history(Outcome::ShadowLimited),
                     "failed": history(Outcome::Failed),
-                },
+                })),
             }));
         }
     }

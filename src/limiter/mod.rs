@@ -184,7 +184,10 @@ impl Limiter {
             Ok(answer) => {
                 let took = asked.elapsed();
                 metrics::get().store_time(took);
-                crate::activity::get().store_answered(took);
+                // The admin page shows Redis's round trips; memory has none.
+                if !self.store.in_process() {
+                    crate::activity::get().store_answered(took);
+                }
                 decision_of(hits, answer)
             }
             Err(e) => self.failed(hits, e),
