@@ -98,6 +98,26 @@ async fn state_shows_rules_rates_and_the_most_refused_callers() {
     assert!(top[0]["retry_in_ms"].as_u64().unwrap() > 50_000);
     assert_eq!(top[1]["rule"], "login");
     assert_eq!(top[1]["values"], json!(["127.0.0.1"]));
+    // A filter, and a limit that keeps the busiest (thousands of rules).
+    let listed = |q: &'static str| {
+        let url = format!("http://{}/api/rules{q}", tg.admin);
+        async move { get(&client(), &url, &[]).await.json() }
+    };
+    let found = listed("?filter=LOGIN").await;
+    assert_eq!(
+        (found["rules_total"].as_u64(), found["rules_matched"].as_u64()),
+        (Some(3), Some(1))
+    );
+    assert_eq!(found["rules"][0]["name"], "login");
+    let busiest = listed("?limit=1").await;
+    assert_eq!(busiest["rules"].as_array().unwrap().len(), 1);
+    assert_eq!(busiest["rules"][0]["name"], "per-key", "6 decisions against login's 5");
+    assert_eq!(listed("?filter=authorization").await["rules"][0]["name"], "secret-tier");
+    assert_eq!(
+        rule(&s, "secret-tier")["history"],
+        Json::Null,
+        "no decisions, no history"
+    );
     // After a second of life the rate is per second of it.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let s = state(&tg).await;
@@ -391,6 +411,21 @@ async fn the_page_in_a_browser() {
         )
         .await;
     assert_eq!(pwned, json!([null, 0]), "nothing a caller sent ran or became markup");
+
+    // The filter narrows the table as one types.
+    b.type_into("#rules-filter", "secret").await;
+    b.wait_for(
+        "the filtered table",
+        "return [...document.querySelectorAll('#rules tbody tr')].map(r => r.getAttribute('data-rule')).join(',') === 'secret-tier'",
+    )
+    .await;
+    assert!(b.text("#rules-note").await.contains("1 of 3 rules match"));
+    b.type_into("#rules-filter", "").await;
+    b.wait_for(
+        "the whole table again",
+        "return document.querySelectorAll('#rules tbody tr').length === 3",
+    )
+    .await;
 
     // The explain form, filled in and submitted as a person would.
     b.type_into("#x-method", "GET").await;

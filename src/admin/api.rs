@@ -80,8 +80,9 @@ impl Changes {
 }
 
 /// `/api/state`: everything the page shows.
-pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes) -> Json {
+pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> Json {
     changes.observe(files);
+    let (rules, rules_total, rules_matched) = rules(files, changes, query);
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "started_at": rfc3339(activity::get().started_at()),
@@ -95,7 +96,9 @@ pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes) -> 
             status
         }).collect::<Vec<_>>(),
         "refused": files.refused().into_iter().map(|(file, error)| json!({"file": file, "last_error": error})).collect::<Vec<_>>(),
-        "rules": rules(files, changes),
+        "rules": rules,
+        "rules_total": rules_total,
+        "rules_matched": rules_matched,
         "top_limited": top_limited(),
     })
 }
@@ -116,19 +119,113 @@ pub(super) fn store(limiter: &Limiter) -> Json {
     })
 }
 
-/// Every rule of every file, with its live rate and history.
-pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
-    let mut out = Vec::new();
+/// Which rules a listing shows: those whose name, id, match, domain or file
+/// contain `filter` (any case), at most `limit` of them, the busiest of the
+/// last 15 minutes first when there are more (then shown in file order).
+#[derive(Debug, Clone)]
+pub(super) struct RuleQuery {
+    pub filter: String,
+    pub limit: usize,
+}
+
+/// Rules listed when the query names no `limit`: enough for any hand-written
+/// file, few enough that a page polling once a second stays light with ten
+/// thousand generated rules.
+pub(super) const DEFAULT_RULES_SHOWN: usize = 500;
+
+impl RuleQuery {
+    /// `?filter=...&limit=N` (percent-encoded), defaults for the rest.
+    pub(super) fn parse(query: Option<&str>) -> RuleQuery {
+        let mut q = RuleQuery {
+            filter: String::new(),
+            limit: DEFAULT_RULES_SHOWN,
+        };
+        for pair in query.unwrap_or_default().split('&') {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let v = percent_encoding::percent_decode_str(&v.replace('+', " "))
+                .decode_utf8_lossy()
+                .into_owned();
+            match k {
+                "filter" => q.filter = v.trim().to_lowercase(),
+                "limit" => q.limit = v.parse().unwrap_or(DEFAULT_RULES_SHOWN),
+                _ => {}
+            }
+        }
+        q
+    }
+}
+
+/// The rules `query` selects, with their live rates and history, and how
+/// many rules there are in all and how many matched the filter.
+pub(super) fn rules(files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> (Vec<Json>, usize, usize) {
+    struct Row {
+        file: String,
+        domain: String,
+        rule: std::sync::Arc<Rule>,
+        matches: String,
+        summary: Option<activity::RuleSummary>,
+        busy: u64,
+    }
+    let mut rows = Vec::new();
+    let mut total = 0usize;
     for file in files.files().iter() {
         let status = file.status();
         let limits = file.active().load_full();
         for rule in &limits.rules {
+            total = total.saturating_add(1);
+            let matches = match_summary(rule);
+            let wanted = query.filter.is_empty()
+                || [&rule.name, &rule.id, &matches, &limits.domain, &status.file]
+                    .iter()
+                    .any(|t| t.to_lowercase().contains(&query.filter));
+            if !wanted {
+                continue;
+            }
             // A rule with nothing in 15 minutes sends no history: with
             // thousands of rules, most of the answer would be zeros.
             let summary = crate::metrics::get()
                 .rule_activity(&rule.name)
                 .map(|a| a.summary())
                 .filter(|s| s.history.iter().any(|h| h.iter().any(|&n| n > 0)));
+            let busy = summary
+                .as_ref()
+                .map_or(0, |s| s.history.iter().flatten().map(|&n| u64::from(n)).sum());
+            rows.push(Row {
+                file: status.file.clone(),
+                domain: limits.domain.clone(),
+                rule: rule.clone(),
+                matches,
+                summary,
+                busy,
+            });
+        }
+    }
+    let matched = rows.len();
+    if rows.len() > query.limit {
+        // The busiest, then back in file order.
+        let mut order: Vec<usize> = (0..rows.len()).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse(rows.get(i).map_or(0, |r| r.busy)));
+        let mut keep: Vec<usize> = order.into_iter().take(query.limit).collect();
+        keep.sort_unstable();
+        let mut kept = Vec::with_capacity(keep.len());
+        for (i, row) in rows.into_iter().enumerate() {
+            if keep.binary_search(&i).is_ok() {
+                kept.push(row);
+            }
+        }
+        rows = kept;
+    }
+    let out = rows
+        .into_iter()
+        .map(|row| {
+            let Row {
+                file,
+                domain,
+                rule,
+                matches,
+                summary,
+                ..
+            } = row;
             let rate = |o: Outcome| {
                 summary
                     .as_ref()
@@ -151,19 +248,19 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
             .map(rate)
             .sum();
             let refused = rate(Outcome::Limited) + rate(Outcome::ShadowLimited);
-            out.push(json!({
-                "file": status.file,
-                "domain": limits.domain,
+            json!({
+                "changed": changes.changed(&file, &rule.id),
+                "file": file,
+                "domain": domain,
                 "id": rule.id,
                 "name": rule.name,
-                "match": match_summary(rule),
+                "match": matches,
                 "by": rule.by.iter().map(Part::key).collect::<Vec<_>>(),
                 "windows": rule.windows.iter().map(window_text).collect::<Vec<_>>(),
                 "shadow": rule.shadow,
                 "quota": rule.quota,
                 "unlimited": rule.unlimited,
                 "status": rule.status.as_u16(),
-                "changed": changes.changed(&status.file, &rule.id),
                 "rate": {
                     "allowed": round(rate(Outcome::Allowed)),
                     "limited": round(rate(Outcome::Limited)),
@@ -178,10 +275,10 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes) -> Vec<Json> {
                     "shadow_limited": history(Outcome::ShadowLimited),
                     "failed": history(Outcome::Failed),
                 })),
-            }));
-        }
-    }
-    out
+            })
+        })
+        .collect();
+    (out, total, matched)
 }
 
 /// The counters refused most lately.

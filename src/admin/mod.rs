@@ -154,6 +154,7 @@ impl Admin {
                 return r;
             }
         }
+        let query = api::RuleQuery::parse(req.uri().query());
         match req.uri().path() {
             "/" => {
                 let mut r = text(StatusCode::OK, PAGE);
@@ -174,9 +175,13 @@ impl Admin {
                 headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
                 r
             }
-            "/api/state" => json(&api::state(&self.limiter, &self.catalog, &self.changes)),
+            "/api/state" => json(&api::state(&self.limiter, &self.catalog, &self.changes, &query)),
             "/api/status" => {
-                let state = api::state(&self.limiter, &self.catalog, &self.changes);
+                let none = api::RuleQuery {
+                    filter: String::new(),
+                    limit: 0,
+                };
+                let state = api::state(&self.limiter, &self.catalog, &self.changes, &none);
                 let pick = |k: &str| state.get(k).cloned().unwrap_or_default();
                 json(&serde_json::json!({
                     "version": pick("version"),
@@ -189,7 +194,8 @@ impl Admin {
             }
             "/api/rules" => {
                 self.changes.observe(&self.catalog);
-                json(&serde_json::json!({ "rules": api::rules(&self.catalog, &self.changes) }))
+                let (rules, total, matched) = api::rules(&self.catalog, &self.changes, &query);
+                json(&serde_json::json!({ "rules": rules, "rules_total": total, "rules_matched": matched }))
             }
             "/api/top-limited" => json(&serde_json::json!({ "top_limited": api::top_limited() })),
             "/api/explain" => {
