@@ -109,6 +109,29 @@ async fn the_admin_listener_is_its_operators_only() {
             .status,
         StatusCode::UNAUTHORIZED
     );
+    // The operator page and its script hold no data: a browser loads them
+    // without the token, and the page asks for it; its data needs it.
+    assert_eq!(get(&c, &url("/"), &[]).await.status, StatusCode::OK);
+    assert_eq!(get(&c, &url("/page.js"), &[]).await.status, StatusCode::OK);
+    for data in ["/api/state", "/api/status", "/api/rules", "/api/top-limited"] {
+        assert_eq!(
+            get(&c, &url(data), &[]).await.status,
+            StatusCode::UNAUTHORIZED,
+            "{data}"
+        );
+        let with = get(&c, &url(data), &[("authorization", "Bearer t0ken")]).await;
+        assert_eq!(with.status, StatusCode::OK, "{data}");
+        assert!(!String::from_utf8_lossy(&with.body).contains("s3cret"), "{data}");
+    }
+    let explain = send(
+        &c,
+        http::Method::POST,
+        &url("/api/explain"),
+        &[("content-type", "application/json")],
+        b"{}".to_vec(),
+    )
+    .await;
+    assert_eq!(explain.status, StatusCode::UNAUTHORIZED);
     let config = get(&c, &url("/config"), &[("authorization", "Bearer t0ken")]).await;
     assert_eq!(config.status, StatusCode::OK);
     let text = String::from_utf8_lossy(&config.body);

@@ -498,6 +498,25 @@ async fn the_page_in_a_browser() {
         overflow.as_i64().unwrap() <= 0,
         "the page scrolls sideways on a phone by {overflow} px"
     );
+    // With --admin-token the page loads, asks for the token, and works.
+    let guarded = Tollgate::start(LIMITS, up.addr, &["--admin-token", "t0ken"]);
+    let api = get(&client(), &format!("http://{}/api/state", guarded.admin), &[]).await;
+    assert_eq!(api.status, StatusCode::UNAUTHORIZED, "the data needs the token");
+    b.open(&format!("http://{}/", guarded.admin)).await;
+    b.wait_for(
+        "the token prompt",
+        "const a = document.querySelector('#auth'); return a && !a.hidden",
+    )
+    .await;
+    b.type_into("#token", "t0ken").await;
+    b.click("#token-save").await;
+    b.wait_for(
+        "an update with the token",
+        "return Number(document.body.dataset.updates) >= 1",
+    )
+    .await;
+    assert!(b.text("#rules").await.contains("secret-tier"));
+
     if let Ok(dir) = std::env::var("TOLLGATE_SCREENSHOTS") {
         std::fs::write(format!("{dir}/operator-page.png"), b.screenshot().await).unwrap();
         std::fs::write(format!("{dir}/operator-page-phone.png"), b2.screenshot().await).unwrap();

@@ -40,8 +40,11 @@ pub struct Admin {
     quota_mode: bool,
 }
 
-/// The operator page, served from the binary (no external assets).
+/// The operator page and its script, served from the binary (no external
+/// assets). The script is its own file so the page's policy can forbid
+/// inline scripts: even a value that did become markup could not run.
 const PAGE: &str = include_str!("page.html");
+const PAGE_SCRIPT: &str = include_str!("page.js");
 
 /// Largest explain question read.
 const MAX_EXPLAIN_BYTES: usize = 64 * 1024;
@@ -135,9 +138,15 @@ impl Admin {
                 "unknown host; list it in --admin-hosts\n",
             );
         }
-        let probe = matches!(req.uri().path(), "/healthz" | "/readyz" | "/healthcheck");
+        // The probes, and the page and its script: they hold no data (the
+        // page asks for the token and sends it with every API call), and a
+        // browser cannot send a bearer token to load them.
+        let open = matches!(
+            req.uri().path(),
+            "/healthz" | "/readyz" | "/healthcheck" | "/" | "/page.js"
+        );
         if let Some(token) = &self.access.token
-            && !probe
+            && !open
         {
             let given = req
                 .headers()
@@ -168,8 +177,19 @@ impl Admin {
                 headers.insert(
                     header::CONTENT_SECURITY_POLICY,
                     HeaderValue::from_static(
-                        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                        "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
                     ),
+                );
+                headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+                r
+            }
+            "/page.js" => {
+                let mut r = text(StatusCode::OK, PAGE_SCRIPT);
+                let headers = r.headers_mut();
+                headers.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("text/javascript; charset=utf-8"),
                 );
                 headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
                 headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
