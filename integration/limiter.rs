@@ -122,6 +122,7 @@ for_each_store! {
         // The admin page's "what would this request get?".
         let h = costing(hits("  - name: d\n    limits: [{requests: 3, per: 10s}, {requests: 5, per: 60s}]\n"), 2);
         let (fresh, counts) = s.limiter.explain(&h).await.unwrap();
+        let counts = counts.expect("from the store");
         assert_eq!(fresh.verdict, Verdict::Allowed);
         assert_eq!(counts[0].windows.iter().map(|w| w.used).collect::<Vec<_>>(), [0, 0]);
         assert!(!counts[0].charged);
@@ -131,6 +132,7 @@ for_each_store! {
         assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed, "the dry runs took nothing");
         clock.advance(1_000);
         let (full, counts) = s.limiter.explain(&h).await.unwrap();
+        let counts = counts.expect("from the store");
         assert_eq!(full.verdict, Verdict::Limited, "2 more do not fit in 3 per 10 s");
         assert_eq!(full.retry_after_ms(), Some(9_000));
         assert_eq!(counts[0].windows.iter().map(|w| w.used).collect::<Vec<_>>(), [2, 2]);
@@ -141,7 +143,14 @@ for_each_store! {
         assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed, "a unit still fits: nothing was charged");
         let (after, counts) = s.limiter.explain(&one).await.unwrap();
         assert_eq!(after.verdict, Verdict::Limited);
-        assert_eq!(counts[0].windows[0].used, 3);
+        assert_eq!(counts.expect("from the store")[0].windows[0].used, 3);
+        // A refusal the denial cache holds is answered from it, as the
+        // proxy would (through a store outage, too).
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Limited);
+        let (cached, counts) = s.limiter.explain(&one).await.unwrap();
+        assert_eq!(cached.verdict, Verdict::Limited);
+        assert!(counts.is_none(), "answered from the denial cache");
+        assert_eq!(cached.retry_after_ms(), s.decide(&one).await.retry_after_ms());
     }
 
     async fn a_cached_refusal_stops_naming_a_window_once_it_has_freed(s, clock: ManualClock = ManualClock::new(T0)) {

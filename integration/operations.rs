@@ -132,6 +132,15 @@ async fn the_admin_listener_is_its_operators_only() {
     )
     .await;
     assert_eq!(explain.status, StatusCode::UNAUTHORIZED);
+    let twice = send(
+        &c,
+        http::Method::GET,
+        &url("/api/state"),
+        &[("authorization", "Bearer t0ken"), ("authorization", "Bearer nope")],
+        Vec::new(),
+    )
+    .await;
+    assert_eq!(twice.status, StatusCode::UNAUTHORIZED, "two tokens are none");
     let config = get(&c, &url("/config"), &[("authorization", "Bearer t0ken")]).await;
     assert_eq!(config.status, StatusCode::OK);
     let text = String::from_utf8_lossy(&config.body);

@@ -118,6 +118,22 @@ async fn state_shows_rules_rates_and_the_most_refused_callers() {
         Json::Null,
         "no decisions, no history"
     );
+    // Changing only a hidden header value is a change (it is not shown).
+    std::fs::write(&tg.config, LIMITS.replace("Bearer s3cr3t-token", "Bearer n3w-token")).unwrap();
+    let mut changed = Json::Null;
+    for _ in 0..50 {
+        let s = get(&client(), &format!("http://{}/api/rules", tg.admin), &[])
+            .await
+            .json();
+        changed = rule(&s, "secret-tier")["changed"].clone();
+        if changed == true {
+            assert_eq!(rule(&s, "login")["changed"], false);
+            assert!(!s.to_string().contains("n3w-token"));
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(changed, true, "a new secret value is a changed rule");
     // After a second of life the rate is per second of it.
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let s = state(&tg).await;
@@ -200,40 +216,117 @@ async fn explain_answers_rls_descriptors_from_redis_and_the_state_shows_redis_go
     .unwrap();
     let tg = Tollgate::start_rls(&[file], &["--redis", &redis.url()]);
     let explain = format!("http://{}/api/explain", tg.admin);
-    let q = json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", "10.0.0.1"]], "hits_addend": 2}]});
-    let (status, a) = post_json(&explain, &q).await;
+    let ask = |ip: &str, hits: u64| json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", ip]], "hits_addend": hits}]});
+    let (status, a) = post_json(&explain, &ask("10.0.0.1", 2)).await;
     assert_eq!(status, StatusCode::OK, "{a}");
     assert_eq!(a["verdict"], "allowed");
     assert_eq!(a["rules"][0]["cost"], 2);
     assert_eq!(a["rules"][0]["values"], json!(["10.0.0.1", "remote_address"]));
-    let (_, a) = post_json(
-        &explain,
-        &json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", "10.0.0.1"]], "hits_addend": 3}]}),
-    )
-    .await;
+    let (_, a) = post_json(&explain, &ask("10.0.0.1", 3)).await;
     assert_eq!(a["verdict"], "limited");
     assert_eq!(a["rules"][0]["windows"][0]["never"], true, "3 can never fit in 2");
     let s = state(&tg).await;
     assert_eq!(s["store"]["kind"], "redis");
     assert!(s["store"]["address"].as_str().unwrap().contains("127.0.0.1"), "{s}");
-    redis.kill();
-    let (_, a) = post_json(&explain, &q).await;
-    assert_eq!(a["verdict"], "failed_open", "{a}");
-    assert!(a["store_error"].as_str().is_some(), "{a}");
-    // A real decision fails: the page says the store is down, and why.
-    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+    // A bare key counts each value apart: the page says so.
+    assert_eq!(rule(&s, "remote_address")["by"], json!(["remote_address"]), "{s}");
+
+    // What the RLS refuses, the question is refused for; hits_addend 0
+    // checks without charging, as there.
+    let rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
         .await
         .unwrap();
-    let _ = rls
-        .should_rate_limit(RateLimitRequest {
+    let call = |ip: &'static str, hits: u32| {
+        let req = RateLimitRequest {
             domain: "edge".into(),
-            descriptors: vec![crate::envoy::descriptor(&[("remote_address", "10.0.0.2")])],
-            hits_addend: 0,
-        })
-        .await;
+            descriptors: vec![crate::envoy::descriptor(&[("remote_address", ip)])],
+            hits_addend: hits,
+        };
+        let mut rls = rls.clone();
+        async move { rls.should_rate_limit(req).await.map(|r| r.into_inner().overall_code) }
+    };
+    call("10.0.0.9", 2).await.unwrap();
+    let (_, a) = post_json(&explain, &ask("10.0.0.9", 0)).await;
+    assert_eq!(
+        (a["verdict"].as_str(), a["rules"][0]["cost"].as_u64()),
+        (Some("allowed"), Some(0)),
+        "{a}"
+    );
+    for (bad, says) in [
+        (
+            json!({"domain": "", "descriptors": [{"entries": [["a", "b"]]}]}),
+            "domain must not be empty",
+        ),
+        (json!({"domain": "edge", "descriptors": []}), "must not be empty"),
+        (
+            json!({"domain": "edge", "descriptors": vec![json!({"entries": [["a", "b"]]}); 65]}),
+            "at most 64",
+        ),
+    ] {
+        let (status, a) = post_json(&explain, &bad).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{a}");
+        assert!(a["error"].as_str().unwrap().contains(says), "{a}");
+    }
+
+    // A refusal the denial cache holds: the RLS keeps answering it through
+    // an outage, and so does explain.
+    assert_eq!(call("10.0.0.9", 1).await.unwrap(), 2, "OVER_LIMIT");
+    redis.kill();
+    let (_, a) = post_json(&explain, &ask("10.0.0.9", 1)).await;
+    assert_eq!(
+        (a["verdict"].as_str(), a["from_denial_cache"].as_bool()),
+        (Some("limited"), Some(true)),
+        "{a}"
+    );
+    assert_eq!(
+        a["rules"][0]["windows"][0]["used"],
+        Json::Null,
+        "not known from the cache"
+    );
+    let (_, a) = post_json(&explain, &ask("10.0.0.1", 1)).await;
+    assert_eq!(a["verdict"], "failed_open", "{a}");
+    assert!(a["store_error"].as_str().is_some(), "{a}");
+    // The page probes the store: down without any decision, up again when back.
     let s = state(&tg).await;
     assert_eq!(s["store"]["up"], false, "{s}");
     assert!(s["store"]["last_error"].as_str().is_some(), "{s}");
+    redis.restart();
+    let mut up = Json::Null;
+    for _ in 0..40 {
+        up = state(&tg).await["store"]["up"].clone();
+        if up == true {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert_eq!(up, true, "the store is shown up again once it answers");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_callers_value_never_forges_a_log_line() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        "domain: api\nrules:\n  - name: q\n    by: [\"query:t\"]\n    limits: [{ requests: 1, per: 1m }]\n",
+        up.addr,
+        &[],
+    );
+    let c = client();
+    for _ in 0..3 {
+        get(
+            &c,
+            &tg.url("/h?t=%0A2026-11-24T22:40:00Z%20ERROR%20forged%1B%5B31m"),
+            &[],
+        )
+        .await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let logs = tg.log_text();
+    assert!(logs.contains("rate limited"), "{logs}");
+    assert!(
+        !logs.lines().any(|l| l.starts_with("2026-11-24T22:40:00Z")),
+        "a forged line: {logs}"
+    );
+    assert!(!logs.contains('\u{1b}'), "a terminal escape reached the log: {logs}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -244,7 +337,7 @@ async fn tollgate_explain_asks_a_running_instance_from_a_terminal() {
     for _ in 0..3 {
         send(&c, Method::POST, &tg.url("/login"), &[], Vec::new()).await;
     }
-    let admin = tg.admin.to_string();
+    let admin = format!("localhost:{}", tg.admin.port());
     let out = std::process::Command::new(binary())
         .args(["explain", "--admin", &admin, "-X", "POST", "/login"])
         .output()
@@ -411,6 +504,23 @@ async fn the_page_in_a_browser() {
         )
         .await;
     assert_eq!(pwned, json!([null, 0]), "nothing a caller sent ran or became markup");
+    // A right-to-left override or a zero-width space cannot disguise a value.
+    for _ in 0..3 {
+        get(&c, &tg.url("/api/x"), &[("x-api-key", "\u{202e}gnp.exe\u{200b}")]).await;
+    }
+    let shown = b
+        .wait_for(
+            "the disguised key in the top list",
+            "return [...document.querySelectorAll('#top tr.top-row')].map(r => r.textContent).find(t => t.includes('gnp.exe'))",
+        )
+        .await;
+    assert!(
+        shown
+            .as_str()
+            .unwrap()
+            .contains("\u{27e8}U+202E\u{27e9}gnp.exe\u{27e8}U+200B\u{27e9}"),
+        "{shown}"
+    );
 
     // The filter narrows the table as one types.
     b.type_into("#rules-filter", "secret").await;
@@ -439,8 +549,12 @@ async fn the_page_in_a_browser() {
         )
         .await;
     assert!(verdict.as_str().unwrap().contains("limited"), "{verdict}");
+    assert!(
+        verdict.as_str().unwrap().contains("denial cache"),
+        "refused before: {verdict}"
+    );
     let row = b.text("#explain-result tr.explain-row").await;
-    assert!(row.contains("2/2"), "{row}");
+    assert!(row.contains("2 per 1m: remaining 0"), "{row}");
     assert!(row.contains("<script>"), "{row}");
     let pwned = b
         .run(

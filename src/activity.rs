@@ -104,6 +104,12 @@ impl Activity {
         self.store.answered(took, self.now_s());
     }
 
+    /// Records that the store answered a probe (up again, if it was down),
+    /// without counting it among the round trips of decisions.
+    pub fn store_reachable(&self) {
+        self.store.reachable();
+    }
+
     /// Records a store call that failed.
     pub fn store_failed(&self, error: &str) {
         self.store.failed(error);
@@ -415,6 +421,10 @@ impl StoreHealth {
                 b.fetch_add(1, Ordering::Relaxed);
             }
         }
+        self.reachable();
+    }
+
+    fn reachable(&self) {
         if self.down.load(Ordering::Relaxed) {
             let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
             *last = None;

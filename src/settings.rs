@@ -46,9 +46,9 @@ pub enum Command {
 /// PATH) or an Envoy RLS one (`--domain`, `--descriptor`).
 #[derive(clap::Args, Clone, Debug)]
 pub struct ExplainArgs {
-    /// The running tollgate's admin listener.
+    /// The running tollgate's admin listener, `host:port`.
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
-    pub admin: SocketAddr,
+    pub admin: String,
     /// Its `--admin-token`, if it has one.
     #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,

@@ -32,8 +32,9 @@ pub(super) struct Changes {
 
 struct FileRules {
     version: String,
-    /// Per rule id, the rule as `/config` shows it.
-    rules: HashMap<String, String>,
+    /// Per rule id, a hash of the whole rule (header match values
+    /// included, which `/config` hides).
+    rules: HashMap<String, u64>,
     changed: HashSet<String>,
 }
 
@@ -48,11 +49,7 @@ impl Changes {
                 continue;
             }
             let limits = file.active().load_full();
-            let rules: HashMap<String, String> = limits
-                .rules
-                .iter()
-                .map(|r| (r.id.clone(), serde_json::to_string(&**r).unwrap_or_default()))
-                .collect();
+            let rules: HashMap<String, u64> = limits.rules.iter().map(|r| (r.id.clone(), fingerprint(r))).collect();
             let changed = match known.get(&status.file) {
                 Some(before) => rules
                     .iter()
@@ -79,10 +76,27 @@ impl Changes {
     }
 }
 
-/// `/api/state`: everything the page shows.
-pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> Json {
-    changes.observe(files);
-    let (rules, rules_total, rules_matched) = rules(files, changes, query);
+/// A rule's fingerprint: everything it says, hidden values included.
+fn fingerprint(rule: &Rule) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    format!("{rule:?}").hash(&mut h);
+    h.finish()
+}
+
+/// Longest reload error shown: a bad value is quoted whole in it, and the
+/// page polls this every second.
+const MAX_ERROR_CHARS: usize = 2_000;
+
+fn clip(text: &str) -> String {
+    match text.char_indices().nth(MAX_ERROR_CHARS) {
+        Some((at, _)) => format!("{}… ({} bytes in all)", &text[..at], text.len()),
+        None => text.to_owned(),
+    }
+}
+
+/// The status bar's part: version, uptime, store and files.
+pub(super) fn status(limiter: &Limiter, files: &LiveFiles) -> Json {
     json!({
         "version": env!("CARGO_PKG_VERSION"),
         "started_at": rfc3339(activity::get().started_at()),
@@ -92,15 +106,29 @@ pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes, que
             let mut status = serde_json::to_value(&*f.status()).unwrap_or(Json::Null);
             if let Some(map) = status.as_object_mut() {
                 map.insert("domain".into(), json!(f.active().load().domain));
+                if let Some(Json::String(e)) = map.get("last_error") {
+                    let clipped = clip(e);
+                    map.insert("last_error".into(), json!(clipped));
+                }
             }
             status
         }).collect::<Vec<_>>(),
-        "refused": files.refused().into_iter().map(|(file, error)| json!({"file": file, "last_error": error})).collect::<Vec<_>>(),
-        "rules": rules,
-        "rules_total": rules_total,
-        "rules_matched": rules_matched,
-        "top_limited": top_limited(),
+        "refused": files.refused().into_iter().map(|(file, error)| json!({"file": file, "last_error": clip(&error)})).collect::<Vec<_>>(),
     })
+}
+
+/// `/api/state`: everything the page shows.
+pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> Json {
+    changes.observe(files);
+    let (rules, rules_total, rules_matched) = rules(files, changes, query);
+    let mut state = status(limiter, files);
+    if let Some(map) = state.as_object_mut() {
+        map.insert("rules".into(), json!(rules));
+        map.insert("rules_total".into(), json!(rules_total));
+        map.insert("rules_matched".into(), json!(rules_matched));
+        map.insert("top_limited".into(), json!(top_limited()));
+    }
+    state
 }
 
 /// The counter store: what and where it is, and how it has answered.
@@ -255,7 +283,7 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> 
                 "id": rule.id,
                 "name": rule.name,
                 "match": matches,
-                "by": rule.by.iter().map(Part::key).collect::<Vec<_>>(),
+                "by": by_summary(&rule),
                 "windows": rule.windows.iter().map(window_text).collect::<Vec<_>>(),
                 "shadow": rule.shadow,
                 "quota": rule.quota,
@@ -299,6 +327,19 @@ pub(super) fn top_limited() -> Vec<Json> {
             })
         })
         .collect()
+}
+
+/// What names a rule's counters apart: its `by` parts, or for a descriptor
+/// rule the entries whose every value counts apart (a bare key).
+fn by_summary(rule: &Rule) -> Vec<String> {
+    match &rule.descriptor {
+        Some(entries) => entries
+            .iter()
+            .filter(|e| matches!(e.value, ValuePattern::Any | ValuePattern::Wildcard(_)) && !e.shared)
+            .map(|e| e.key.clone())
+            .collect(),
+        None => rule.by.iter().map(Part::key).collect(),
+    }
 }
 
 /// What a rule matches, in one line.
@@ -416,6 +457,21 @@ pub(super) async fn explain(
     let catalog = files.catalog().load_full();
     let hits = match (&q.domain, &q.descriptors) {
         (Some(domain), Some(descriptors)) => {
+            // What the RLS refuses with INVALID_ARGUMENT, refused the same.
+            use crate::surfaces::envoy_rls::{MAX_DESCRIPTORS, MAX_ENTRIES};
+            if domain.is_empty() {
+                return Err(ExplainError::Field("rate limit domain must not be empty".into()));
+            }
+            if descriptors.is_empty() {
+                return Err(ExplainError::Field(
+                    "rate limit descriptor list must not be empty".into(),
+                ));
+            }
+            if descriptors.len() > MAX_DESCRIPTORS || descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
+                return Err(ExplainError::Field(format!(
+                    "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
+                )));
+            }
             let Some(limits) = catalog.domain(domain).cloned() else {
                 return Ok(
                     json!({"verdict": "no_rule", "status": 200, "retry_after_ms": null, "store_error": null, "rules": [], "note": "no limits file has this domain"}),
@@ -426,7 +482,11 @@ pub(super) async fn explain(
                 .map(|d| Descriptor {
                     entries: d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
                     limit: None,
-                    cost: d.hits_addend.filter(|&n| n > 0).unwrap_or(1),
+                    // As the RLS: 1 unless given; 0 checks without charging.
+                    cost: d
+                        .hits_addend
+                        .unwrap_or(1)
+                        .min(crate::config::MAX_UNITS.saturating_add(1)),
                 })
                 .collect();
             limits::resolve(&limits, &descriptors, quota_mode).hits
@@ -454,7 +514,20 @@ pub(super) async fn explain(
                 && !host.is_empty()
             {
                 let value = HeaderValue::from_str(host).map_err(|_| ExplainError::Field("not a host".into()))?;
-                headers.insert(http::header::HOST, value);
+                // Appended: a Host header given besides is two hosts (400).
+                headers.append(http::header::HOST, value);
+            }
+            // The proxy answers 431 past these (hyper's bounds, ours on HTTP/2).
+            let bounds = crate::serve::ConnLimits::default();
+            let bytes: usize = headers
+                .iter()
+                .map(|(n, v)| n.as_str().len().saturating_add(v.len()).saturating_add(4))
+                .sum();
+            if headers.len() > bounds.max_headers || bytes > bounds.max_header_bytes {
+                return Err(ExplainError::Field(format!(
+                    "the proxy answers 431 to more than {} header fields or {} bytes of them",
+                    bounds.max_headers, bounds.max_header_bytes
+                )));
             }
             // Without a host the question is about a request that named
             // none (rules on a host then do not match), not a bad one.
@@ -495,22 +568,25 @@ pub(super) async fn explain(
     }
     match limiter.explain(&hits).await {
         Ok((decision, counts)) => {
+            let cached = counts.is_none();
             let rules: Vec<Json> = hits
                 .iter()
                 .zip(&decision.rules)
-                .zip(&counts)
-                .map(|((hit, outcome), count)| {
+                .enumerate()
+                .map(|(i, (hit, outcome))| {
                     let parts = keys::describe(&hit.key);
+                    let counted = counts.as_ref().and_then(|c| c.get(i));
                     let windows: Vec<Json> = outcome
                         .windows
                         .iter()
-                        .zip(&count.windows)
-                        .map(|(w, c)| {
+                        .enumerate()
+                        .map(|(j, w)| {
                             json!({
                                 "window": window_text(&w.window),
                                 "limit": w.window.requests,
                                 "per_ms": w.window.period_ms,
-                                "used": c.used,
+                                // Not known for a refusal the denial cache answers.
+                                "used": counted.and_then(|c| c.windows.get(j)).map(|c| c.used),
                                 "remaining": w.remaining,
                                 "reset_ms": w.reset_ms,
                                 "retry_ms": w.retry_ms,
@@ -539,11 +615,13 @@ pub(super) async fn explain(
                     false => decision.status().as_u16(),
                 },
                 "retry_after_ms": decision.retry_after_ms(),
+                "from_denial_cache": cached,
                 "store_error": null,
                 "rules": rules,
             }))
         }
         Err(e) => {
+            activity::get().store_failed(&e.to_string());
             let closed = hits
                 .iter()
                 .any(|h| h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow);
@@ -555,6 +633,7 @@ pub(super) async fn explain(
                 "verdict": if closed { "failed_closed" } else { "failed_open" },
                 "status": if closed { 503 } else { 200 },
                 "retry_after_ms": null,
+                "from_denial_cache": false,
                 "store_error": e.to_string(),
                 "rules": rules,
             }))

@@ -20,7 +20,7 @@ pub enum ClientError {
     Args(String),
     /// The admin listener could not be reached or failed mid-answer.
     #[error("cannot ask {0}: {1}")]
-    Unreachable(std::net::SocketAddr, String),
+    Unreachable(String, String),
     /// It answered with an error.
     #[error("{0}")]
     Refused(String),
@@ -69,8 +69,8 @@ pub fn question(args: &ExplainArgs) -> Result<Json, ClientError> {
 /// Sends the question to the admin listener and returns its JSON answer.
 pub async fn ask(args: &ExplainArgs) -> Result<Json, ClientError> {
     let body = serde_json::to_vec(&question(args)?).map_err(|e| ClientError::Args(e.to_string()))?;
-    let unreachable = |e: &dyn std::fmt::Display| ClientError::Unreachable(args.admin, e.to_string());
-    let stream = tokio::net::TcpStream::connect(args.admin)
+    let unreachable = |e: &dyn std::fmt::Display| ClientError::Unreachable(args.admin.clone(), e.to_string());
+    let stream = tokio::net::TcpStream::connect(args.admin.as_str())
         .await
         .map_err(|e| unreachable(&e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
@@ -78,7 +78,7 @@ pub async fn ask(args: &ExplainArgs) -> Result<Json, ClientError> {
         .map_err(|e| unreachable(&e))?;
     tokio::spawn(conn);
     let mut req = Request::post("/api/explain")
-        .header(header::HOST, args.admin.to_string())
+        .header(header::HOST, args.admin.as_str())
         .header(header::CONTENT_TYPE, "application/json");
     if let Some(token) = &args.admin_token {
         req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));

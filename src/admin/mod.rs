@@ -38,7 +38,16 @@ pub struct Admin {
     tls: Option<Arc<crate::tls::LiveCert>>,
     changes: Arc<api::Changes>,
     quota_mode: bool,
+    /// When the store was last probed for the page (Redis only).
+    probed: std::sync::Mutex<Option<std::time::Instant>>,
 }
+
+/// How often the page's polls probe the store: an idle instance would
+/// otherwise show the state of its last decision, however old.
+const PROBE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Longest wait for an explain question's body.
+const EXPLAIN_BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The operator page and its script, served from the binary (no external
 /// assets). The script is its own file so the page's policy can forbid
@@ -69,6 +78,26 @@ impl Admin {
             tls: None,
             changes,
             quota_mode: false,
+            probed: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// Probes a shared store at most every [`PROBE_EVERY`], so the page says
+    /// up or down as `/readyz` would even when no decision was made lately.
+    async fn probe_store(&self) {
+        if self.limiter.store_address().is_none() {
+            return;
+        }
+        {
+            let mut probed = self.probed.lock().unwrap_or_else(|e| e.into_inner());
+            if probed.is_some_and(|at| at.elapsed() < PROBE_EVERY) {
+                return;
+            }
+            *probed = Some(std::time::Instant::now());
+        }
+        match self.limiter.ready().await {
+            Ok(()) => crate::activity::get().store_reachable(),
+            Err(e) => crate::activity::get().store_failed(&e.to_string()),
         }
     }
 
@@ -148,11 +177,13 @@ impl Admin {
         if let Some(token) = &self.access.token
             && !open
         {
-            let given = req
-                .headers()
-                .get(header::AUTHORIZATION)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.strip_prefix("Bearer "));
+            // Two Authorization headers are none: which one a proxy in
+            // front checked cannot be known.
+            let mut all = req.headers().get_all(header::AUTHORIZATION).iter();
+            let given = match (all.next(), all.next()) {
+                (Some(v), None) => v.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")),
+                _ => None,
+            };
             if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
                 let mut r = text(
                     StatusCode::UNAUTHORIZED,
@@ -195,22 +226,13 @@ impl Admin {
                 headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
                 r
             }
-            "/api/state" => json(&api::state(&self.limiter, &self.catalog, &self.changes, &query)),
+            "/api/state" => {
+                self.probe_store().await;
+                json(&api::state(&self.limiter, &self.catalog, &self.changes, &query))
+            }
             "/api/status" => {
-                let none = api::RuleQuery {
-                    filter: String::new(),
-                    limit: 0,
-                };
-                let state = api::state(&self.limiter, &self.catalog, &self.changes, &none);
-                let pick = |k: &str| state.get(k).cloned().unwrap_or_default();
-                json(&serde_json::json!({
-                    "version": pick("version"),
-                    "started_at": pick("started_at"),
-                    "uptime_s": pick("uptime_s"),
-                    "store": pick("store"),
-                    "files": pick("files"),
-                    "refused": pick("refused"),
-                }))
+                self.probe_store().await;
+                json(&api::status(&self.limiter, &self.catalog))
             }
             "/api/rules" => {
                 self.changes.observe(&self.catalog);
@@ -219,20 +241,30 @@ impl Admin {
             }
             "/api/top-limited" => json(&serde_json::json!({ "top_limited": api::top_limited() })),
             "/api/explain" => {
+                // JSON only: a form on another site can post text/plain or
+                // form data without asking, never application/json.
                 let typed = req
                     .headers()
                     .get(header::CONTENT_TYPE)
                     .and_then(|v| v.to_str().ok())
-                    .is_some_and(|v| v.trim_start().to_ascii_lowercase().starts_with("application/json"));
+                    .and_then(|v| v.split(';').next())
+                    .is_some_and(|essence| essence.trim().eq_ignore_ascii_case("application/json"));
                 if !typed {
                     return error_json(
                         StatusCode::UNSUPPORTED_MEDIA_TYPE,
                         "send Content-Type: application/json",
                     );
                 }
-                let body = match Limited::new(req.into_body(), MAX_EXPLAIN_BYTES).collect().await {
-                    Ok(b) => b.to_bytes(),
-                    Err(e) => {
+                let read = Limited::new(req.into_body(), MAX_EXPLAIN_BYTES).collect();
+                let body = match tokio::time::timeout(EXPLAIN_BODY_TIMEOUT, read).await {
+                    Ok(Ok(b)) => b.to_bytes(),
+                    Err(_) => {
+                        return error_json(
+                            StatusCode::REQUEST_TIMEOUT,
+                            &format!("the question did not arrive within {EXPLAIN_BODY_TIMEOUT:?}"),
+                        );
+                    }
+                    Ok(Err(e)) => {
                         return error_json(
                             StatusCode::BAD_REQUEST,
                             &format!("cannot read the question (at most {MAX_EXPLAIN_BYTES} bytes): {e}"),

@@ -26,6 +26,23 @@ function setLines(e, lines, cls) {
   e.replaceChildren(...lines.map((l) => el("div", cls || "line", l)));
 }
 
+// Characters that hide or disguise a caller's value (controls, zero-width
+// and bidi overrides, line separators) are shown as <U+XXXX>, so two
+// different values never look alike.
+function visible(s) {
+  return String(s).replace(/[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu,
+    (c) => "\u27e8U+" + c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0") + "\u27e9");
+}
+// A counter's values, each in its own box, so "a, b" is never taken for two
+// values; the key itself when it has none.
+function setValues(e, values, counter) {
+  const list = values && values.length ? values.map(visible) : [visible(counter)];
+  const sig = JSON.stringify(list);
+  if (e.dataset.sig === sig) return;
+  e.dataset.sig = sig;
+  e.replaceChildren(...list.map((v) => el("span", "chip", v)));
+}
+
 // ---------- formatting ----------
 const pad2 = (n) => String(n).padStart(2, "0");
 function fmtUptime(s) {
@@ -302,9 +319,7 @@ function renderTop(list) {
     const c = tr.children;
     setText(c[0], t.rule);
     setText(c[1], t.domain);
-    const values = t.values && t.values.length ? t.values.join(", ") : t.counter;
-    setText(c[2], values);
-    c[2].classList.toggle("mono", !(t.values && t.values.length));
+    setValues(c[2], t.values, t.counter);
     setText(c[3], t.refusals);
     setText(c[4], t.last_refused_s_ago === null || t.last_refused_s_ago === undefined
       ? "–" : (t.last_refused_s_ago < 60 ? (Math.round(t.last_refused_s_ago * 10) / 10) + "s ago"
@@ -433,7 +448,9 @@ function windowLine(w) {
   if (w.never) retry = "never fits (cost above limit)";
   else if (w.retry_ms) retry = "retry in " + fmtSecs(w.retry_ms);
   else retry = "retry now";
-  return w.window + ": " + w.used + "/" + w.limit + ", remaining " + w.remaining +
+  // A refusal the denial cache answers does not know the count, only what is left.
+  const used = w.used === null || w.used === undefined ? "" : w.used + "/" + w.limit + ", ";
+  return w.window + ": " + used + "remaining " + w.remaining +
     ", resets in " + fmtSecs(w.reset_ms) + ", " + retry;
 }
 
@@ -445,6 +462,7 @@ function renderExplain(a) {
   if (a.retry_after_ms !== null && a.retry_after_ms !== undefined) {
     text += " — retry after " + fmtMs(a.retry_after_ms) + " (" + a.retry_after_ms + " ms)";
   }
+  if (a.from_denial_cache) text += " — as the denial cache answers it now";
   v.textContent = text;
   const parts = [v];
   if (a.store_error) parts.push(el("p", "store-error", "store error: " + a.store_error));
@@ -467,7 +485,8 @@ function renderExplain(a) {
       if (r.quota) name.append(el("span", "badge quota", "quota"));
       name.append(el("div", "sub", [r.id && r.id !== r.rule ? "id " + r.id : "", r.domain].filter(Boolean).join(" · ")));
       const hasValues = r.values && r.values.length;
-      const counter = el("td", hasValues ? "" : "mono", hasValues ? r.values.join(", ") : r.counter);
+      const counter = el("td", "who");
+      setValues(counter, hasValues ? r.values : [], r.counter);
       const wins = el("td", "windows");
       const lines = (r.windows || []).map(windowLine);
       wins.append(...(lines.length ? lines : ["unlimited"]).map((l) => el("div", "line", l)));

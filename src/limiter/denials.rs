@@ -252,7 +252,9 @@ impl RejectionLog {
                     p => format!("{}/{}ms@{p}ms", w.window.requests, w.window.period_ms),
                 }).unwrap_or_default(),
                 retry_after_ms = window.and_then(|w| w.retry_ms).unwrap_or(0),
-                counter = %hit.key,
+                // Escaped: the key holds the caller's values, which may
+                // carry line breaks and terminal escapes.
+                counter = ?hit.key,
                 refused_since_last_line = folded,
                 "rate limited"
             );

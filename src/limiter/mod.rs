@@ -144,9 +144,13 @@ impl Limiter {
     }
 
     /// What `hits` would get now, charging nothing (the admin page's dry
-    /// run): the decision, and per hit what the store counted. Neither the
-    /// denial cache nor the metrics see it.
-    pub async fn explain(&self, hits: &[Hit]) -> Result<(Decision, Vec<CheckCount>), StoreError> {
+    /// run), as [`Limiter::decide`] would answer it: from the denial cache
+    /// when it holds a refusal for them (`None` counts then), else from the
+    /// store, with what it counted per hit. The metrics do not see it.
+    pub async fn explain(&self, hits: &[Hit]) -> Result<(Decision, Option<Vec<CheckCount>>), StoreError> {
+        if let Some(cached) = self.denials.check(hits, self.clock.now_ms()) {
+            return Ok((cached, None));
+        }
         let checks = checks_of(hits);
         let answer = tokio::time::timeout(self.deadline, self.store.peek(&checks))
             .await
@@ -158,7 +162,7 @@ impl Limiter {
             });
         }
         let counts = answer.checks.clone();
-        Ok((decision_of(hits, answer), counts))
+        Ok((decision_of(hits, answer), Some(counts)))
     }
 
     async fn ask_store(&self, hits: &[Hit]) -> Decision {

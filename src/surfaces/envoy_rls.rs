@@ -95,7 +95,7 @@ impl RlsService {
             // envoyproxy/ratelimit answers OK for domains it does not know.
             metrics::get().unknown_domain();
             metrics::get().request(Surface::Rls, metrics::Answer::Allowed);
-            tracing::debug!(domain = %req.domain, "no limits for this domain; answering OK");
+            tracing::debug!(domain = ?req.domain, "no limits for this domain; answering OK");
             let mut response = ok_response(req.descriptors.len());
             if self.dynamic_metadata {
                 response.dynamic_metadata = Some(request_metadata(req, std::iter::empty()));
