@@ -141,6 +141,8 @@ async fn the_admin_listener_is_its_operators_only() {
     )
     .await;
     assert_eq!(twice.status, StatusCode::UNAUTHORIZED, "two tokens are none");
+    let lower = get(&c, &url("/api/status"), &[("authorization", "bearer t0ken")]).await;
+    assert_eq!(lower.status, StatusCode::OK, "the scheme is case-insensitive");
     let config = get(&c, &url("/config"), &[("authorization", "Bearer t0ken")]).await;
     assert_eq!(config.status, StatusCode::OK);
     let text = String::from_utf8_lossy(&config.body);

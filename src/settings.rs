@@ -68,7 +68,7 @@ pub struct ExplainArgs {
     #[arg(default_value = "/")]
     pub path: String,
     /// An Envoy RLS domain: ask about descriptors instead of an HTTP request.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["method", "headers", "host", "client", "path"])]
     pub domain: Option<String>,
     /// An RLS descriptor, `key=value,key=value` (repeat for more).
     #[arg(long = "descriptor", requires = "domain")]

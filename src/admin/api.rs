@@ -126,7 +126,7 @@ pub(super) fn state(limiter: &Limiter, files: &LiveFiles, changes: &Changes, que
         map.insert("rules".into(), json!(rules));
         map.insert("rules_total".into(), json!(rules_total));
         map.insert("rules_matched".into(), json!(rules_matched));
-        map.insert("top_limited".into(), json!(top_limited()));
+        map.insert("top_limited".into(), json!(top_limited(files)));
     }
     state
 }
@@ -161,6 +161,9 @@ pub(super) struct RuleQuery {
 /// thousand generated rules.
 pub(super) const DEFAULT_RULES_SHOWN: usize = 500;
 
+/// Most rules one answer lists, whatever `limit` asks (about 0.6 MB).
+pub(super) const MAX_RULES_SHOWN: usize = 2_000;
+
 impl RuleQuery {
     /// `?filter=...&limit=N` (percent-encoded), defaults for the rest.
     pub(super) fn parse(query: Option<&str>) -> RuleQuery {
@@ -175,7 +178,8 @@ impl RuleQuery {
                 .into_owned();
             match k {
                 "filter" => q.filter = v.trim().to_lowercase(),
-                "limit" => q.limit = v.parse().unwrap_or(DEFAULT_RULES_SHOWN),
+                // Capped: an answer is held whole until its reader takes it.
+                "limit" => q.limit = v.parse().unwrap_or(DEFAULT_RULES_SHOWN).min(MAX_RULES_SHOWN),
                 _ => {}
             }
         }
@@ -310,17 +314,28 @@ pub(super) fn rules(files: &LiveFiles, changes: &Changes, query: &RuleQuery) -> 
 }
 
 /// The counters refused most lately.
-pub(super) fn top_limited() -> Vec<Json> {
+pub(super) fn top_limited(files: &LiveFiles) -> Vec<Json> {
+    // Which (domain, rule name) are descriptor rules, to show their values as pairs.
+    let mut descriptor_rules = HashSet::new();
+    for file in files.files().iter() {
+        let limits = file.active().load_full();
+        for rule in limits.rules.iter().filter(|r| r.descriptor.is_some()) {
+            descriptor_rules.insert((limits.domain.clone(), rule.name.clone()));
+        }
+    }
     activity::get()
         .top_limited(TOP_SHOWN)
         .into_iter()
         .map(|r| {
-            let parts = keys::describe(&r.counter);
+            let domain = keys::describe(&r.counter).map(|p| p.domain);
+            let descriptor = domain
+                .as_ref()
+                .is_some_and(|d| descriptor_rules.contains(&(d.clone(), r.rule.clone())));
             json!({
                 "rule": r.rule,
-                "domain": parts.as_ref().map(|p| p.domain.clone()),
+                "domain": domain,
                 "counter": r.counter,
-                "values": parts.map(|p| p.values).unwrap_or_default(),
+                "values": shown_values(&r.counter, descriptor),
                 "refusals": r.refusals,
                 "last_refused_s_ago": round(r.last_ms_ago as f64 / 1000.0),
                 "retry_in_ms": r.retry_in_ms,
@@ -340,6 +355,39 @@ fn by_summary(rule: &Rule) -> Vec<String> {
             .collect(),
         None => rule.by.iter().map(Part::key).collect(),
     }
+}
+
+/// A counter's values as the page shows them: each as sent (a hashed one
+/// as an object, so text posing as a hash is told apart), and for a
+/// descriptor rule as `key=value` pairs.
+fn shown_values(key: &str, descriptor: bool) -> Json {
+    let Some(parts) = keys::describe(key) else {
+        return json!([]);
+    };
+    if !descriptor {
+        return json!(parts.values);
+    }
+    // A descriptor key holds the first value (in the tag), then its key,
+    // then the other keys and values in turn.
+    let mut values = parts.values.into_iter();
+    let first = values.next();
+    let mut pairs = Vec::new();
+    let mut pending = first.and_then(|v| values.next().map(|k| (k, v)));
+    while let Some((k, v)) = pending {
+        let k = k.display();
+        pairs.push(match v {
+            keys::KeyValue::Text(v) => json!(format!("{k}={v}")),
+            hashed => {
+                let mut j = json!(hashed);
+                if let Some(map) = j.as_object_mut() {
+                    map.insert("key".into(), json!(k));
+                }
+                j
+            }
+        });
+        pending = values.next().and_then(|k| values.next().map(|v| (k, v)));
+    }
+    json!(pairs)
 }
 
 /// What a rule matches, in one line.
@@ -466,6 +514,12 @@ pub(super) async fn explain(
                 return Err(ExplainError::Field(
                     "rate limit descriptor list must not be empty".into(),
                 ));
+            }
+            if descriptors
+                .iter()
+                .any(|d| d.hits_addend.is_some_and(|n| n > u64::from(u32::MAX)))
+            {
+                return Err(ExplainError::Field("hits_addend is a uint32 in the RLS API".into()));
             }
             if descriptors.len() > MAX_DESCRIPTORS || descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
                 return Err(ExplainError::Field(format!(
@@ -602,7 +656,7 @@ pub(super) async fn explain(
                         "quota": hit.rule.quota,
                         "cost": hit.cost,
                         "counter": hit.key,
-                        "values": parts.map(|p| p.values).unwrap_or_default(),
+                        "values": shown_values(&hit.key, hit.rule.descriptor.is_some()),
                         "would_refuse": outcome.over,
                         "windows": windows,
                     })
@@ -627,7 +681,23 @@ pub(super) async fn explain(
                 .any(|h| h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow);
             let rules: Vec<Json> = hits
                 .iter()
-                .map(|h| json!({"rule": h.rule.name, "id": h.rule.id, "counter": h.key, "cost": h.cost, "values": keys::describe(&h.key).map(|p| p.values).unwrap_or_default(), "windows": []}))
+                .map(|h| {
+                    let closes = h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow;
+                    json!({
+                        "rule": h.rule.name,
+                        "id": h.rule.id,
+                        "domain": keys::describe(&h.key).map(|p| p.domain),
+                        "shadow": h.rule.shadow,
+                        "quota": h.rule.quota,
+                        "cost": h.cost,
+                        "counter": h.key,
+                        "values": shown_values(&h.key, h.rule.descriptor.is_some()),
+                        // The store could not say; the rule's failure mode decides.
+                        "failure_mode": if closes { "closed" } else { "open" },
+                        "would_refuse": closed && closes,
+                        "windows": [],
+                    })
+                })
                 .collect();
             Ok(json!({
                 "verdict": if closed { "failed_closed" } else { "failed_open" },
@@ -647,5 +717,19 @@ fn verdict_word(decision: &Decision) -> &'static str {
         Verdict::Limited => "limited",
         Verdict::FailedOpen => "failed_open",
         Verdict::FailedClosed => "failed_closed",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_listing_is_capped_whatever_it_asks() {
+        assert_eq!(RuleQuery::parse(Some("limit=100000")).limit, MAX_RULES_SHOWN);
+        assert_eq!(RuleQuery::parse(Some("limit=7&filter=Per%20Key")).limit, 7);
+        assert_eq!(RuleQuery::parse(Some("filter=Per%20Key")).filter, "per key");
+        assert_eq!(RuleQuery::parse(None).limit, DEFAULT_RULES_SHOWN);
+        assert_eq!(RuleQuery::parse(Some("limit=x")).limit, DEFAULT_RULES_SHOWN);
     }
 }

@@ -66,8 +66,22 @@ pub fn question(args: &ExplainArgs) -> Result<Json, ClientError> {
     }))
 }
 
-/// Sends the question to the admin listener and returns its JSON answer.
+/// Longest wait for the admin listener's answer.
+const ANSWER_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Sends the question to the admin listener and returns its JSON answer
+/// (within [`ANSWER_TIMEOUT`]).
 pub async fn ask(args: &ExplainArgs) -> Result<Json, ClientError> {
+    match tokio::time::timeout(ANSWER_TIMEOUT, ask_once(args)).await {
+        Ok(answer) => answer,
+        Err(_) => Err(ClientError::Unreachable(
+            args.admin.clone(),
+            format!("no answer within {ANSWER_TIMEOUT:?}"),
+        )),
+    }
+}
+
+async fn ask_once(args: &ExplainArgs) -> Result<Json, ClientError> {
     let body = serde_json::to_vec(&question(args)?).map_err(|e| ClientError::Args(e.to_string()))?;
     let unreachable = |e: &dyn std::fmt::Display| ClientError::Unreachable(args.admin.clone(), e.to_string());
     let stream = tokio::net::TcpStream::connect(args.admin.as_str())
@@ -143,7 +157,7 @@ pub fn render(args: &ExplainArgs, answer: &Json) -> String {
         let values: Vec<String> = rule
             .get("values")
             .and_then(Json::as_array)
-            .map(|v| v.iter().filter_map(Json::as_str).map(str::to_owned).collect())
+            .map(|v| v.iter().map(value_text).collect())
             .unwrap_or_default();
         let counter = match values.is_empty() {
             true => "one shared counter".to_owned(),
@@ -181,6 +195,31 @@ pub fn render(args: &ExplainArgs, answer: &Json) -> String {
         }
     }
     out
+}
+
+/// A counter value for a terminal: control characters escaped (a caller's
+/// value must not move the cursor or colour the screen), a hashed value
+/// said to be one.
+fn value_text(v: &Json) -> String {
+    match v {
+        Json::String(s) => s
+            .chars()
+            .flat_map(|c| match c.is_control() {
+                true => c.escape_default().collect::<Vec<_>>(),
+                false => vec![c],
+            })
+            .collect(),
+        other => format!(
+            "{}(hashed, {} bytes: {}…)",
+            other
+                .get("key")
+                .and_then(Json::as_str)
+                .map(|k| format!("{k}="))
+                .unwrap_or_default(),
+            other.get("bytes").and_then(Json::as_u64).unwrap_or(0),
+            other.get("sha256").and_then(Json::as_str).unwrap_or_default(),
+        ),
+    }
 }
 
 fn seconds(ms: u64) -> String {

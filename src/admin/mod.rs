@@ -180,8 +180,14 @@ impl Admin {
             // Two Authorization headers are none: which one a proxy in
             // front checked cannot be known.
             let mut all = req.headers().get_all(header::AUTHORIZATION).iter();
+            // The scheme is case-insensitive (RFC 9110 §11.1).
             let given = match (all.next(), all.next()) {
-                (Some(v), None) => v.to_str().ok().and_then(|v| v.strip_prefix("Bearer ")),
+                (Some(v), None) => v
+                    .to_str()
+                    .ok()
+                    .and_then(|v| v.split_once(' '))
+                    .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+                    .map(|(_, token)| token.trim()),
                 _ => None,
             };
             if !given.is_some_and(|g| same_secret(g.as_bytes(), token.as_bytes())) {
@@ -239,7 +245,7 @@ impl Admin {
                 let (rules, total, matched) = api::rules(&self.catalog, &self.changes, &query);
                 json(&serde_json::json!({ "rules": rules, "rules_total": total, "rules_matched": matched }))
             }
-            "/api/top-limited" => json(&serde_json::json!({ "top_limited": api::top_limited() })),
+            "/api/top-limited" => json(&serde_json::json!({ "top_limited": api::top_limited(&self.catalog) })),
             "/api/explain" => {
                 // JSON only: a form on another site can post text/plain or
                 // form data without asking, never application/json.

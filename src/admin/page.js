@@ -29,18 +29,30 @@ function setLines(e, lines, cls) {
 // Characters that hide or disguise a caller's value (controls, zero-width
 // and bidi overrides, line separators) are shown as <U+XXXX>, so two
 // different values never look alike.
+// Also marks (combining, variation selectors), spaces other than the plain
+// one, and the blank-looking fillers, so "k1" and "k1" + a mark differ.
+const DISGUISE = /[\p{Cc}\p{Cf}\p{Zl}\p{Zp}\p{M}\u00a0\u1680\u2000-\u200a\u202f\u205f\u3000\u115f\u1160\u2800\u3164\uffa0\u180e]/gu;
 function visible(s) {
-  return String(s).replace(/[\p{Cc}\p{Cf}\p{Zl}\p{Zp}]/gu,
+  return String(s).replace(DISGUISE,
     (c) => "\u27e8U+" + c.codePointAt(0).toString(16).toUpperCase().padStart(4, "0") + "\u27e9");
+}
+// A value stored as a hash (long, or not UTF-8) comes as an object: shown
+// in a style of its own, so text that merely looks like a hash differs.
+function valueChip(v) {
+  if (v && typeof v === "object") {
+    const what = "hashed" + (v.text ? "" : ", not UTF-8") + ", " + v.bytes + " bytes: " + String(v.sha256).slice(0, 12) + "\u2026";
+    return el("span", "chip hashed", (v.key ? visible(v.key) + "=" : "") + what);
+  }
+  return el("span", "chip", visible(v));
 }
 // A counter's values, each in its own box, so "a, b" is never taken for two
 // values; the key itself when it has none.
 function setValues(e, values, counter) {
-  const list = values && values.length ? values.map(visible) : [visible(counter)];
+  const list = values && values.length ? values : [counter];
   const sig = JSON.stringify(list);
   if (e.dataset.sig === sig) return;
   e.dataset.sig = sig;
-  e.replaceChildren(...list.map((v) => el("span", "chip", v)));
+  e.replaceChildren(...list.map(valueChip));
 }
 
 // ---------- formatting ----------
@@ -489,10 +501,13 @@ function renderExplain(a) {
       setValues(counter, hasValues ? r.values : [], r.counter);
       const wins = el("td", "windows");
       const lines = (r.windows || []).map(windowLine);
-      wins.append(...(lines.length ? lines : ["unlimited"]).map((l) => el("div", "line", l)));
+      // No windows: the store did not answer (the failure mode decides), or
+      // the rule counts nothing.
+      const none = r.failure_mode ? "store unavailable: fails " + r.failure_mode : "unlimited";
+      wins.append(...(lines.length ? lines : [none]).map((l) => el("div", "line", l)));
       const verdict = el("td");
       if (r.would_refuse) verdict.append(el("span", "badge refuse", r.shadow ? "would refuse (shadow)" : "would refuse"));
-      else verdict.append(el("span", "sub", "passes"));
+      else verdict.append(el("span", "sub", r.failure_mode ? "passes (fails open)" : "passes"));
       tr.append(name, counter, el("td", "num", r.cost), wins, verdict);
       tbody.append(tr);
     }

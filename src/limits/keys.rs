@@ -139,16 +139,43 @@ pub struct KeyParts {
     pub rule_id: String,
     /// The values after the domain, in order, the rule's id left out (for
     /// a descriptor: the first value, then keys and values alternating).
-    pub values: Vec<String>,
+    pub values: Vec<KeyValue>,
+}
+
+/// One value of a counter key, read back.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(untagged)]
+pub enum KeyValue {
+    /// Kept as sent.
+    Text(String),
+    /// Stored as a hash: longer than 64 bytes, or not UTF-8.
+    Hashed {
+        /// The first 16 bytes of its SHA-256, hex.
+        sha256: String,
+        /// Its length in bytes.
+        bytes: usize,
+        /// Whether it was UTF-8 text.
+        text: bool,
+    },
+}
+
+impl KeyValue {
+    /// The value as text, a hashed one as `sha256:<hex>… (N bytes)`.
+    pub fn display(&self) -> String {
+        match self {
+            KeyValue::Text(t) => t.clone(),
+            KeyValue::Hashed { sha256, bytes, .. } => format!("sha256:{sha256}… ({bytes} bytes)"),
+        }
+    }
 }
 
 /// Reads `key` back into its parts (see [`KeyParts`]).
 pub fn describe(key: &str) -> Option<KeyParts> {
     let rest = key.strip_prefix("tg:2{")?;
-    let (domain, rest) = component(rest)?;
+    let (domain, rest) = text_component(rest)?;
     let (first, rest) = component(rest)?;
     let rest = rest.strip_prefix('}')?;
-    let (rule_id, mut rest) = component(rest)?;
+    let (rule_id, mut rest) = text_component(rest)?;
     let mut values = vec![first];
     while !rest.is_empty() {
         let (value, after) = component(rest)?;
@@ -156,7 +183,10 @@ pub fn describe(key: &str) -> Option<KeyParts> {
         rest = after;
     }
     // A global counter carries the rule's id as its tag and an empty end.
-    if values.len() == 2 && values.first() == Some(&rule_id) && values.get(1).is_some_and(String::is_empty) {
+    if values.len() == 2
+        && values.first() == Some(&KeyValue::Text(rule_id.clone()))
+        && values.get(1) == Some(&KeyValue::Text(String::new()))
+    {
         values.clear();
     }
     Some(KeyParts {
@@ -166,22 +196,32 @@ pub fn describe(key: &str) -> Option<KeyParts> {
     })
 }
 
+/// A component that names (a domain, a rule id): never hashed here.
+fn text_component(s: &str) -> Option<(String, &str)> {
+    match component(s)? {
+        (KeyValue::Text(t), rest) => Some((t, rest)),
+        (hashed, rest) => Some((hashed.display(), rest)),
+    }
+}
+
 /// One `<len>=<value>|` (or a digest) off the front of `s`, and the rest.
-fn component(s: &str) -> Option<(String, &str)> {
+fn component(s: &str) -> Option<(KeyValue, &str)> {
     let mark = s.find(['=', '#', '~'])?;
     let len: usize = s.get(..mark)?.parse().ok()?;
     let after = s.get(mark.checked_add(1)?..)?;
-    match s.as_bytes().get(mark)? {
-        b'=' => {
-            let value = after.get(..len)?;
-            let rest = after.get(len..)?.strip_prefix('|')?;
-            Some((value.to_owned(), rest))
-        }
-        _ => {
-            let (hex, rest) = after.split_once('|')?;
-            Some((format!("sha256:{hex}… ({len} bytes)"), rest))
-        }
+    let kind = *s.as_bytes().get(mark)?;
+    if kind == b'=' {
+        let value = after.get(..len)?;
+        let rest = after.get(len..)?.strip_prefix('|')?;
+        return Some((KeyValue::Text(value.to_owned()), rest));
     }
+    let (hex, rest) = after.split_once('|')?;
+    let hashed = KeyValue::Hashed {
+        sha256: hex.to_owned(),
+        bytes: len,
+        text: kind == b'#',
+    };
+    Some((hashed, rest))
 }
 
 #[cfg(test)]
@@ -195,15 +235,19 @@ mod tests {
         let parts = describe(&k).unwrap();
         assert_eq!(parts.domain, "api");
         assert_eq!(parts.rule_id, "per-client");
-        assert_eq!(parts.values, ["203.0.113.9", "a|1=b}"]);
+        let text = |v: &[KeyValue]| v.iter().map(KeyValue::display).collect::<Vec<_>>();
+        assert_eq!(text(&parts.values), ["203.0.113.9", "a|1=b}"]);
         let global = describe(&http_key("api", "all", &[])).unwrap();
         assert!(global.values.is_empty(), "{global:?}");
         let d = describe(&descriptor_key("edge", "r", [("remote_address", "10.0.0.1"), ("path", "/x")])).unwrap();
-        assert_eq!(d.values, ["10.0.0.1", "remote_address", "path", "/x"]);
+        assert_eq!(text(&d.values), ["10.0.0.1", "remote_address", "path", "/x"]);
         let long = describe(&http_key("api", "r", &[t(&"x".repeat(100))])).unwrap();
-        assert!(long.values[0].starts_with("sha256:"), "{long:?}");
+        assert!(matches!(long.values[0], KeyValue::Hashed { bytes: 100, text: true, .. }), "{long:?}");
         let bytes = describe(&http_key("api", "r", &[Value::Bytes(vec![0xFF])])).unwrap();
-        assert!(bytes.values[0].starts_with("sha256:"), "{bytes:?}");
+        assert!(matches!(bytes.values[0], KeyValue::Hashed { bytes: 1, text: false, .. }), "{bytes:?}");
+        // Text that looks like a hash is text.
+        let posing = describe(&http_key("api", "r", &[t("sha256:00… (1 bytes)")])).unwrap();
+        assert!(matches!(posing.values[0], KeyValue::Text(_)));
         for bad in ["", "tg:{3=api|}", "tg:2{3=ap", "tg:2{99=api|", "tg:2{3=api|1=a|}x"] {
             assert_eq!(describe(bad), None, "{bad}");
         }

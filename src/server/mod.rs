@@ -27,6 +27,8 @@ use crate::surfaces::proxy::{Proxy, ProxyOptions};
 use crate::tls::{ClientAuth, LiveCert, TlsListener};
 use crate::upstream::{Upstream, UpstreamError};
 
+/// Most connections the admin listener serves at once; more wait.
+const ADMIN_CONNECTIONS: usize = 128;
 /// Why tollgate cannot start.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
@@ -99,6 +101,8 @@ impl Server {
     /// Loads, binds and starts everything `settings` describe. Must be
     /// called inside a multi-threaded tokio runtime.
     pub async fn start(settings: Settings) -> Result<Server, StartError> {
+        // Its clock is the page's uptime: started with the server.
+        crate::activity::get();
         let upstream = settings
             .upstream
             .as_deref()
@@ -440,7 +444,9 @@ impl Parts {
         let mut tasks = vec![tokio::spawn(serve(
             admin,
             self.conn_limits,
-            Gate::new("admin", None),
+            // Bounded: each answer is held whole until its reader takes it,
+            // so readers that stall cannot grow memory without end.
+            Gate::new("admin", Some(ADMIN_CONNECTIONS)),
             None,
             self.stop.clone(),
             move |req, peer| {
