@@ -160,7 +160,11 @@ async fn state_shows_rules_rates_and_the_most_refused_callers() {
     tokio::time::sleep(Duration::from_millis(1100)).await;
     let s = state(&tg).await;
     assert!(rule(&s, "per-key")["rate"]["limited"].as_f64().unwrap() > 0.0);
-    assert_eq!(rule(&s, "per-key")["limited_share"].as_f64(), Some(0.5), "6 of 12 refused");
+    assert_eq!(
+        rule(&s, "per-key")["limited_share"].as_f64(),
+        Some(0.5),
+        "6 of 12 refused"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -259,8 +259,18 @@ rules:
         last_admit > started + Duration::from_secs(2),
         "admitted again after the retry time"
     );
-    // Each admission is a call; each window adds at most a refusal or two.
-    assert!(calls <= admitted as u64 + 6, "{calls} Redis calls for {total} requests");
+    // Each admission is a call. The units of a window leave one by one
+    // (they were admitted milliseconds apart), and between two departures
+    // one refusal may reach Redis before it is cached: at most one per
+    // admission, and one to start.
+    assert!(
+        calls <= 2 * admitted as u64 + 1,
+        "{calls} Redis calls for {total} requests"
+    );
+    assert!(
+        calls * 100 < total as u64,
+        "the denial cache answered the flood: {calls} calls for {total}"
+    );
     let metrics =
         String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
     assert!(metrics.contains("tollgate_denial_cache_hits_total"), "{metrics}");

@@ -414,7 +414,9 @@ pub(super) async fn serve<F, Fut, B>(
         // both bounds here (431, as hyper answers).
         let limits = &seen.listener.limits;
         let fits = req.headers().len() <= limits.max_headers && header_bytes(req.headers()) <= limits.max_header_bytes;
-        let response = fits.then(|| handler(req, seen.peer));
+        // Boxed: the handler's future is kilobytes, and hyper moves the
+        // service's future into place; a pointer moves instead.
+        let response = fits.then(|| Box::pin(handler(req, seen.peer)));
         async move {
             let response = match response {
                 Some(response) => Some(response.await),
