@@ -15,7 +15,7 @@ use serde_json::{Value as Json, json};
 
 use crate::activity::{self, Outcome};
 use crate::config::{Part, PathPattern, Rule, ValuePattern, Window};
-use crate::limiter::{Decision, Limiter, Verdict};
+use crate::limiter::{Limiter, Verdict};
 use crate::limits::descriptors::Descriptor;
 use crate::limits::http::{RequestInfo, request_host};
 use crate::limits::{self, keys};
@@ -622,13 +622,11 @@ pub(super) async fn explain(
     }
     match limiter.explain(&hits).await {
         Ok((decision, counts)) => {
-            let cached = counts.is_none();
             let rules: Vec<Json> = hits
                 .iter()
                 .zip(&decision.rules)
                 .enumerate()
                 .map(|(i, (hit, outcome))| {
-                    let parts = keys::describe(&hit.key);
                     let counted = counts.as_ref().and_then(|c| c.get(i));
                     let windows: Vec<Json> = outcome
                         .windows
@@ -648,60 +646,42 @@ pub(super) async fn explain(
                             })
                         })
                         .collect();
-                    json!({
-                        "rule": hit.rule.name,
-                        "id": hit.rule.id,
-                        "domain": parts.as_ref().map(|p| p.domain.clone()),
-                        "shadow": hit.rule.shadow,
-                        "quota": hit.rule.quota,
-                        "cost": hit.cost,
-                        "counter": hit.key,
-                        "values": shown_values(&hit.key, hit.rule.descriptor.is_some()),
-                        "would_refuse": outcome.over,
-                        "windows": windows,
-                    })
+                    hit_json(hit, json!({"would_refuse": outcome.over, "windows": windows}))
                 })
                 .collect();
             Ok(json!({
-                "verdict": verdict_word(&decision),
+                "verdict": verdict_word(decision.verdict),
                 "status": match decision.verdict.admits() {
                     true => 200,
                     false => decision.status().as_u16(),
                 },
                 "retry_after_ms": decision.retry_after_ms(),
-                "from_denial_cache": cached,
+                "from_denial_cache": counts.is_none(),
                 "store_error": null,
                 "rules": rules,
             }))
         }
         Err(e) => {
             activity::get().store_failed(&e.to_string());
-            let closed = hits
-                .iter()
-                .any(|h| h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow);
+            // As a decision would go: the rules' failure modes decide.
+            let verdict = crate::limiter::failure_verdict(&hits);
             let rules: Vec<Json> = hits
                 .iter()
                 .map(|h| {
-                    let closes = h.rule.failure_mode == crate::config::FailureMode::Closed && !h.rule.shadow;
-                    json!({
-                        "rule": h.rule.name,
-                        "id": h.rule.id,
-                        "domain": keys::describe(&h.key).map(|p| p.domain),
-                        "shadow": h.rule.shadow,
-                        "quota": h.rule.quota,
-                        "cost": h.cost,
-                        "counter": h.key,
-                        "values": shown_values(&h.key, h.rule.descriptor.is_some()),
-                        // The store could not say; the rule's failure mode decides.
-                        "failure_mode": if closes { "closed" } else { "open" },
-                        "would_refuse": closed && closes,
-                        "windows": [],
-                    })
+                    let closes = crate::limiter::fails_closed(&h.rule);
+                    hit_json(
+                        h,
+                        json!({
+                            "failure_mode": if closes { "closed" } else { "open" },
+                            "would_refuse": verdict == Verdict::FailedClosed && closes,
+                            "windows": [],
+                        }),
+                    )
                 })
                 .collect();
             Ok(json!({
-                "verdict": if closed { "failed_closed" } else { "failed_open" },
-                "status": if closed { 503 } else { 200 },
+                "verdict": verdict_word(verdict),
+                "status": if verdict.admits() { 200 } else { 503 },
                 "retry_after_ms": null,
                 "from_denial_cache": false,
                 "store_error": e.to_string(),
@@ -711,8 +691,26 @@ pub(super) async fn explain(
     }
 }
 
-fn verdict_word(decision: &Decision) -> &'static str {
-    match decision.verdict {
+/// One rule's counter in an explain answer, with `extra` fields.
+fn hit_json(hit: &crate::limiter::Hit, extra: Json) -> Json {
+    let mut out = json!({
+        "rule": hit.rule.name,
+        "id": hit.rule.id,
+        "domain": keys::describe(&hit.key).map(|p| p.domain),
+        "shadow": hit.rule.shadow,
+        "quota": hit.rule.quota,
+        "cost": hit.cost,
+        "counter": hit.key,
+        "values": shown_values(&hit.key, hit.rule.descriptor.is_some()),
+    });
+    if let (Some(map), Json::Object(more)) = (out.as_object_mut(), extra) {
+        map.extend(more);
+    }
+    out
+}
+
+fn verdict_word(verdict: Verdict) -> &'static str {
+    match verdict {
         Verdict::Allowed => "allowed",
         Verdict::Limited => "limited",
         Verdict::FailedOpen => "failed_open",

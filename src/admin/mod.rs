@@ -202,36 +202,10 @@ impl Admin {
         }
         let query = api::RuleQuery::parse(req.uri().query());
         match req.uri().path() {
-            "/" => {
-                let mut r = text(StatusCode::OK, PAGE);
-                let headers = r.headers_mut();
-                headers.insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("text/html; charset=utf-8"),
-                );
-                // Nothing from elsewhere, no framing: caller-controlled text
-                // on the page can never run or be dressed up.
-                headers.insert(
-                    header::CONTENT_SECURITY_POLICY,
-                    HeaderValue::from_static(
-                        "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
-                    ),
-                );
-                headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-                r
-            }
-            "/page.js" => {
-                let mut r = text(StatusCode::OK, PAGE_SCRIPT);
-                let headers = r.headers_mut();
-                headers.insert(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("text/javascript; charset=utf-8"),
-                );
-                headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-                headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
-                r
-            }
+            // Nothing from elsewhere, no framing: caller-controlled text on
+            // the page can never run or be dressed up.
+            "/" => asset(PAGE, "text/html; charset=utf-8", Some(PAGE_POLICY)),
+            "/page.js" => asset(PAGE_SCRIPT, "text/javascript; charset=utf-8", None),
             "/api/state" => {
                 self.probe_store().await;
                 json(&api::state(&self.limiter, &self.catalog, &self.changes, &query))
@@ -340,6 +314,22 @@ fn same_secret(a: &[u8], b: &[u8]) -> bool {
 /// pod restarted.
 fn healthcheck() -> Response<Full<Bytes>> {
     text(StatusCode::OK, "OK")
+}
+
+/// The page's policy: its own script only, nothing from elsewhere.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// A file of the page, never cached (it changes with the binary) nor sniffed.
+fn asset(body: &str, kind: &'static str, policy: Option<&'static str>) -> Response<Full<Bytes>> {
+    let mut r = text(StatusCode::OK, body);
+    let headers = r.headers_mut();
+    headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(kind));
+    if let Some(policy) = policy {
+        headers.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(policy));
+    }
+    headers.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
 }
 
 fn json(body: &serde_json::Value) -> Response<Full<Bytes>> {

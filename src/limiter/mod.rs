@@ -23,7 +23,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::config::{FailureMode, Window};
+use crate::config::{FailureMode, Rule, Window};
 use crate::metrics;
 
 /// Decides requests against a store, within a deadline.
@@ -155,12 +155,7 @@ impl Limiter {
         let answer = tokio::time::timeout(self.deadline, self.store.peek(&checks))
             .await
             .map_err(|_| StoreError::Timeout(self.deadline))??;
-        if answer.checks.len() != hits.len() {
-            return Err(StoreError::Reply {
-                store: self.store.name(),
-                reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
-            });
-        }
+        let answer = self.one_count_per_hit(hits, answer)?;
         let counts = answer.checks.clone();
         Ok((decision_of(hits, answer), Some(counts)))
     }
@@ -176,15 +171,7 @@ impl Limiter {
                 Err(_) => Err(StoreError::Timeout(self.deadline)),
             },
         };
-        match answer {
-            // Every surface renders one outcome per hit, in order.
-            Ok(answer) if answer.checks.len() != hits.len() => {
-                let e = StoreError::Reply {
-                    store: self.store.name(),
-                    reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
-                };
-                self.failed(hits, e)
-            }
+        match answer.and_then(|a| self.one_count_per_hit(hits, a)) {
             Ok(answer) => {
                 let took = asked.elapsed();
                 metrics::get().store_time(took);
@@ -198,17 +185,22 @@ impl Limiter {
         }
     }
 
+    /// The store's answer, if it has one count per hit: every surface
+    /// renders one outcome per hit, in order.
+    fn one_count_per_hit(&self, hits: &[Hit], answer: StoreAnswer) -> Result<StoreAnswer, StoreError> {
+        match answer.checks.len() == hits.len() {
+            true => Ok(answer),
+            false => Err(StoreError::Reply {
+                store: self.store.name(),
+                reason: format!("{} counters for {} checks", answer.checks.len(), hits.len()),
+            }),
+        }
+    }
+
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
         metrics::get().store_error(error.label());
         crate::activity::get().store_failed(&error.to_string());
-        let closed = hits
-            .iter()
-            .any(|h| h.rule.failure_mode == FailureMode::Closed && !h.rule.shadow);
-        let verdict = if closed {
-            Verdict::FailedClosed
-        } else {
-            Verdict::FailedOpen
-        };
+        let verdict = failure_verdict(hits);
         self.failures.record(&error, verdict);
         let rules = hits
             .iter()
@@ -220,6 +212,21 @@ impl Limiter {
             })
             .collect();
         Decision { verdict, rules }
+    }
+}
+
+/// Whether `rule` refuses when the store cannot answer: its failure mode is
+/// closed and it enforces (a shadow rule never refuses).
+pub fn fails_closed(rule: &Rule) -> bool {
+    rule.failure_mode == FailureMode::Closed && !rule.shadow
+}
+
+/// What a request touching `hits` gets when the store cannot answer: closed
+/// if any of its rules fails closed.
+pub fn failure_verdict(hits: &[Hit]) -> Verdict {
+    match hits.iter().any(|h| fails_closed(&h.rule)) {
+        true => Verdict::FailedClosed,
+        false => Verdict::FailedOpen,
     }
 }
 
