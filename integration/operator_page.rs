@@ -168,6 +168,52 @@ async fn state_shows_rules_rates_and_the_most_refused_callers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_on_every_http_surface_reach_the_page() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let c = client();
+    let check = tg.check.unwrap();
+    // One key per surface, refused once each (per-key: 2 a minute).
+    for _ in 0..3 {
+        get(&c, &tg.url("/api/x"), &[("x-api-key", "via-proxy")]).await;
+        get(
+            &c,
+            &format!("http://{check}/ext_authz/api/x"),
+            &[("x-api-key", "via-ext-authz")],
+        )
+        .await;
+        get(
+            &c,
+            &format!("http://{check}/auth_request"),
+            &[
+                ("x-original-uri", "/api/x"),
+                ("x-original-method", "GET"),
+                ("x-api-key", "via-auth-request"),
+            ],
+        )
+        .await;
+    }
+    let s = state(&tg).await;
+    let refused: Vec<String> = s["top_limited"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["refusals"] == 1)
+        .map(|t| t["values"][0].as_str().unwrap_or_default().to_string())
+        .collect();
+    for key in ["via-proxy", "via-ext-authz", "via-auth-request"] {
+        assert!(refused.iter().any(|r| r == key), "{key} missing from {refused:?}");
+    }
+    let history: u64 = rule(&s, "per-key")["history"]["limited"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(history, 3, "one refusal per surface in the chart");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_is_a_dry_run_over_http_and_rls_forms() {
     let up = TestUpstream::start().await;
     let tg = Tollgate::start(LIMITS, up.addr, &[]);
@@ -301,6 +347,12 @@ async fn explain_answers_rls_descriptors_from_redis_and_the_state_shows_redis_go
     // A refusal the denial cache holds: the RLS keeps answering it through
     // an outage, and so does explain.
     assert_eq!(call("10.0.0.9", 1).await.unwrap(), 2, "OVER_LIMIT");
+    let top = state(&tg).await["top_limited"].clone();
+    assert_eq!(
+        top[0]["values"],
+        json!(["remote_address=10.0.0.9"]),
+        "an RLS refusal on the page: {top}"
+    );
     redis.kill();
     let (_, a) = post_json(&explain, &ask("10.0.0.9", 1)).await;
     assert_eq!(
@@ -373,6 +425,23 @@ async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
         (Some("open"), Some(false)),
         "{a}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_listener_serves_at_most_128_connections_at_once() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    let mut held = Vec::new();
+    for _ in 0..128 {
+        held.push(tokio::net::TcpStream::connect(tg.admin).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let url = format!("http://{}/healthz", tg.admin);
+    let waited = tokio::time::timeout(Duration::from_millis(700), get(&client(), &url, &[])).await;
+    assert!(waited.is_err(), "the 129th connection waits");
+    held.pop();
+    let answered = tokio::time::timeout(Duration::from_secs(5), get(&client(), &url, &[])).await;
+    assert_eq!(answered.expect("served once one closes").status, StatusCode::OK);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
