@@ -504,6 +504,35 @@ async fn tollgate_explain_asks_a_running_instance_from_a_terminal() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tollgate_explain_gives_up_after_30_seconds_on_a_listener_that_never_answers() {
+    // Accepts and reads, never answers: a hung admin listener.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = silent.local_addr().unwrap();
+    let held = tokio::spawn(async move {
+        let mut conns = Vec::new();
+        while let Ok((conn, _)) = silent.accept().await {
+            conns.push(conn);
+        }
+    });
+    let started = std::time::Instant::now();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(binary())
+            .args(["explain", "--admin", &addr.to_string(), "/x"])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let took = started.elapsed();
+    held.abort();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("no answer within 30s"), "{stderr}");
+    assert!(took >= Duration::from_secs(29), "gave up after {took:?}");
+    assert!(took < Duration::from_secs(60), "gave up after {took:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_grafana_dashboard_queries_only_series_tollgate_exports() {
     let dashboard: Json =
         serde_json::from_slice(&std::fs::read(repo_file("conf/grafana/tollgate.json")).unwrap()).unwrap();
