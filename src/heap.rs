@@ -13,12 +13,14 @@
 //! Pages a burst of connections dirtied and freed were handed out again
 //! still resident, to hold a few objects that live as long as a parked
 //! connection: in about half the runs 10,000 parked connections cost
-//! ~0.5 KB more each. So pages are returned as soon as they are free
-//! ([`purge_free_pages_at_once`]; 0.04 `madvise` per request with a new
-//! connection each, below wrk's noise). After a burst closes or parks
-//! there may be no allocator call for hours, so each worker thread also
-//! asks its heap every few seconds to release what is free: a walk over
-//! its pages, microseconds when there is nothing to return.
+//! ~0.5 KB more each. So pages go back after 100 ms
+//! ([`purge_free_pages_sooner`]). Not at once: with no delay, a page that
+//! one request's allocations empty is given back and faulted in again by
+//! the next, and a build that allocated 8 KB more per request lost 20 % of
+//! its req/s under wrk (BENCHMARKS.md §35-36). After a burst closes or
+//! parks there may be no allocator call for hours, so each worker thread
+//! also asks its heap every few seconds to release what is free: a walk
+//! over its pages, microseconds when there is nothing to return.
 
 use std::time::Duration;
 
@@ -37,15 +39,20 @@ pub fn no_transparent_huge_pages() {
 /// the Rust bindings do not name this one).
 const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
 
-/// Makes mimalloc give a page back to the system as soon as it is free
-/// (BENCHMARKS.md §35). An operator's `MIMALLOC_PURGE_DELAY` still wins.
-pub fn purge_free_pages_at_once() {
+/// How long a page stays free before mimalloc gives it back (its default
+/// is 1,000 ms).
+const PURGE_DELAY_MS: std::ffi::c_long = 100;
+
+/// Makes mimalloc give a free page back to the system after
+/// [`PURGE_DELAY_MS`] (BENCHMARKS.md §35). An operator's
+/// `MIMALLOC_PURGE_DELAY` still wins.
+pub fn purge_free_pages_sooner() {
     if std::env::var_os("MIMALLOC_PURGE_DELAY").is_some() {
         return;
     }
     // SAFETY: sets one of mimalloc's options, an integer it reads under its
     // own synchronisation; no pointers are involved.
-    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, 0) };
+    unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, PURGE_DELAY_MS) };
 }
 
 /// How often each thread's heap is asked.
@@ -71,7 +78,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_purge_delay_option_is_the_one_set_to_zero() {
+    fn the_purge_delay_option_is_the_one_set() {
         // SAFETY: reads an integer option; no pointers.
         let get = || unsafe { libmimalloc_sys::mi_option_get(MI_OPTION_PURGE_DELAY) };
         // mimalloc's purge delay defaults to 1,000 ms, and no option next
@@ -79,9 +86,9 @@ mod tests {
         if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
             assert_eq!(get(), 1000);
         }
-        purge_free_pages_at_once();
+        purge_free_pages_sooner();
         if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-            assert_eq!(get(), 0);
+            assert_eq!(get(), PURGE_DELAY_MS);
         }
     }
 }

@@ -16,7 +16,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     tollgate::heap::no_transparent_huge_pages();
-    tollgate::heap::purge_free_pages_at_once();
+    tollgate::heap::purge_free_pages_sooner();
     let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
     let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if !matches!(argv.get(1).and_then(|a| a.to_str()), Some("check" | "explain")) {

@@ -260,8 +260,13 @@ impl Proxy {
                 }
                 tokio::time::sleep(timeout).await;
             };
+            // Boxed: each enclosing future (exchange, forward, handle, and
+            // the connection's) held the send's state over again, about
+            // doubling at each level, and the handler's future came to
+            // 11 KB, copied whole into its box on every request (2.7 KB
+            // now; BENCHMARKS.md §36).
             tokio::select! {
-                answer = self.pool.send(upstream_req, needs_h2) => Ok(answer),
+                answer = Box::pin(self.pool.send(upstream_req, needs_h2)) => Ok(answer),
                 () = waited => Err(()),
             }
         };
