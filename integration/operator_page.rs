@@ -328,6 +328,32 @@ async fn explain_answers_rls_descriptors_from_redis_and_the_state_shows_redis_go
         (Some("allowed"), Some(0)),
         "{a}"
     );
+    // A descriptor's own hits_addend is a uint64 in the RLS API: past
+    // uint32 it is a cost no window holds, answered, not refused.
+    let mut huge = crate::envoy::descriptor(&[("remote_address", "10.0.0.8")]);
+    huge.hits_addend = Some(envoy_types::pb::google::protobuf::UInt64Value { value: 1 << 40 });
+    let mut rls_huge = rls.clone();
+    let code = rls_huge
+        .should_rate_limit(RateLimitRequest {
+            domain: "edge".into(),
+            descriptors: vec![huge],
+            hits_addend: 0,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .overall_code;
+    let (status, a) = post_json(&explain, &ask("10.0.0.8", 1 << 40)).await;
+    assert_eq!(status, StatusCode::OK, "{a}");
+    assert_eq!(
+        (
+            code,
+            a["verdict"].as_str(),
+            a["rules"][0]["windows"][0]["never"].as_bool()
+        ),
+        (2, Some("limited"), Some(true)),
+        "the RLS says OVER_LIMIT (2), and explain as it: {a}"
+    );
     for (bad, says) in [
         (
             json!({"domain": "", "descriptors": [{"entries": [["a", "b"]]}]}),
@@ -392,18 +418,27 @@ async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
     let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url()]);
     redis.kill();
     let explain = format!("http://{}/api/explain", tg.admin);
-    let (_, a) = post_json(&explain, &json!({"path": "/strict"})).await;
+    // What explain says of one path: its verdict and status, and its one
+    // rule's failure mode and whether that refuses.
+    let explained = async |path: &str| {
+        let (_, a) = post_json(&explain, &json!({ "path": path })).await;
+        let seen = (
+            a["verdict"].as_str().map(str::to_owned),
+            a["status"].as_u64(),
+            a["rules"][0]["failure_mode"].as_str().map(str::to_owned),
+            a["rules"][0]["would_refuse"].as_bool(),
+        );
+        (seen, a)
+    };
+    let (seen, a) = explained("/strict").await;
     assert_eq!(
-        (a["verdict"].as_str(), a["status"].as_u64()),
-        (Some("failed_closed"), Some(503)),
-        "{a}"
-    );
-    assert_eq!(
+        seen,
         (
-            a["rules"][0]["failure_mode"].as_str(),
-            a["rules"][0]["would_refuse"].as_bool()
+            Some("failed_closed".into()),
+            Some(503),
+            Some("closed".into()),
+            Some(true)
         ),
-        (Some("closed"), Some(true)),
         "{a}"
     );
     assert_eq!(
@@ -411,18 +446,10 @@ async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
         StatusCode::SERVICE_UNAVAILABLE,
         "as the proxy answers"
     );
-    let (_, a) = post_json(&explain, &json!({"path": "/lenient"})).await;
+    let (seen, a) = explained("/lenient").await;
     assert_eq!(
-        (a["verdict"].as_str(), a["status"].as_u64()),
-        (Some("failed_open"), Some(200)),
-        "{a}"
-    );
-    assert_eq!(
-        (
-            a["rules"][0]["failure_mode"].as_str(),
-            a["rules"][0]["would_refuse"].as_bool()
-        ),
-        (Some("open"), Some(false)),
+        seen,
+        (Some("failed_open".into()), Some(200), Some("open".into()), Some(false)),
         "{a}"
     );
 }

@@ -111,7 +111,7 @@ impl Activity {
     }
 
     /// Records a store call that failed.
-    pub fn store_failed(&self, error: &str) {
+    pub fn store_failed(&self, error: &dyn std::fmt::Display) {
         self.store.failed(error);
     }
 
@@ -299,16 +299,19 @@ impl TopLimited {
             return;
         }
         if counters.len() >= TOP_CAPACITY {
+            // The stale go, then the least refused tenth at once: a flood
+            // of fresh counters costs one pass per hundred of them under
+            // this lock, not one per refusal.
             let forget_ms = TOP_FORGET_S.saturating_mul(1000);
             counters.retain(|_, e| now_ms.saturating_sub(e.last_ms) < forget_ms);
-        }
-        if counters.len() >= TOP_CAPACITY {
-            let least = counters
-                .iter()
-                .min_by_key(|(_, e)| (e.refusals(period), e.last_ms))
-                .map(|(k, _)| k.clone());
-            if let Some(k) = least {
-                counters.remove(&k);
+            let excess = counters.len().saturating_sub(TOP_CAPACITY - TOP_CAPACITY / 10);
+            if let Some(i) = excess.checked_sub(1) {
+                let mut ranks: Vec<(u64, u64)> = counters.values().map(|e| (e.refusals(period), e.last_ms)).collect();
+                if i < ranks.len() {
+                    // Ties with the cut go too: as little refused as it.
+                    let cut = *ranks.select_nth_unstable(i).1;
+                    counters.retain(|_, e| (e.refusals(period), e.last_ms) > cut);
+                }
             }
         }
         counters.insert(
@@ -350,8 +353,8 @@ impl TopLimited {
 /// second of the last minute in √2-wide buckets.
 struct StoreHealth {
     trips: [TripSecond; TRIP_SECONDS],
-    /// The last failure's text while the store is down; `None` once a call
-    /// answered after it.
+    /// The text of the failure that began the outage while the store is
+    /// down; `None` once a call answered after it.
     last_error: Mutex<Option<String>>,
     /// Whether `last_error` is set: read on every call, locked only then.
     down: std::sync::atomic::AtomicBool,
@@ -433,11 +436,13 @@ impl StoreHealth {
         }
     }
 
-    fn failed(&self, error: &str) {
-        let mut last = self.last_error.lock().unwrap_or_else(|e| e.into_inner());
-        if last.as_deref() != Some(error) {
-            *last = Some(error.to_owned());
+    /// Through an outage every request fails: only its first failure is
+    /// written out and locked for, the rest cost one atomic load.
+    fn failed(&self, error: &dyn std::fmt::Display) {
+        if self.down.load(Ordering::Relaxed) {
+            return;
         }
+        *self.last_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
         self.down.store(true, Ordering::Relaxed);
     }
 
@@ -555,9 +560,14 @@ mod tests {
         let p99 = s.p99_ms.unwrap();
         assert!((0.2..0.29).contains(&p50), "{p50}");
         assert!((5.0..7.1).contains(&p99), "{p99}");
-        h.failed("redis: connection refused");
+        h.failed(&"redis: connection refused");
+        h.failed(&"redis: timed out");
         assert!(!h.summary(11).up);
-        assert_eq!(h.summary(11).last_error.as_deref(), Some("redis: connection refused"));
+        assert_eq!(
+            h.summary(11).last_error.as_deref(),
+            Some("redis: connection refused"),
+            "the failure that began the outage"
+        );
         h.answered(Duration::from_micros(100), 12);
         assert!(h.summary(12).up);
         assert_eq!(h.summary(80).calls, 0, "a minute later the old seconds are gone");

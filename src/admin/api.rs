@@ -505,43 +505,43 @@ pub(super) async fn explain(
     let catalog = files.catalog().load_full();
     let hits = match (&q.domain, &q.descriptors) {
         (Some(domain), Some(descriptors)) => {
-            // What the RLS refuses with INVALID_ARGUMENT, refused the same.
-            use crate::surfaces::envoy_rls::{MAX_DESCRIPTORS, MAX_ENTRIES};
-            if domain.is_empty() {
-                return Err(ExplainError::Field("rate limit domain must not be empty".into()));
-            }
-            if descriptors.is_empty() {
-                return Err(ExplainError::Field(
-                    "rate limit descriptor list must not be empty".into(),
-                ));
-            }
-            if descriptors
-                .iter()
-                .any(|d| d.hits_addend.is_some_and(|n| n > u64::from(u32::MAX)))
-            {
-                return Err(ExplainError::Field("hits_addend is a uint32 in the RLS API".into()));
-            }
-            if descriptors.len() > MAX_DESCRIPTORS || descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
-                return Err(ExplainError::Field(format!(
-                    "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
-                )));
+            // Asked as the RLS would be, and refused as it refuses.
+            use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+            use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+            use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+            use envoy_types::pb::google::protobuf::UInt64Value;
+            let req = RateLimitRequest {
+                domain: domain.clone(),
+                descriptors: descriptors
+                    .iter()
+                    .map(|d| RateLimitDescriptor {
+                        entries: d
+                            .entries
+                            .iter()
+                            .map(|(key, value)| Entry {
+                                key: key.clone(),
+                                value: value.clone(),
+                            })
+                            .collect(),
+                        hits_addend: d.hits_addend.map(|value| UInt64Value { value }),
+                        ..Default::default()
+                    })
+                    .collect(),
+                hits_addend: 0,
+            };
+            if let Some(why) = crate::surfaces::envoy_rls::invalid(&req) {
+                return Err(ExplainError::Field(why));
             }
             let Some(limits) = catalog.domain(domain).cloned() else {
                 return Ok(
                     json!({"verdict": "no_rule", "status": 200, "retry_after_ms": null, "store_error": null, "rules": [], "note": "no limits file has this domain"}),
                 );
             };
-            let descriptors: Vec<Descriptor<'_>> = descriptors
+            // As the RLS: 1 unless given; 0 checks without charging.
+            let descriptors: Vec<Descriptor<'_>> = req
+                .descriptors
                 .iter()
-                .map(|d| Descriptor {
-                    entries: d.entries.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect(),
-                    limit: None,
-                    // As the RLS: 1 unless given; 0 checks without charging.
-                    cost: d
-                        .hits_addend
-                        .unwrap_or(1)
-                        .min(crate::config::MAX_UNITS.saturating_add(1)),
-                })
+                .map(|d| crate::surfaces::envoy_rls::descriptor(d, 1))
                 .collect();
             limits::resolve(&limits, &descriptors, quota_mode).hits
         }
@@ -573,11 +573,7 @@ pub(super) async fn explain(
             }
             // The proxy answers 431 past these (hyper's bounds, ours on HTTP/2).
             let bounds = crate::serve::ConnLimits::default();
-            let bytes: usize = headers
-                .iter()
-                .map(|(n, v)| n.as_str().len().saturating_add(v.len()).saturating_add(4))
-                .sum();
-            if headers.len() > bounds.max_headers || bytes > bounds.max_header_bytes {
+            if !bounds.admits(&headers) {
                 return Err(ExplainError::Field(format!(
                     "the proxy answers 431 to more than {} header fields or {} bytes of them",
                     bounds.max_headers, bounds.max_header_bytes
@@ -662,7 +658,7 @@ pub(super) async fn explain(
             }))
         }
         Err(e) => {
-            activity::get().store_failed(&e.to_string());
+            activity::get().store_failed(&e);
             // As a decision would go: the rules' failure modes decide.
             let verdict = crate::limiter::failure_verdict(&hits);
             let rules: Vec<Json> = hits

@@ -97,7 +97,7 @@ impl Admin {
         }
         match self.limiter.ready().await {
             Ok(()) => crate::activity::get().store_reachable(),
-            Err(e) => crate::activity::get().store_failed(&e.to_string()),
+            Err(e) => crate::activity::get().store_failed(&e),
         }
     }
 

@@ -199,7 +199,7 @@ impl Limiter {
 
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
         metrics::get().store_error(error.label());
-        crate::activity::get().store_failed(&error.to_string());
+        crate::activity::get().store_failed(&error);
         let verdict = failure_verdict(hits);
         self.failures.record(&error, verdict);
         let rules = hits

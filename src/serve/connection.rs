@@ -412,8 +412,7 @@ pub(super) async fn serve<F, Fut, B>(
         // hyper bounds the header fields of HTTP/1 requests only, and their
         // bytes only on a connection's first request; every request gets
         // both bounds here (431, as hyper answers).
-        let limits = &seen.listener.limits;
-        let fits = req.headers().len() <= limits.max_headers && header_bytes(req.headers()) <= limits.max_header_bytes;
+        let fits = seen.listener.limits.admits(req.headers());
         // Boxed: the handler's future is kilobytes, and hyper moves the
         // service's future into place; a pointer moves instead.
         let response = fits.then(|| Box::pin(handler(req, seen.peer)));
@@ -708,14 +707,6 @@ async fn watch_http2<S: Handler>(
             }
         }
     }
-}
-
-/// The size of a header block as HTTP/1 writes it (`name: value\r\n`).
-fn header_bytes(headers: &http::HeaderMap) -> usize {
-    headers
-        .iter()
-        .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
-        .fold(0, usize::saturating_add)
 }
 
 /// Whether a request makes its connection one never to park: it asks to

@@ -50,6 +50,19 @@ impl ConnLimits {
     fn recheck_every(&self) -> Duration {
         self.keepalive_timeout.max(Duration::from_secs(1))
     }
+
+    /// Whether a request's header fields fit these bounds (their count, and
+    /// their size as HTTP/1 writes them: `name: value\r\n`); past them a
+    /// request is answered 431.
+    pub fn admits(&self, headers: &http::HeaderMap) -> bool {
+        let bytes = || {
+            headers
+                .iter()
+                .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
+                .fold(0, usize::saturating_add)
+        };
+        headers.len() <= self.max_headers && bytes() <= self.max_header_bytes
+    }
 }
 
 impl Default for ConnLimits {

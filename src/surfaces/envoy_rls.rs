@@ -259,28 +259,35 @@ impl RateLimitService for RlsService {
         request: tonic::Request<RateLimitRequest>,
     ) -> Result<tonic::Response<RateLimitResponse>, tonic::Status> {
         let req = request.get_ref();
-        // envoyproxy/ratelimit answers these with an error too.
-        if req.domain.is_empty() || req.descriptors.is_empty() {
+        if let Some(why) = invalid(req) {
             metrics::get().request(Surface::Rls, metrics::Answer::BadRequest);
-            return Err(tonic::Status::invalid_argument(if req.domain.is_empty() {
-                "rate limit domain must not be empty"
-            } else {
-                "rate limit descriptor list must not be empty"
-            }));
-        }
-        if req.descriptors.len() > MAX_DESCRIPTORS || req.descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
-            metrics::get().request(Surface::Rls, metrics::Answer::BadRequest);
-            return Err(tonic::Status::invalid_argument(format!(
-                "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
-            )));
+            return Err(tonic::Status::invalid_argument(why));
         }
         Ok(tonic::Response::new(self.decide(req).await))
     }
 }
 
+/// Why a request is answered INVALID_ARGUMENT, if it is (envoyproxy/ratelimit
+/// refuses an empty domain or descriptor list too); the admin's dry run
+/// refuses the same.
+pub(crate) fn invalid(req: &RateLimitRequest) -> Option<String> {
+    if req.domain.is_empty() {
+        return Some("rate limit domain must not be empty".into());
+    }
+    if req.descriptors.is_empty() {
+        return Some("rate limit descriptor list must not be empty".into());
+    }
+    if req.descriptors.len() > MAX_DESCRIPTORS || req.descriptors.iter().any(|d| d.entries.len() > MAX_ENTRIES) {
+        return Some(format!(
+            "at most {MAX_DESCRIPTORS} descriptors of at most {MAX_ENTRIES} entries per request"
+        ));
+    }
+    None
+}
+
 /// What the limits need of one descriptor: its entries, its own `limit`,
 /// and its cost.
-fn descriptor(d: &RateLimitDescriptor, request_hits: u64) -> Descriptor<'_> {
+pub(crate) fn descriptor(d: &RateLimitDescriptor, request_hits: u64) -> Descriptor<'_> {
     Descriptor {
         entries: d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str())).collect(),
         limit: d.limit.as_ref().map(|o| Override {
