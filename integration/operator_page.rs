@@ -411,6 +411,41 @@ async fn explain_answers_rls_descriptors_from_redis_and_the_state_shows_redis_go
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_answers_as_the_rls_does_in_shadow_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("edge.yaml");
+    std::fs::write(
+        &file,
+        "domain: edge\ndescriptors:\n  - key: remote_address\n    rate_limit: { unit: minute, requests_per_unit: 1 }\n",
+    )
+    .unwrap();
+    let tg = Tollgate::start_rls(&[file], &["--rls-shadow-mode", "true"]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let req = || RateLimitRequest {
+        domain: "edge".into(),
+        descriptors: vec![crate::envoy::descriptor(&[("remote_address", "10.0.0.1")])],
+        hits_addend: 1,
+    };
+    for _ in 0..2 {
+        let code = rls.should_rate_limit(req()).await.unwrap().into_inner().overall_code;
+        assert_eq!(code, 1, "OK in shadow mode");
+    }
+    let explain = format!("http://{}/api/explain", tg.admin);
+    let ask = json!({"domain": "edge", "descriptors": [{"entries": [["remote_address", "10.0.0.1"]]}]});
+    let (status, a) = post_json(&explain, &ask).await;
+    assert_eq!(status, StatusCode::OK, "{a}");
+    assert_eq!(
+        (a["verdict"].as_str(), a["status"].as_u64()),
+        (Some("allowed"), Some(200)),
+        "{a}"
+    );
+    assert!(a["note"].as_str().unwrap().contains("would be limited"), "{a}");
+    assert_eq!(a["rules"][0]["would_refuse"], true, "{a}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
     let mut redis = RedisServer::start();
     let up = TestUpstream::start().await;
@@ -516,6 +551,16 @@ async fn tollgate_explain_asks_a_running_instance_from_a_terminal() {
     assert!(text.contains("limited, status 429"), "{text}");
     assert!(text.contains("rule login (counter 127.0.0.1)"), "{text}");
     assert!(text.contains("3 per 1m: used 3/3, remaining 0"), "{text}");
+    // A fourth is refused, and the denial cache answers the question: it
+    // knows what is left, not the count.
+    send(&c, Method::POST, &tg.url("/login"), &[], Vec::new()).await;
+    let out = std::process::Command::new(binary())
+        .args(["explain", "--admin", &admin, "-X", "POST", "/login"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("answered from the denial cache"), "{text}");
+    assert!(text.contains("3 per 1m: used ?/3, remaining 0"), "{text}");
     let out = std::process::Command::new(binary())
         .args(["explain", "--admin", &admin, "--json", "-H", "x-api-key: k", "/api/x"])
         .output()

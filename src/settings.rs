@@ -73,7 +73,8 @@ pub struct ExplainArgs {
     /// An RLS descriptor, `key=value,key=value` (repeat for more).
     #[arg(long = "descriptor", requires = "domain")]
     pub descriptors: Vec<String>,
-    /// Units each descriptor asks for (the RLS request's hits_addend).
+    /// Units each descriptor asks for (its own hits_addend, as the RLS
+    /// takes it: 0 checks without charging).
     #[arg(long, default_value_t = 1)]
     pub hits_addend: u64,
     /// Print the admin listener's JSON answer as it came.

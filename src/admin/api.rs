@@ -494,11 +494,20 @@ pub enum ExplainError {
     Request(#[from] limits::http::RequestError),
 }
 
+/// How the RLS is set to answer, which its dry runs follow.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct RlsModes {
+    /// `--rls-quota-mode`.
+    pub quota: bool,
+    /// `--rls-shadow-mode`: every answer is OK.
+    pub shadow: bool,
+}
+
 /// `/api/explain`: what the request described by `body` would get now.
 pub(super) async fn explain(
     limiter: &Limiter,
     files: &LiveFiles,
-    quota_mode: bool,
+    rls: RlsModes,
     body: &[u8],
 ) -> Result<Json, ExplainError> {
     let q: ExplainRequest = serde_json::from_slice(body)?;
@@ -543,7 +552,7 @@ pub(super) async fn explain(
                 .iter()
                 .map(|d| crate::surfaces::envoy_rls::descriptor(d, 1))
                 .collect();
-            limits::resolve(&limits, &descriptors, quota_mode).hits
+            limits::resolve(&limits, &descriptors, rls.quota).hits
         }
         (None, None) => {
             let method = q.method.as_deref().unwrap_or("GET");
@@ -616,7 +625,7 @@ pub(super) async fn explain(
             json!({"verdict": "no_rule", "status": 200, "retry_after_ms": null, "store_error": null, "rules": []}),
         );
     }
-    match limiter.explain(&hits).await {
+    let mut answer = match limiter.explain(&hits).await {
         Ok((decision, counts)) => {
             let rules: Vec<Json> = hits
                 .iter()
@@ -645,7 +654,7 @@ pub(super) async fn explain(
                     hit_json(hit, json!({"would_refuse": outcome.over, "windows": windows}))
                 })
                 .collect();
-            Ok(json!({
+            json!({
                 "verdict": verdict_word(decision.verdict),
                 "status": match decision.verdict.admits() {
                     true => 200,
@@ -655,7 +664,7 @@ pub(super) async fn explain(
                 "from_denial_cache": counts.is_none(),
                 "store_error": null,
                 "rules": rules,
-            }))
+            })
         }
         Err(e) => {
             activity::get().store_failed(&e);
@@ -675,16 +684,34 @@ pub(super) async fn explain(
                     )
                 })
                 .collect();
-            Ok(json!({
+            json!({
                 "verdict": verdict_word(verdict),
                 "status": if verdict.admits() { 200 } else { 503 },
                 "retry_after_ms": null,
                 "from_denial_cache": false,
                 "store_error": e.to_string(),
                 "rules": rules,
-            }))
+            })
         }
+    };
+    // In shadow mode the RLS answers OK whatever the limits decided.
+    if rls.shadow
+        && q.domain.is_some()
+        && answer["status"] != 200
+        && let Some(map) = answer.as_object_mut()
+    {
+        let decided = map.insert("verdict".into(), json!("allowed"));
+        map.insert("status".into(), json!(200));
+        map.insert("retry_after_ms".into(), Json::Null);
+        map.insert(
+            "note".into(),
+            json!(format!(
+                "--rls-shadow-mode: the RLS answers OK; without it this would be {}",
+                decided.as_ref().and_then(Json::as_str).unwrap_or("refused")
+            )),
+        );
     }
+    Ok(answer)
 }
 
 /// One rule's counter in an explain answer, with `extra` fields.

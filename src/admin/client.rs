@@ -145,6 +145,12 @@ pub fn render(args: &ExplainArgs, answer: &Json) -> String {
     if let Some(e) = answer.get("store_error").and_then(Json::as_str) {
         let _ = writeln!(out, "counter store: {e}");
     }
+    if answer.get("from_denial_cache").and_then(Json::as_bool) == Some(true) {
+        out.push_str("answered from the denial cache: it knows what is left, not the count\n");
+    }
+    if let Some(note) = answer.get("note").and_then(Json::as_str) {
+        let _ = writeln!(out, "{note}");
+    }
     let rules = answer
         .get("rules")
         .and_then(Json::as_array)
@@ -177,11 +183,13 @@ pub fn render(args: &ExplainArgs, answer: &Json) -> String {
         }
         out.push('\n');
         for w in rule.get("windows").and_then(Json::as_array).into_iter().flatten() {
+            // The denial cache knows no count: "used ?" rather than a 0
+            // it did not see.
+            let used = n(w, "used").map_or_else(|| "?".to_owned(), |u| u.to_string());
             let _ = write!(
                 out,
-                "  {}: used {}/{}, remaining {}, resets in {}",
+                "  {}: used {used}/{}, remaining {}, resets in {}",
                 s(w, "window"),
-                n(w, "used").unwrap_or(0),
                 n(w, "limit").unwrap_or(0),
                 n(w, "remaining").unwrap_or(0),
                 seconds(n(w, "reset_ms").unwrap_or(0)),

@@ -37,7 +37,7 @@ pub struct Admin {
     access: AdminAccess,
     tls: Option<Arc<crate::tls::LiveCert>>,
     changes: Arc<api::Changes>,
-    quota_mode: bool,
+    rls: api::RlsModes,
     /// When the store was last probed for the page (Redis only).
     probed: std::sync::Mutex<Option<std::time::Instant>>,
 }
@@ -77,7 +77,7 @@ impl Admin {
             access,
             tls: None,
             changes,
-            quota_mode: false,
+            rls: api::RlsModes::default(),
             probed: std::sync::Mutex::new(None),
         }
     }
@@ -101,10 +101,11 @@ impl Admin {
         }
     }
 
-    /// Answers RLS dry runs as the RLS does with `--rls-quota-mode`.
+    /// Answers RLS dry runs as the RLS does with `--rls-quota-mode` and
+    /// `--rls-shadow-mode`.
     #[must_use]
-    pub fn with_quota_mode(mut self, on: bool) -> Self {
-        self.quota_mode = on;
+    pub fn with_rls_modes(mut self, quota: bool, shadow: bool) -> Self {
+        self.rls = api::RlsModes { quota, shadow };
         self
     }
 
@@ -251,7 +252,7 @@ impl Admin {
                         );
                     }
                 };
-                match api::explain(&self.limiter, &self.catalog, self.quota_mode, &body).await {
+                match api::explain(&self.limiter, &self.catalog, self.rls, &body).await {
                     Ok(answer) => json(&answer),
                     Err(e) => error_json(StatusCode::BAD_REQUEST, &e.to_string()),
                 }

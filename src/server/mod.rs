@@ -439,7 +439,7 @@ impl Parts {
         let admin_handler = Arc::new(
             Admin::new(self.limiter.clone(), self.files.clone(), access)
                 .with_tls(tls.cert.clone())
-                .with_quota_mode(settings.rls_quota_mode),
+                .with_rls_modes(settings.rls_quota_mode, settings.rls_shadow_mode),
         );
         let mut tasks = vec![tokio::spawn(serve(
             admin,
