@@ -174,6 +174,31 @@ for_each_store! {
         assert_eq!(named, [(20_000, 0)], "the 2 s window has emptied: not reported as full");
     }
 
+    async fn a_cached_refusal_keeps_its_retry_time_after_the_windows_oldest_units_left(s, clock: ManualClock = ManualClock::new(T0)) {
+        // Found by the model test in CI: once a refusing window's oldest
+        // units had left (its reset passed) but not enough to fit the
+        // request, the cached refusal dropped the window and with it the
+        // retry time: a 429 without Retry-After.
+        let one = costing(hits("  - name: late\n    limits: [{requests: 3, per: 10s}]\n"), 1);
+        assert_eq!(s.decide(&one).await.verdict, Verdict::Allowed);
+        clock.advance(5_000);
+        let two = costing(one.clone(), 2);
+        assert_eq!(s.decide(&two).await.verdict, Verdict::Allowed);
+        clock.advance(1_000);
+        let three = costing(one.clone(), 3);
+        let fresh = s.decide(&three).await;
+        assert_eq!(fresh.verdict, Verdict::Limited);
+        assert_eq!(fresh.retry_after_ms(), Some(9_000), "all three units must leave: at 15 s");
+        assert_eq!(fresh.rules[0].windows[0].reset_ms, 4_000, "the first leaves at 10 s");
+        clock.advance(4_000);
+        let cached = s.decide(&three).await;
+        assert_eq!(cached.verdict, Verdict::Limited);
+        assert_eq!(cached.retry_after_ms(), Some(5_000), "still refused until 15 s, and said so");
+        assert_eq!(cached.rules[0].windows.len(), 1, "the refusing window is still named");
+        clock.advance(5_000);
+        assert_eq!(s.decide(&three).await.verdict, Verdict::Allowed, "and at 15 s it fits");
+    }
+
     async fn remaining_and_retry_follow_the_windows(s, clock: ManualClock = ManualClock::new(T0)) {
         let h = hits("  - name: r\n    limits: [{requests: 2, per: 10s}, {requests: 3, per: 60s}]\n");
         let d = s.decide(&h).await;

@@ -481,7 +481,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
             let cached = decision.rules.iter().any(|r| r.windows.is_empty());
             prop_assert!(!cached || (cache && !admitted));
             if !admitted {
-                prop_assert_eq!(decision.retry_after_ms(), retry, "{:?}", items);
+                prop_assert_eq!(decision.retry_after_ms(), retry, "{:?} {:#?}", items, decision.rules);
             }
             for (outcome, e) in decision.rules.iter().zip(&expected) {
                 if outcome.windows.is_empty() {
@@ -517,7 +517,7 @@ fn every_decision_path_answers_like_the_model() {
         dir: tempfile::tempdir().unwrap(),
     };
     let config = ProptestConfig {
-        cases: 64,
+        cases: 128,
         ..ProptestConfig::default()
     };
     for (redis, cache) in [(false, false), (false, true), (true, false), (true, true)] {

@@ -442,8 +442,12 @@ async fn ten_thousand_rules_match_by_path_and_host_and_reload_under_load() {
     }
     write_via_rename(&tg.config, &many_rules(2));
     let started = Instant::now();
+    // The reload thread runs at a lower priority than the request threads,
+    // by design: with the load above, a debug build and the suite's other
+    // tests on two cores, it once took over 10 s to get through the file.
+    // What is asserted here is that it does, and that nothing fails meanwhile.
     while enforced_on(&tg, "/svc9999/x", "localhost").await != expect(9_999, 2) {
-        assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+        assert!(started.elapsed() < Duration::from_secs(45), "{}", tg.log_text());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     stop.store(true, Ordering::SeqCst);

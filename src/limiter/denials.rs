@@ -109,16 +109,25 @@ impl DenialCache {
         for (outcome, hit) in decision.rules.iter_mut().zip(hits) {
             // Same rule, new handle (a reload clears the cache anyway).
             outcome.rule = hit.rule.clone();
-            // A window whose retry or reset time has come since is no longer
-            // known (what is left in it now): it is not reported, rather
-            // than reported stale (r=0 long after it emptied).
-            outcome.windows.retain(|w| {
-                let passed = |ms: u64| ms <= elapsed;
-                !passed(w.reset_ms) && !w.retry_ms.is_some_and(passed)
+            // A window whose retry time has come since, or that had room and
+            // whose reset has come, is no longer known (what is left in it
+            // now): it is not reported, rather than reported stale (r=0 long
+            // after it emptied). A refusing window whose first units left
+            // but not yet enough of them still refuses until its retry time,
+            // which is exact; the refusal's retry time is that window's.
+            let passed = |ms: u64| ms <= elapsed;
+            outcome.windows.retain(|w| match w.retry_ms {
+                Some(retry) => !passed(retry),
+                None => !passed(w.reset_ms),
             });
             for w in &mut outcome.windows {
-                w.reset_ms = w.reset_ms.saturating_sub(elapsed);
                 w.retry_ms = w.retry_ms.map(|r| r.saturating_sub(elapsed));
+                // Once the oldest units left, the next to leave do so by the
+                // retry time at the latest: the only reset still known.
+                w.reset_ms = match w.retry_ms {
+                    Some(retry) if passed(w.reset_ms) => retry,
+                    _ => w.reset_ms.saturating_sub(elapsed),
+                };
             }
             outcome.over = outcome.windows.iter().any(super::WindowOutcome::over);
         }
