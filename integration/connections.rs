@@ -71,26 +71,44 @@ async fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
     }
 }
 
+/// A connection whose request head has begun and not ended: busy.
+async fn midway(tg: &Tollgate) -> TcpStream {
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n").await.unwrap();
+    s
+}
+
 #[tokio::test]
 async fn at_the_connection_bound_new_clients_wait_and_are_served_when_one_closes() {
     let up = TestUpstream::start().await;
     // Several proxy threads: the bound is the process's, not each thread's.
     let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "3", "--proxy-threads", "2"]);
+    // Busy connections (a head on its way) hold their slots.
     let mut held = Vec::new();
     for _ in 0..3 {
-        held.push(served(&tg).await);
+        held.push(midway(&tg).await);
     }
-    assert_eq!(metric(&tg, "tollgate_client_connections{listener=\"proxy\"}").await, 3);
+    let gauge = "tollgate_client_connections{listener=\"proxy\"}";
+    let until = Instant::now() + Duration::from_secs(5);
+    while metric(&tg, gauge).await != 3 && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&tg, gauge).await, 3);
     // The fourth is accepted by the kernel but not served while three are open.
     let mut waiting = TcpStream::connect(tg.addr).await.unwrap();
     let early = tokio::spawn(async move {
         let status = answer(&mut waiting, Duration::from_secs(10)).await;
         (status, Instant::now(), waiting)
     });
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(2_000)).await;
     assert!(!early.is_finished(), "a connection over the bound was served");
     assert!(tg.logged("connection limit reached"), "{}", tg.log_text());
     assert!(metric(&tg, "tollgate_connections_deferred_total{listener=\"proxy\"}").await >= 1);
+    assert_eq!(
+        metric(&tg, "tollgate_connections_reclaimed_total{listener=\"proxy\"}").await,
+        0,
+        "a busy connection is never closed to make room"
+    );
     // One closes: the waiting client is served.
     let closed_at = Instant::now();
     drop(held.pop());
@@ -100,6 +118,44 @@ async fn at_the_connection_bound_new_clients_wait_and_are_served_when_one_closes
     // The warning is not repeated for every connection that waits.
     let lines = tg.log_text().matches("connection limit reached").count();
     assert_eq!(lines, 1, "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn at_the_connection_bound_idle_connections_make_room() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "4", "--proxy-threads", "2"]);
+    // Two keep-alive connections idle after a request, and two that never
+    // sent anything.
+    let mut idle = vec![served(&tg).await, served(&tg).await];
+    for _ in 0..2 {
+        idle.push(TcpStream::connect(tg.addr).await.unwrap());
+    }
+    // A connection idle for less than a second is not closed: its next
+    // request may be on its way.
+    let mut fresh = TcpStream::connect(tg.addr).await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        answer(&mut fresh, Duration::from_secs(5)).await.as_deref(),
+        Some("HTTP/1.1 200 OK"),
+        "served once an idle one gave way"
+    );
+    let took = started.elapsed();
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    let mut closed = 0;
+    for s in &mut idle {
+        if closed_within(s, Duration::from_millis(1_500)).await {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 1, "an idle connection was closed for the new one");
+    assert!(metric(&tg, "tollgate_connections_reclaimed_total{listener=\"proxy\"}").await >= 1);
+    assert!(tg.logged("closing idle connections to make room"), "{}", tg.log_text());
+    // Another new client is served too: what gave way made room for more.
+    let mut next = TcpStream::connect(tg.addr).await.unwrap();
+    assert_eq!(
+        answer(&mut next, Duration::from_secs(5)).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
 }
 
 #[tokio::test]

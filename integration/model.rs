@@ -516,8 +516,13 @@ fn every_decision_path_answers_like_the_model() {
         case: AtomicU64::new(0),
         dir: tempfile::tempdir().unwrap(),
     };
+    // PROPTEST_CASES runs more for a soak; the suite runs 128.
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(128);
     let config = ProptestConfig {
-        cases: 128,
+        cases,
         ..ProptestConfig::default()
     };
     for (redis, cache) in [(false, false), (false, true), (true, false), (true, true)] {

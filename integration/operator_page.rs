@@ -490,20 +490,86 @@ async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_admin_listener_serves_at_most_128_connections_at_once() {
+async fn the_admin_listener_serves_at_most_128_requests_at_once() {
+    use tokio::io::AsyncWriteExt;
     let up = TestUpstream::start().await;
     let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    // Requests whose heads never end: busy, not idle, so they hold their
+    // slots (until the header read timeout).
     let mut held = Vec::new();
     for _ in 0..128 {
-        held.push(tokio::net::TcpStream::connect(tg.admin).await.unwrap());
+        let mut s = tokio::net::TcpStream::connect(tg.admin).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n")
+            .await
+            .unwrap();
+        held.push(s);
     }
     tokio::time::sleep(Duration::from_millis(200)).await;
     let url = format!("http://{}/healthz", tg.admin);
-    let waited = tokio::time::timeout(Duration::from_millis(700), get(&client(), &url, &[])).await;
+    let waited = tokio::time::timeout(Duration::from_millis(1500), get(&client(), &url, &[])).await;
     assert!(waited.is_err(), "the 129th connection waits");
     held.pop();
     let answered = tokio::time::timeout(Duration::from_secs(5), get(&client(), &url, &[])).await;
     assert_eq!(answered.expect("served once one closes").status, StatusCode::OK);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_sockets_on_a_full_admin_listener_give_way_to_probes() {
+    // From an attack: ~260 sockets held open against the admin listener's
+    // 128 made /readyz and /metrics time out.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LIMITS, up.addr, &[]);
+    // Keep-alive connections that asked once and stay, then sockets that
+    // never send a byte.
+    let mut kept = Vec::new();
+    for _ in 0..100 {
+        let mut s = tokio::net::TcpStream::connect(tg.admin).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nhost: localhost\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 512];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(
+            buf[..n].starts_with(b"HTTP/1.1 200"),
+            "{}",
+            String::from_utf8_lossy(&buf[..n])
+        );
+        kept.push(s);
+    }
+    let mut silent = Vec::new();
+    for _ in 0..300 {
+        silent.push(tokio::net::TcpStream::connect(tg.admin).await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for path in ["/readyz", "/metrics", "/healthz"] {
+        let url = format!("http://{}{path}", tg.admin);
+        let answered = tokio::time::timeout(Duration::from_secs(3), get(&client(), &url, &[])).await;
+        let answered = answered.unwrap_or_else(|_| panic!("{path} waited behind idle sockets"));
+        assert_eq!(answered.status, StatusCode::OK, "{path}");
+    }
+    let metrics = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await;
+    let metrics = String::from_utf8_lossy(&metrics.body);
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("tollgate_connections_reclaimed_total{listener=\"admin\"}"))
+        .unwrap_or_else(|| panic!("no reclaimed count: {metrics}"));
+    let reclaimed: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
+    assert!(reclaimed >= 100.0, "{line}");
+    // What gave way was closed, not left hanging: its reader sees the end.
+    let mut closed = 0;
+    for s in kept.iter_mut().chain(silent.iter_mut()) {
+        let mut buf = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(20), s.read(&mut buf)).await {
+            closed += 1;
+        }
+    }
+    assert!(closed >= 100, "{closed} closed");
+    assert!(
+        tg.log_text().contains("closing idle connections to make room"),
+        "{}",
+        tg.log_text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -177,6 +177,7 @@ pub struct Metrics {
     client_connections: Family<ListenerLabels, Gauge>,
     waiting_connections: Family<ListenerLabels, Gauge>,
     connections_deferred: Family<ListenerLabels, Counter>,
+    connections_reclaimed: Family<ListenerLabels, Counter>,
     accept_errors: Family<ListenerLabels, Counter>,
     upstream_connections: Gauge,
     tls_reloads: Family<ResultLabels, Counter>,
@@ -260,6 +261,7 @@ impl Metrics {
             client_connections: Family::default(),
             waiting_connections: Family::default(),
             connections_deferred: Family::default(),
+            connections_reclaimed: Family::default(),
             accept_errors: Family::default(),
             upstream_connections: Gauge::default(),
             tls_reloads: Family::default(),
@@ -375,6 +377,11 @@ impl Metrics {
             "tollgate_connections_deferred",
             "New connections left waiting in the listen backlog because --max-connections were open",
             m.connections_deferred.clone(),
+        );
+        registry.register(
+            "tollgate_connections_reclaimed",
+            "Idle client connections closed to make room for new ones while --max-connections were open (the admin listener: 128)",
+            m.connections_reclaimed.clone(),
         );
         registry.register(
             "tollgate_accept_errors",
@@ -578,6 +585,13 @@ impl Metrics {
         self.connections_deferred
             .get_or_create(&ListenerLabels { listener })
             .inc();
+    }
+
+    /// Idle connections of `listener` closed to make room for new ones.
+    pub fn connections_reclaimed(&self, listener: &'static str) -> Counter {
+        self.connections_reclaimed
+            .get_or_create(&ListenerLabels { listener })
+            .clone()
     }
 
     /// Records a failed accept on `listener`.

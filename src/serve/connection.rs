@@ -47,7 +47,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::sync::watch;
 
-use super::{ConnLimits, stopped};
+use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, stopped};
 use crate::metrics::Held;
 use super::parking::{Lot, Resume};
 use crate::tls::{ClientStream, ClientTls};
@@ -81,6 +81,8 @@ pub(super) struct ConnMetrics {
     pub first_request_seconds: Histogram,
     /// TLS handshakes that failed or ran out of time.
     pub tls_failures: Counter,
+    /// Idle connections closed to make room while the listener was full.
+    pub reclaimed: Counter,
 }
 
 /// When a connection last began or finished a request, for its watchdog.
@@ -200,6 +202,24 @@ impl Activity {
             limits.header_read_timeout
         };
         limit.saturating_sub(self.since_last())
+    }
+
+    /// Whether the connection should close to make room for a new one: its
+    /// listener is full and it has done nothing for [`IDLE_BEFORE_RECLAIM`]
+    /// (no request in flight, no next head begun). `began_head`: bytes of
+    /// a request have arrived that no request began with yet.
+    fn gives_way(&self, began_head: bool) -> bool {
+        if !self.listener.gate.room_wanted()
+            || began_head
+            || self.in_flight.load(Ordering::Relaxed) > 0
+            || self.head_begun().is_some()
+            || self.since_last() < IDLE_BEFORE_RECLAIM
+        {
+            return false;
+        }
+        self.listener.metrics.reclaimed.inc();
+        tracing::debug!(peer = %self.peer, "idle connection closed to make room: the listener is full");
+        true
     }
 
     /// How long ago the first byte of a request head not yet whole arrived,
@@ -381,6 +401,8 @@ pub(super) struct Listener {
     /// Where its idle connections wait (none if it could not be made:
     /// they are closed instead).
     pub lot: Option<Arc<Lot>>,
+    /// Its bound, which says when idle connections should make room.
+    pub gate: Gate,
 }
 
 /// Serves `handler` on one accepted connection until it closes or parks;
@@ -529,18 +551,34 @@ where
         };
         Some((io, protocol))
     };
-    let (io, protocol) = tokio::select! {
-        opened = opened => opened?,
-        _ = tokio::time::sleep(limits.header_read_timeout) => {
-            tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
-            if tls_listener {
-                // With TLS, ALPN names the protocol as the handshake ends:
-                // what ran out of time was the handshake.
-                metrics.tls_failures.inc();
+    let mut opened = std::pin::pin!(opened);
+    let now = tokio::time::Instant::now();
+    // Past any timeout an operator can write: no deadline.
+    let deadline = now.checked_add(limits.header_read_timeout);
+    let (io, protocol) = loop {
+        // Waking every IDLE_BEFORE_RECLAIM as well, to give way when the
+        // listener is full: only a connection that stays silent does so.
+        let now = tokio::time::Instant::now();
+        let check = now.checked_add(IDLE_BEFORE_RECLAIM).unwrap_or(now);
+        let wake = deadline.map_or(check, |d| d.min(check));
+        tokio::select! {
+            opened = &mut opened => break opened?,
+            _ = tokio::time::sleep_until(wake) => {
+                if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
+                    tracing::debug!(%peer, "connection closed: nothing sent within the header read timeout");
+                    if tls_listener {
+                        // With TLS, ALPN names the protocol as the handshake
+                        // ends: what ran out of time was the handshake.
+                        metrics.tls_failures.inc();
+                    }
+                    return None;
+                }
+                if activity.gives_way(false) {
+                    return None;
+                }
             }
-            return None;
+            _ = stopped(&mut stop) => return None,
         }
-        _ = stopped(&mut stop) => return None,
     };
     drop(held);
     if let ClientStream::Tls(session) = &io.stream {
@@ -624,7 +662,11 @@ where
                 }
                 _ = tokio::time::sleep(wake), if !closing => {
                     let head_due = !activity.served.load(Ordering::Relaxed) || activity.head_begun().is_some();
-                    if activity.left(limits).is_zero() && head_due {
+                    if activity.gives_way(!activity.served.load(Ordering::Relaxed)) {
+                        // Idle between requests: hyper closes at once.
+                        Pin::new(&mut conn).graceful_shutdown();
+                        closing = true;
+                    } else if activity.left(limits).is_zero() && head_due {
                         // hyper would wait for the rest of the head.
                         tracing::debug!(%peer, "connection closed: request head not received within the header read timeout");
                         return None;
@@ -678,9 +720,10 @@ async fn watch_http2<S: Handler>(
     let mut conn = Box::pin(conn);
     let mut closing = false;
     loop {
-        // A request beginning does not wake the watchdog, so
-        // it looks again at least every keep-alive timeout.
-        let left = activity.left(limits).min(limits.recheck_every());
+        // A request beginning does not wake the watchdog, so it looks
+        // again at least every keep-alive timeout, and every
+        // IDLE_BEFORE_RECLAIM in case the listener is full.
+        let left = activity.left(limits).min(limits.recheck_every()).min(IDLE_BEFORE_RECLAIM);
         tokio::select! {
             result = conn.as_mut() => {
                 if let Err(e) = result {
@@ -693,7 +736,13 @@ async fn watch_http2<S: Handler>(
                 closing = true;
             }
             _ = tokio::time::sleep(left), if !closing => {
-                if activity.left(limits).is_zero() {
+                if activity.gives_way(false) {
+                    if !activity.served.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    conn.as_mut().graceful_shutdown();
+                    closing = true;
+                } else if activity.left(limits).is_zero() {
                     tracing::debug!(%peer, "idle connection closed");
                     if !activity.served.load(Ordering::Relaxed) {
                         // Nothing was ever in flight: close at once (a

@@ -6,13 +6,17 @@
 //! listeners together) serves at once: at the bound, each listener holds the
 //! one connection it accepted last until a slot frees, and the rest wait in
 //! the kernel's listen backlog, instead of running the process out of file
-//! descriptors (NGINX's `worker_connections`).
+//! descriptors (NGINX's `worker_connections`). Meanwhile connections idle
+//! for [`IDLE_BEFORE_RECLAIM`] (silent since they opened, or between
+//! requests) are closed to make room, as NGINX closes its reusable
+//! connections when it runs out: a full listener is not held by sockets that
+//! do nothing, and a health probe still gets through.
 
 use std::error::Error as StdError;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
@@ -26,6 +30,16 @@ use crate::tls::TlsListener;
 
 mod connection;
 mod parking;
+
+/// How long a connection must have done nothing before a full listener
+/// closes it to make room: a client that just connected has its request on
+/// the way, and one that just got an answer may send the next at once.
+const IDLE_BEFORE_RECLAIM: Duration = Duration::from_secs(1);
+/// Parked connections closed at once per turn while a listener waits for
+/// room (NGINX drains 32 of its reusable connections at a time).
+const RECLAIM_AT_ONCE: usize = 32;
+/// How often a listener waiting for room closes idle connections again.
+const RECLAIM_EVERY: Duration = Duration::from_millis(500);
 
 /// Limits applied to client connections.
 #[derive(Debug, Clone, Copy)]
@@ -85,6 +99,11 @@ pub struct Gate {
     name: &'static str,
     slots: Option<Arc<Semaphore>>,
     max: usize,
+    /// Accept loops waiting for a slot: while any does, idle connections
+    /// close to make room.
+    wanting: Arc<AtomicUsize>,
+    /// The lots of the gate's listeners, whose parked connections go first.
+    lots: Arc<Mutex<Vec<Weak<parking::Lot>>>>,
     /// When a full gate was last logged, in ms since `epoch`, so a flood
     /// gives one line every few seconds rather than one per connection.
     last_warned: Arc<AtomicU64>,
@@ -101,9 +120,38 @@ impl Gate {
             name,
             slots: max.map(|m| Arc::new(Semaphore::new(m.min(Semaphore::MAX_PERMITS)))),
             max: max.unwrap_or(usize::MAX),
+            wanting: Arc::new(AtomicUsize::new(0)),
+            lots: Arc::new(Mutex::new(Vec::new())),
             last_warned: Arc::new(AtomicU64::new(u64::MAX)),
             epoch: Instant::now(),
         }
+    }
+
+    /// Whether a listener of this gate waits for room: idle connections
+    /// should close.
+    fn room_wanted(&self) -> bool {
+        self.wanting.load(Ordering::Relaxed) > 0
+    }
+
+    /// Counts `lot`'s parked connections among those that make room.
+    fn add_lot(&self, lot: &Arc<parking::Lot>) {
+        let mut lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
+        lots.retain(|l| l.strong_count() > 0);
+        lots.push(Arc::downgrade(lot));
+    }
+
+    /// Closes up to [`RECLAIM_AT_ONCE`] parked connections (each idle for
+    /// [`connection::PARK_AFTER`] at least), longest idle first; how many.
+    fn reclaim_parked(&self) -> usize {
+        let lots: Vec<Arc<parking::Lot>> = {
+            let lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
+            lots.iter().filter_map(Weak::upgrade).collect()
+        };
+        let mut closed = 0usize;
+        for lot in lots {
+            closed = closed.saturating_add(lot.reclaim(RECLAIM_AT_ONCE.saturating_sub(closed)));
+        }
+        closed
     }
 
     /// Whether enough time passed since the last warning to write another.
@@ -158,6 +206,7 @@ pub async fn serve<F, Fut, B>(
     let open = crate::metrics::get().client_connections(gate.name);
     let metrics = connection::ConnMetrics {
         waiting: crate::metrics::get().waiting_connections(gate.name),
+        reclaimed: crate::metrics::get().connections_reclaimed(gate.name),
         response_seconds: crate::metrics::get().response_seconds(gate.name),
         first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
         tls_failures: crate::metrics::get().tls_handshake_failures(gate.name),
@@ -167,12 +216,16 @@ pub async fn serve<F, Fut, B>(
     let lot = parking::Lot::start(resumed_tx, shutdown.clone())
         .inspect_err(|e| tracing::warn!(listener = gate.name, error = %e, "idle connections will be closed, not parked"))
         .ok();
+    if let Some(lot) = &lot {
+        gate.add_lot(lot);
+    }
     // Shared: each connection's task holds only a pointer to it.
     let shared = Arc::new(connection::Listener {
         protocols,
         limits,
         metrics,
         lot,
+        gate: gate.clone(),
     });
     loop {
         // Finished connections are reaped as they finish, not at the next
@@ -220,22 +273,54 @@ pub async fn serve<F, Fut, B>(
 }
 
 /// A slot for one more connection through `gate` (none when it is
-/// unbounded), waiting while it is full.
+/// unbounded), waiting while it is full, and closing idle connections
+/// meanwhile to make room.
 async fn free_slot(gate: &Gate) -> Option<OwnedSemaphorePermit> {
     let slots = gate.slots.as_ref()?;
     if let Ok(slot) = slots.clone().try_acquire_owned() {
         return Some(slot);
     }
-    crate::metrics::get().connection_deferred(gate.name);
+    let metrics = crate::metrics::get();
+    metrics.connection_deferred(gate.name);
     if gate.may_warn() {
         tracing::warn!(
             listener = gate.name,
             max_connections = gate.max,
-            "connection limit reached; new connections wait in the listen backlog until one closes (raise --max-connections to hold more)"
+            "connection limit reached; closing idle connections to make room, new connections wait in the listen backlog meanwhile (raise --max-connections to hold more)"
         );
     }
-    // The semaphore is never closed, so this only waits.
-    slots.clone().acquire_owned().await.ok()
+    // Connections held by a task look at this on their watchdog's next
+    // turn (within a second); parked ones are closed from here.
+    let _wanting = Wanting::new(&gate.wanting);
+    let acquire = slots.clone().acquire_owned();
+    let mut acquire = std::pin::pin!(acquire);
+    loop {
+        let reclaimed = gate.reclaim_parked();
+        if reclaimed > 0 {
+            metrics.connections_reclaimed(gate.name).inc_by(reclaimed as u64);
+        }
+        tokio::select! {
+            // The semaphore is never closed, so this only waits.
+            slot = &mut acquire => return slot.ok(),
+            _ = tokio::time::sleep(RECLAIM_EVERY) => {}
+        }
+    }
+}
+
+/// An accept loop counted as waiting for room, until dropped.
+struct Wanting<'a>(&'a AtomicUsize);
+
+impl<'a> Wanting<'a> {
+    fn new(count: &'a AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Wanting(count)
+    }
+}
+
+impl Drop for Wanting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// The next connection on `listener`, ready to serve (Nagle off), or

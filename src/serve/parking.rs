@@ -173,6 +173,29 @@ impl Lot {
         }
     }
 
+    /// Closes up to `most` parked connections, those nearest their
+    /// keep-alive deadline (the longest idle) first, to make room for new
+    /// ones; how many it closed.
+    pub(super) fn reclaim(&self, most: usize) -> usize {
+        let mut closed = 0usize;
+        while closed < most {
+            let token = {
+                let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+                match state.deadlines.first() {
+                    Some(&(_, token)) => token,
+                    None => break,
+                }
+            };
+            if self.take(token).is_some() {
+                closed = closed.saturating_add(1);
+            }
+        }
+        if closed > 0 {
+            tracing::debug!(closed, "idle connections closed to make room");
+        }
+        closed
+    }
+
     /// Closes every parked connection.
     fn close_all(&self) {
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -278,6 +301,32 @@ mod tests {
         tokio::spawn(task);
         assert_eq!(got.recv().await.unwrap(), b"GET /", "the bytes are read where the task resumes");
         assert_eq!(lot.len(), 0);
+    }
+
+    #[tokio::test]
+    async fn reclaiming_closes_the_longest_idle_first() {
+        let (resumed_tx, _resumed) = mpsc::unbounded_channel();
+        let (_stop_tx, stop) = watch::channel(false);
+        let lot = Lot::start(resumed_tx, stop).unwrap();
+        let (got_tx, _got) = mpsc::unbounded_channel();
+        let mut clients = Vec::new();
+        for _ in 0..3 {
+            let (server, client) = pair().await;
+            lot.park(server, Duration::from_secs(60), waiting(), resume_to(got_tx.clone())).unwrap();
+            clients.push(client);
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(lot.reclaim(2), 2);
+        assert_eq!(lot.len(), 1);
+        let mut buf = [0u8; 1];
+        for (i, client) in clients.iter_mut().enumerate() {
+            let read = tokio::time::timeout(Duration::from_millis(300), client.read(&mut buf)).await;
+            match i {
+                0 | 1 => assert_eq!(read.unwrap().unwrap(), 0, "parked first, closed first"),
+                _ => assert!(read.is_err(), "the newest is still parked"),
+            }
+        }
+        assert_eq!(lot.reclaim(5), 1, "only what there is");
     }
 
     #[tokio::test]
