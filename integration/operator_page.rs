@@ -476,17 +476,17 @@ async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
         ),
         "{a}"
     );
-    assert_eq!(
-        get(&client(), &tg.url("/strict"), &[]).await.status,
-        StatusCode::SERVICE_UNAVAILABLE,
-        "as the proxy answers"
-    );
+    let proxied = get(&client(), &tg.url("/strict"), &[]).await;
+    assert_eq!(proxied.status, StatusCode::SERVICE_UNAVAILABLE, "as the proxy answers");
+    assert_eq!(proxied.header("retry-after"), Some("1"));
+    assert_eq!(a["retry_after_ms"], 1000, "the Retry-After the proxy sends: {a}");
     let (seen, a) = explained("/lenient").await;
     assert_eq!(
         seen,
         (Some("failed_open".into()), Some(200), Some("open".into()), Some(false)),
         "{a}"
     );
+    assert_eq!(a["retry_after_ms"], Json::Null, "{a}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -687,7 +687,8 @@ pub(super) async fn explain(
             json!({
                 "verdict": verdict_word(verdict),
                 "status": if verdict.admits() { 200 } else { 503 },
-                "retry_after_ms": null,
+                // The surfaces send `Retry-After: 1` with a fail-closed 503.
+                "retry_after_ms": (verdict == Verdict::FailedClosed).then_some(1000),
                 "from_denial_cache": false,
                 "store_error": e.to_string(),
                 "rules": rules,
