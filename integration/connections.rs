@@ -83,11 +83,17 @@ async fn at_the_connection_bound_new_clients_wait_and_are_served_when_one_closes
     let up = TestUpstream::start().await;
     // Several proxy threads: the bound is the process's, not each thread's.
     let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "3", "--proxy-threads", "2"]);
-    // Busy connections (a head on its way) hold their slots.
+    // Busy connections hold their slots: two with a head on its way, one
+    // with its request in flight (the upstream answers it in 6 s).
     let mut held = Vec::new();
-    for _ in 0..3 {
+    for _ in 0..2 {
         held.push(midway(&tg).await);
     }
+    let mut in_flight = TcpStream::connect(tg.addr).await.unwrap();
+    in_flight
+        .write_all(b"GET /slow/6000 HTTP/1.1\r\nHost: t\r\n\r\n")
+        .await
+        .unwrap();
     let gauge = "tollgate_client_connections{listener=\"proxy\"}";
     let until = Instant::now() + Duration::from_secs(5);
     while metric(&tg, gauge).await != 3 && Instant::now() < until {
@@ -118,6 +124,10 @@ async fn at_the_connection_bound_new_clients_wait_and_are_served_when_one_closes
     // The warning is not repeated for every connection that waits.
     let lines = tg.log_text().matches("connection limit reached").count();
     assert_eq!(lines, 1, "{}", tg.log_text());
+    // The request in flight was never closed to make room: it is answered.
+    let slow = read_until(&mut in_flight, Duration::from_secs(10), has_head).await;
+    let slow = String::from_utf8_lossy(&slow.expect("answered, not closed")).into_owned();
+    assert!(slow.starts_with("HTTP/1.1 200"), "{slow}");
 }
 
 #[tokio::test]

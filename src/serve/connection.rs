@@ -81,8 +81,6 @@ pub(super) struct ConnMetrics {
     pub first_request_seconds: Histogram,
     /// TLS handshakes that failed or ran out of time.
     pub tls_failures: Counter,
-    /// Idle connections closed to make room while the listener was full.
-    pub reclaimed: Counter,
 }
 
 /// When a connection last began or finished a request, for its watchdog.
@@ -217,7 +215,7 @@ impl Activity {
         {
             return false;
         }
-        self.listener.metrics.reclaimed.inc();
+        self.listener.gate.reclaimed.inc();
         tracing::debug!(peer = %self.peer, "idle connection closed to make room: the listener is full");
         true
     }

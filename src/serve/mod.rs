@@ -104,6 +104,8 @@ pub struct Gate {
     wanting: Arc<AtomicUsize>,
     /// The lots of the gate's listeners, whose parked connections go first.
     lots: Arc<Mutex<Vec<Weak<parking::Lot>>>>,
+    /// Idle connections closed to make room (`tollgate_connections_reclaimed`).
+    reclaimed: prometheus_client::metrics::counter::Counter,
     /// When a full gate was last logged, in ms since `epoch`, so a flood
     /// gives one line every few seconds rather than one per connection.
     last_warned: Arc<AtomicU64>,
@@ -122,6 +124,7 @@ impl Gate {
             max: max.unwrap_or(usize::MAX),
             wanting: Arc::new(AtomicUsize::new(0)),
             lots: Arc::new(Mutex::new(Vec::new())),
+            reclaimed: crate::metrics::get().connections_reclaimed(name),
             last_warned: Arc::new(AtomicU64::new(u64::MAX)),
             epoch: Instant::now(),
         }
@@ -206,7 +209,6 @@ pub async fn serve<F, Fut, B>(
     let open = crate::metrics::get().client_connections(gate.name);
     let metrics = connection::ConnMetrics {
         waiting: crate::metrics::get().waiting_connections(gate.name),
-        reclaimed: crate::metrics::get().connections_reclaimed(gate.name),
         response_seconds: crate::metrics::get().response_seconds(gate.name),
         first_request_seconds: crate::metrics::get().first_request_seconds(gate.name),
         tls_failures: crate::metrics::get().tls_handshake_failures(gate.name),
@@ -280,8 +282,7 @@ async fn free_slot(gate: &Gate) -> Option<OwnedSemaphorePermit> {
     if let Ok(slot) = slots.clone().try_acquire_owned() {
         return Some(slot);
     }
-    let metrics = crate::metrics::get();
-    metrics.connection_deferred(gate.name);
+    crate::metrics::get().connection_deferred(gate.name);
     if gate.may_warn() {
         tracing::warn!(
             listener = gate.name,
@@ -296,9 +297,7 @@ async fn free_slot(gate: &Gate) -> Option<OwnedSemaphorePermit> {
     let mut acquire = std::pin::pin!(acquire);
     loop {
         let reclaimed = gate.reclaim_parked();
-        if reclaimed > 0 {
-            metrics.connections_reclaimed(gate.name).inc_by(reclaimed as u64);
-        }
+        gate.reclaimed.inc_by(reclaimed as u64);
         tokio::select! {
             // The semaphore is never closed, so this only waits.
             slot = &mut acquire => return slot.ok(),

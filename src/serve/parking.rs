@@ -160,16 +160,9 @@ impl Lot {
 
     /// Closes the connections whose keep-alive time ran out.
     fn sweep(&self, now: Instant) {
-        loop {
-            let token = {
-                let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-                match state.deadlines.first() {
-                    Some(&(deadline, token)) if deadline <= now => token,
-                    _ => return,
-                }
-            };
-            tracing::debug!("idle connection closed");
-            drop(self.take(token));
+        let closed = self.close_earliest(usize::MAX, |deadline| deadline <= now);
+        if closed > 0 {
+            tracing::debug!(closed, "idle connections closed");
         }
     }
 
@@ -177,21 +170,29 @@ impl Lot {
     /// keep-alive deadline (the longest idle) first, to make room for new
     /// ones; how many it closed.
     pub(super) fn reclaim(&self, most: usize) -> usize {
+        let closed = self.close_earliest(most, |_| true);
+        if closed > 0 {
+            tracing::debug!(closed, "idle connections closed to make room");
+        }
+        closed
+    }
+
+    /// Closes up to `most` connections in deadline order while `due` holds
+    /// of the next one's deadline; how many it closed.
+    fn close_earliest(&self, most: usize, due: impl Fn(Instant) -> bool) -> usize {
         let mut closed = 0usize;
         while closed < most {
             let token = {
                 let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
                 match state.deadlines.first() {
-                    Some(&(_, token)) => token,
-                    None => break,
+                    Some(&(deadline, token)) if due(deadline) => token,
+                    _ => break,
                 }
             };
+            // Gone already if its client sent meanwhile: it is served, not closed.
             if self.take(token).is_some() {
                 closed = closed.saturating_add(1);
             }
-        }
-        if closed > 0 {
-            tracing::debug!(closed, "idle connections closed to make room");
         }
         closed
     }
