@@ -292,6 +292,73 @@ async fn upstream_connections_are_counted_open_and_closed() {
     assert_eq!(metric(&tg, gauge).await, 0, "closed by the upstream, counted out");
 }
 
+/// Waits up to 5 s for `gauge` to be at most `most`; its last value.
+async fn settles_at_most(tg: &Tollgate, gauge: &str, most: u64) -> u64 {
+    let until = Instant::now() + Duration::from_secs(5);
+    loop {
+        let now = metric(tg, gauge).await;
+        if now <= most || Instant::now() > until {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_burst_leaves_at_most_upstream_keepalive_idle_upstream_connections() {
+    let up = TestUpstream::start().await;
+    let gauge = "tollgate_upstream_connections ";
+    let c = client();
+    let burst = |tg: &Tollgate| {
+        let url = tg.url("/slow/300");
+        let calls: Vec<_> = (0..12)
+            .map(|_| {
+                let (c, url) = (c.clone(), url.clone());
+                tokio::spawn(async move { get(&c, &url, &[]).await.status })
+            })
+            .collect();
+        async move {
+            for call in calls {
+                assert_eq!(call.await.unwrap(), http::StatusCode::OK);
+            }
+        }
+    };
+    // As NGINX's `keepalive 3`: twelve at once need twelve connections,
+    // three stay for what comes next.
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--proxy-threads", "1", "--upstream-keepalive", "3"],
+    );
+    burst(&tg).await;
+    assert_eq!(
+        settles_at_most(&tg, gauge, 3).await,
+        3,
+        "the surplus closed, three kept"
+    );
+    for _ in 0..5 {
+        assert_eq!(get(&c, &tg.url("/x"), &[]).await.status, http::StatusCode::OK);
+    }
+    assert_eq!(
+        metric(&tg, gauge).await,
+        3,
+        "requests after the burst reuse the kept ones"
+    );
+    // 0: none kept.
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--proxy-threads", "1", "--upstream-keepalive", "0"],
+    );
+    burst(&tg).await;
+    assert_eq!(get(&c, &tg.url("/x"), &[]).await.status, http::StatusCode::OK);
+    assert_eq!(
+        settles_at_most(&tg, gauge, 0).await,
+        0,
+        "each closed after its response"
+    );
+}
+
 #[tokio::test]
 async fn an_http_1_0_upstream_does_not_end_the_clients_keep_alive() {
     let tg = Tollgate::start(NO_RULES, closing_upstream("HTTP/1.0 200 OK").await, &[]);

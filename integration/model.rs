@@ -293,6 +293,7 @@ impl Rig {
             upstream: Upstream::parse(&format!("http://{}", self.upstream.addr), None).unwrap(),
             upstream_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(5),
+            upstream_keepalive: 64,
             trusted: Default::default(),
             ratelimit_headers: true,
         };

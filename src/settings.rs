@@ -198,6 +198,12 @@ pub struct Settings {
     /// the stalled side is cut off (and counted).
     #[arg(long, env = "TOLLGATE_UPSTREAM_BODY_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
     pub upstream_body_timeout: Duration,
+    /// Most idle keep-alive connections to the upstream each proxy thread
+    /// keeps for the next requests, as NGINX's upstream `keepalive` per
+    /// worker; a burst's surplus is closed as its responses end (0: a new
+    /// connection for every request).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_KEEPALIVE", default_value_t = 64)]
+    pub upstream_keepalive: usize,
     /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXIES", value_delimiter = ',')]
     pub trusted_proxies: Vec<String>,

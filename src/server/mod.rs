@@ -170,6 +170,7 @@ impl Server {
             upstream,
             upstream_timeout: settings.upstream_timeout,
             body_timeout: settings.upstream_body_timeout,
+            upstream_keepalive: settings.upstream_keepalive,
             trusted: parts.trusted.clone(),
             ratelimit_headers: settings.ratelimit_headers,
         });

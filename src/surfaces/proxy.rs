@@ -76,6 +76,8 @@ pub struct ProxyOptions {
     pub upstream_timeout: Duration,
     /// Longest wait between two frames of a body, either way.
     pub body_timeout: Duration,
+    /// Most idle upstream connections kept per proxy thread.
+    pub upstream_keepalive: usize,
     /// Whose forwarding headers are believed.
     pub trusted: TrustedProxies,
     /// Whether admitted responses carry RateLimit headers.
@@ -98,7 +100,7 @@ impl Proxy {
         let pool = UpstreamPool::new(
             &options.upstream,
             Duration::from_secs(50),
-            256,
+            options.upstream_keepalive,
             options.body_timeout,
         );
         Proxy {

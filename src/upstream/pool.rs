@@ -108,6 +108,9 @@ enum Connected {
     Http2(http2::SendRequest<ClientBody>),
 }
 
+/// How often idle connections past their time are looked for.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
 /// How long one of several addresses of the upstream gets before the next
 /// is tried (as hyper-util's connector falls back between address families).
 const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
@@ -298,7 +301,8 @@ impl UpstreamPool {
             return;
         }
         let pool = Arc::downgrade(&self.inner);
-        let every = self.inner.idle_timeout.checked_div(2).unwrap_or(self.inner.idle_timeout);
+        // Often enough that none outlives its time by more than a second.
+        let every = self.inner.idle_timeout.min(SWEEP_EVERY);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.tick().await;
