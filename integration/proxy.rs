@@ -450,6 +450,100 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
     assert_eq!(get(&c, &tg6.url("/any"), &[]).await.status, StatusCode::OK);
 }
 
+/// An upstream that answers `ok` and, on a connection idle for `speak_after`
+/// (if given), sends an unasked `408` and keeps the connection open; counts
+/// the connections it accepted.
+async fn speaking_upstream(
+    speak_after: Option<Duration>,
+) -> (std::net::SocketAddr, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut spoke = false;
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let wait = speak_after.filter(|_| !spoke).unwrap_or(Duration::from_secs(60));
+                    let n = match tokio::time::timeout(wait, stream.read(&mut chunk)).await {
+                        Ok(Ok(n)) if n > 0 => n,
+                        Ok(_) => return,
+                        Err(_) => {
+                            spoke = true;
+                            let unasked = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 7\r\n\r\ntimeout";
+                            if stream.write_all(unasked).await.is_err() {
+                                return;
+                            }
+                            continue;
+                        }
+                    };
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        if stream
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                            .await
+                            .is_err()
+                        {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn an_idle_upstream_connection_is_parked_and_used_again_unless_the_upstream_spoke_on_it() {
+    let c = client();
+    let gauge = "tollgate_upstream_connections ";
+    // Idle past a second, the connection is parked (its socket kept, hyper's
+    // state let go); the next request is sent on it, not on a new one.
+    let (addr, accepted) = speaking_upstream(None).await;
+    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+    for round in 0..3 {
+        let a = get(&c, &tg.url("/any"), &[]).await;
+        assert_eq!((round, a.status, a.body.as_ref()), (round, StatusCode::OK, &b"ok"[..]));
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+        assert_eq!(
+            metric(&tg, gauge).await,
+            1,
+            "a parked connection is still open and counted"
+        );
+    }
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one connection carried all three"
+    );
+
+    // An upstream that sent something unasked on an idle connection (a 408,
+    // as some servers do before closing) is not read from again: the
+    // request goes on a new connection and gets its own answer.
+    let (addr, accepted) = speaking_upstream(Some(Duration::from_millis(1_500))).await;
+    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+    for round in 0..2 {
+        let a = get(&c, &tg.url("/any"), &[]).await;
+        assert_eq!((round, a.status, a.body.as_ref()), (round, StatusCode::OK, &b"ok"[..]));
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+    }
+    let a = get(&c, &tg.url("/any"), &[]).await;
+    assert_eq!((a.status, a.body.as_ref()), (StatusCode::OK, &b"ok"[..]));
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        3,
+        "each request after a 408 on a new one"
+    );
+    assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
+}
+
 #[tokio::test]
 async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     let limits = "\

@@ -8,13 +8,19 @@
 //! response body has been read to the end, and is taken again only while
 //! hyper says it is ready; the most recently used is taken first, so the
 //! connections a burst opened age out once it is over.
+//!
+//! A plain connection idle for a second is *parked*, as the client side's
+//! are (`serve::parking`): hyper's side of it (its read and write buffers
+//! and its task, ~19 KB) is let go and only the socket is kept, out of the
+//! runtime's epoll set, until a request needs it. NGINX's `keepalive` cache
+//! keeps little more than the socket too.
 
 use std::collections::VecDeque;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -91,7 +97,7 @@ struct PoolInner {
     h2c: bool,
     /// Longest wait between two frames of a response body.
     body_timeout: Duration,
-    idle: Mutex<VecDeque<Idle>>,
+    idle: Mutex<Kept>,
     idle_timeout: Duration,
     max_idle: usize,
     /// Whether the task that closes idle connections without traffic runs.
@@ -104,20 +110,73 @@ struct PoolInner {
 
 /// A new connection, as the upstream chose to speak on it.
 enum Connected {
-    Http1(SendRequest<ClientBody>),
+    Http1(Sender),
     Http2(http2::SendRequest<ClientBody>),
 }
 
-/// How often idle connections past their time are looked for.
+/// How often idle connections are looked at: past their time they are
+/// closed, idle this long they are parked.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// How long an upstream connection stays idle before it is parked.
+const PARK_AFTER: Duration = Duration::from_secs(1);
 
 /// How long one of several addresses of the upstream gets before the next
 /// is tried (as hyper-util's connector falls back between address families).
 const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
 
+/// The sending side of an HTTP/1.1 connection.
+struct Sender {
+    send: SendRequest<ClientBody>,
+    /// Set just before the pool drops `send` to park the connection: its
+    /// task then hands the socket back instead of closing it. `None` for
+    /// one that is never parked (TLS, or opened for a protocol switch).
+    park: Option<Arc<AtomicBool>>,
+}
+
+/// A connection ready for the next request.
 struct Idle {
-    sender: SendRequest<ClientBody>,
+    sender: Sender,
     since: Instant,
+}
+
+/// A parked connection: the bare socket, outside the runtime's epoll set.
+struct Parked {
+    stream: std::net::TcpStream,
+    since: Instant,
+    /// Counts it in the gauge of upstream connections while it waits.
+    open: crate::metrics::Held,
+}
+
+impl Parked {
+    /// Whether it can carry a request: not past its time, and the upstream
+    /// has neither closed it nor sent anything unasked (a 408, say).
+    fn usable(&self, idle_timeout: Duration) -> bool {
+        if self.since.elapsed() >= idle_timeout {
+            return false;
+        }
+        // The socket is non-blocking (tokio's `into_std` leaves it so).
+        matches!(self.stream.peek(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
+    }
+}
+
+/// The idle connections: most recently returned at the back of each.
+#[derive(Default)]
+struct Kept {
+    live: VecDeque<Idle>,
+    parked: VecDeque<Parked>,
+}
+
+impl Kept {
+    fn len(&self) -> usize {
+        self.live.len().saturating_add(self.parked.len())
+    }
+}
+
+/// What [`UpstreamPool::take`] found.
+enum Taken {
+    Live(Sender),
+    Parked(Parked),
 }
 
 impl UpstreamPool {
@@ -131,7 +190,7 @@ impl UpstreamPool {
                 tls: upstream.tls().cloned(),
                 h2c: upstream.h2c(),
                 body_timeout,
-                idle: Mutex::new(VecDeque::new()),
+                idle: Mutex::new(Kept::default()),
                 idle_timeout,
                 max_idle,
                 sweeping: AtomicBool::new(false),
@@ -167,11 +226,19 @@ impl UpstreamPool {
             }
             *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
+        // A protocol switch gets a connection of its own, which hyper hands
+        // to the tunnel on a 101: a parkable one would not be handed over.
+        let switching = req.headers().contains_key(http::header::UPGRADE);
         loop {
             // The HTTP/1.1 stack is never h2c's.
-            let (mut sender, reused) = match if h2c { None } else { self.take() } {
-                Some(sender) => (sender, true),
-                None => match self.connect(h2c).await? {
+            let taken = if h2c || switching { None } else { self.take() };
+            let (mut sender, reused) = match taken {
+                Some(Taken::Live(sender)) => (sender, true),
+                Some(Taken::Parked(parked)) => match self.unpark(parked).await {
+                    Some(sender) => (sender, true),
+                    None => continue,
+                },
+                None => match self.connect(h2c, !switching).await? {
                     Connected::Http1(sender) => (sender, false),
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
@@ -180,7 +247,7 @@ impl UpstreamPool {
                     }
                 },
             };
-            match sender.try_send_request(req).await {
+            match sender.send.try_send_request(req).await {
                 Ok(response) => return Ok(self.lease(sender, response)),
                 Err(mut e) => match e.take_message() {
                     // The upstream closed a kept-alive connection before the
@@ -260,37 +327,54 @@ impl UpstreamPool {
         })))
     }
 
-    /// The most recently returned connection that can take a request now.
-    fn take(&self) -> Option<SendRequest<ClientBody>> {
+    /// The most recently returned connection that can take a request now,
+    /// a parked one only when none of hyper's is ready.
+    fn take(&self) -> Option<Taken> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
+        let live = &mut idle.live;
         // Newest first; `i` stays in bounds as entries behind it go.
-        for i in (0..idle.len()).rev() {
-            let Some(entry) = idle.get(i) else { continue };
-            if entry.sender.is_closed() || entry.since.elapsed() >= self.inner.idle_timeout {
+        for i in (0..live.len()).rev() {
+            let Some(entry) = live.get(i) else { continue };
+            if entry.sender.send.is_closed() || entry.since.elapsed() >= self.inner.idle_timeout {
                 // Dropping it closes it.
-                idle.remove(i);
-            } else if entry.sender.is_ready() {
-                return idle.remove(i).map(|e| e.sender);
+                live.remove(i);
+            } else if entry.sender.send.is_ready() {
+                return live.remove(i).map(|e| Taken::Live(e.sender));
             }
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
         }
+        while let Some(parked) = idle.parked.pop_back() {
+            if parked.usable(self.inner.idle_timeout) {
+                return Some(Taken::Parked(parked));
+            }
+        }
         None
     }
 
-    fn put(&self, sender: SendRequest<ClientBody>) {
-        if sender.is_closed() {
+    /// Serves HTTP/1.1 on a parked connection again (`None`: its socket
+    /// could not rejoin the runtime, and is closed).
+    async fn unpark(&self, parked: Parked) -> Option<Sender> {
+        let Parked { stream, open, .. } = parked;
+        let stream = TcpStream::from_std(stream)
+            .inspect_err(|e| tracing::debug!(error = %e, "a parked upstream connection could not be used again"))
+            .ok()?;
+        start_parkable(stream, Arc::downgrade(&self.inner), open).await.ok()
+    }
+
+    fn put(&self, sender: Sender) {
+        if sender.send.is_closed() {
             return;
         }
-        // Expired ones are the sweep's and `take`'s to drop; a full stack
-        // gives up its oldest.
+        // Expired ones are the sweep's and `take`'s to drop; a full pool
+        // gives up its oldest, parked ones first.
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        idle.push_back(Idle {
+        idle.live.push_back(Idle {
             sender,
             since: Instant::now(),
         });
-        if idle.len() > self.inner.max_idle {
-            idle.pop_front();
+        if idle.len() > self.inner.max_idle && idle.parked.pop_front().is_none() {
+            idle.live.pop_front();
         }
     }
 
@@ -310,14 +394,31 @@ impl UpstreamPool {
                 ticks.tick().await;
                 let Some(pool) = pool.upgrade() else { return };
                 let mut idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner());
-                idle.retain(|e| !e.sender.is_closed() && e.since.elapsed() < pool.idle_timeout);
+                idle.live.retain(|e| {
+                    if e.sender.send.is_closed() || e.since.elapsed() >= pool.idle_timeout {
+                        return false;
+                    }
+                    // Idle a second and between responses: dropped here, its
+                    // task hands the socket back to `park`.
+                    match &e.sender.park {
+                        Some(park) if e.since.elapsed() >= PARK_AFTER && e.sender.send.is_ready() => {
+                            park.store(true, Ordering::Relaxed);
+                            false
+                        }
+                        _ => true,
+                    }
+                });
+                // One `peek` each: what the upstream closed is let go now,
+                // not found when a request wants it.
+                idle.parked.retain(|p| p.usable(pool.idle_timeout));
             }
         });
     }
 
     /// Opens a connection: TLS for an `https://` upstream (the protocol by
-    /// ALPN), else HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1.
-    async fn connect(&self, h2c: bool) -> Result<Connected, SendError> {
+    /// ALPN), else HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1,
+    /// which may be parked when idle if `parkable`.
+    async fn connect(&self, h2c: bool, parkable: bool) -> Result<Connected, SendError> {
         let authority = &self.inner.authority;
         let connect_error = |source| SendError::Connect {
             authority: authority.clone(),
@@ -356,6 +457,12 @@ impl UpstreamPool {
         stream.set_nodelay(true).map_err(connect_error)?;
         match &self.inner.tls {
             None if h2c => start_h2(stream).await.map(Connected::Http2),
+            None if parkable => {
+                let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
+                start_parkable(stream, Arc::downgrade(&self.inner), open)
+                    .await
+                    .map(Connected::Http1)
+            }
             None => start_connection(stream).await.map(Connected::Http1),
             Some(tls) => {
                 let stream = tls
@@ -377,7 +484,7 @@ impl UpstreamPool {
 
     /// Ties `sender` to the response body so that it comes back once the body
     /// has been read; an upgraded connection belongs to the tunnel instead.
-    fn lease(&self, sender: SendRequest<ClientBody>, response: Response<Incoming>) -> Response<UpstreamBody> {
+    fn lease(&self, sender: Sender, response: Response<Incoming>) -> Response<UpstreamBody> {
         let lease = (response.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| Lease {
             pool: self.clone(),
             sender,
@@ -392,13 +499,14 @@ impl UpstreamPool {
     }
 }
 
-/// Begins HTTP/1.1 on a new connection; the connection runs on its own task
-/// (counted in the gauge of upstream connections) until it closes.
-async fn start_connection<T>(io: T) -> Result<SendRequest<ClientBody>, SendError>
+/// Begins HTTP/1.1 on a new connection that is never parked; the
+/// connection runs on its own task (counted in the gauge of upstream
+/// connections) until it closes or a protocol switch takes it over.
+async fn start_connection<T>(io: T) -> Result<Sender, SendError>
 where
     T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (sender, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
+    let (send, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
     tokio::spawn(async move {
         // Counted until the task ends, however it ends.
@@ -407,7 +515,55 @@ where
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
     });
-    Ok(sender)
+    Ok(Sender { send, park: None })
+}
+
+/// Begins HTTP/1.1 on a plain connection (new, or parked until now) that
+/// the pool may park: its task runs until the connection closes, or until
+/// the pool lets go of its sender to park it and the socket goes back to
+/// `pool`. `open` counts it in the gauge of upstream connections.
+async fn start_parkable(
+    stream: TcpStream,
+    pool: Weak<PoolInner>,
+    open: crate::metrics::Held,
+) -> Result<Sender, SendError> {
+    let (send, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
+    let park = Arc::new(AtomicBool::new(false));
+    let parking = park.clone();
+    tokio::spawn(async move {
+        // Without shutdown: hyper leaves the socket open when it is done,
+        // so a parked one can be handed back. Done otherwise (closed by the
+        // upstream, `Connection: close`, an error) it is dropped, closed.
+        let parts = match conn.without_shutdown().await {
+            Ok(parts) => parts,
+            Err(e) => {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+                return;
+            }
+        };
+        // Bytes the upstream sent unasked mean it is not idle: closed.
+        if !parking.load(Ordering::Relaxed) || !parts.read_buf.is_empty() {
+            return;
+        }
+        let Some(pool) = pool.upgrade() else { return };
+        match parts.io.into_inner().into_std() {
+            Ok(stream) => keep_parked(&pool, stream, open),
+            Err(e) => tracing::debug!(error = %e, "an idle upstream connection could not be parked"),
+        }
+    });
+    Ok(Sender { send, park: Some(park) })
+}
+
+/// Keeps an idle connection's bare socket in `pool`, unless it is full.
+fn keep_parked(pool: &PoolInner, stream: std::net::TcpStream, open: crate::metrics::Held) {
+    let mut idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner());
+    if idle.len() < pool.max_idle {
+        idle.parked.push_back(Parked {
+            stream,
+            since: Instant::now(),
+            open,
+        });
+    }
 }
 
 /// The head of a body-less request, to send it again.
@@ -510,7 +666,7 @@ where
 
 struct Lease {
     pool: UpstreamPool,
-    sender: SendRequest<ClientBody>,
+    sender: Sender,
 }
 
 /// The upstream's response body; returns its connection to the pool when
