@@ -143,6 +143,11 @@ rules:
     limits:
       - { requests: 2, per: 90s }
       - { requests: 5, per: 1h }
+  - name: upload
+    descriptor: [{ key: upload }]
+    limits:
+      - { requests: 4, per: 60s }
+      - { requests: 6, per: 1h }
 ",
     ),
 ];
@@ -418,6 +423,32 @@ async fn hits_addend_overrides_unknown_domains_and_native_rules() {
     assert_eq!(s.current_limit.as_ref().unwrap().requests_per_unit, 2);
     assert_eq!(s.current_limit.as_ref().unwrap().unit, 0, "90s is no Envoy unit");
     assert!(s.duration_until_reset.as_ref().unwrap().seconds >= 89);
+
+    // Both windows refuse a cost of 3 after four of 1: the minute's frees
+    // in a minute, but the request fits only once the hour's has room, and
+    // that is the window and the time the status gives.
+    let upload = || request("native", vec![descriptor(&[("upload", "u")])]);
+    for _ in 0..4 {
+        assert_eq!(rls.ask(upload()).await.overall_code, Code::Ok as i32);
+    }
+    let mut three = upload();
+    three.hits_addend = 3;
+    let r = rls.ask(three).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    let s = &r.statuses[0];
+    let limit = s.current_limit.as_ref().unwrap();
+    assert_eq!((limit.requests_per_unit, limit.unit), (6, 3), "6 per HOUR");
+    let wait = s.duration_until_reset.as_ref().unwrap().seconds;
+    assert!((3590..=3600).contains(&wait), "{wait}");
+    let retry_after = r
+        .response_headers_to_add
+        .iter()
+        .find(|h| h.key.eq_ignore_ascii_case("retry-after"));
+    let retry_after = retry_after.map(|h| h.value.parse::<i64>().unwrap()).unwrap();
+    assert!(
+        retry_after == wait || retry_after == wait + 1,
+        "{retry_after} against {wait}"
+    );
 }
 
 #[tokio::test]

@@ -269,8 +269,9 @@ pub fn refusal_body(decision: &Decision) -> Bytes {
             })
         }
         _ => {
-            let refusing = decision.refusing().next();
-            let window = refusing.and_then(|r| r.windows.iter().find(|w| w.over()));
+            // The window the retry time comes from.
+            let held = decision.holding_back();
+            let (refusing, window) = (held.map(|(r, _)| r), held.map(|(_, w)| w));
             serde_json::json!({
                 "error": "rate_limited",
                 "rule": refusing.map(|r| r.rule.name.as_str()),
@@ -386,6 +387,23 @@ mod tests {
         assert_eq!(body["limit"], 5);
         assert_eq!(body["window_seconds"], 3.0);
         assert_eq!(body["retry_after_seconds"], 3);
+    }
+
+    #[test]
+    fn a_refusal_names_the_window_that_holds_it_out_longest() {
+        // Both windows refuse (a cost of 3 against 5/3s with none left and
+        // 20/60s with 2 left): the request fits only once the 60s one has
+        // room, and the body names that one, as Retry-After does.
+        let mut d = decision();
+        d.rules[0].windows[1].remaining = 2;
+        d.rules[0].windows[1].retry_ms = Some(41_000);
+        let body: serde_json::Value = serde_json::from_slice(&refusal_body(&d)).unwrap();
+        assert_eq!(body["limit"], 20);
+        assert_eq!(body["window_seconds"], 60.0);
+        assert_eq!(body["retry_after_seconds"], 41);
+        let mut h = HeaderMap::new();
+        refusal_headers(&d, &mut h);
+        assert_eq!(h[RETRY_AFTER], "41");
     }
 
     #[test]

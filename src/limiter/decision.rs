@@ -72,6 +72,25 @@ impl WindowOutcome {
     }
 }
 
+impl RuleOutcome {
+    /// The window a status names: when the rule refused, the refusing one
+    /// that holds the request out longest (it fits only once that one has
+    /// room); otherwise the one with the least room left. Ties go to the
+    /// one that frees up last.
+    pub fn telling_window(&self) -> Option<&WindowOutcome> {
+        if self.over {
+            self.windows
+                .iter()
+                .filter(|w| w.over())
+                .max_by_key(|w| (w.never, w.retry_ms, std::cmp::Reverse(w.remaining), w.reset_ms))
+        } else {
+            self.windows
+                .iter()
+                .min_by_key(|w| (w.remaining, std::cmp::Reverse(w.reset_ms)))
+        }
+    }
+}
+
 /// What one rule said about the request.
 #[derive(Debug, Clone)]
 pub struct RuleOutcome {
@@ -130,6 +149,20 @@ impl Decision {
         let mut quotas = self.refusing().filter(|r| r.rule.quota).peekable();
         let quota_never = quotas.peek().is_some() && quotas.all(never);
         quota_never || self.refusing().filter(|r| !r.rule.quota).any(never)
+    }
+
+    /// The refusing rule and window the retry time comes from: the window
+    /// that holds the request out longest (where quota rules decide, the
+    /// one that frees first). `None` when nothing refused.
+    pub fn holding_back(&self) -> Option<(&RuleOutcome, &WindowOutcome)> {
+        let retry = self.retry_after_ms();
+        let over = || {
+            self.refusing()
+                .flat_map(|r| r.windows.iter().filter(|w| w.over()).map(move |w| (r, w)))
+        };
+        over()
+            .find(|(_, w)| retry.is_some() && w.retry_ms == retry)
+            .or_else(|| over().next())
     }
 
     /// The window with the least room left among enforcing rules (ties go to

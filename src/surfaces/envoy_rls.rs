@@ -333,12 +333,9 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     let rule = &outcome.rule;
     let refused = outcome.over && !rule.shadow;
     let failed_closed = decision.verdict == Verdict::FailedClosed;
-    // Report the window that refused, else the one with the least room.
-    let window = outcome
-        .windows
-        .iter()
-        .filter(|w| w.over() || !outcome.over)
-        .min_by_key(|w| (w.remaining, std::cmp::Reverse(w.reset_ms)));
+    // The window that keeps the request out longest, so that waiting
+    // `duration_until_reset` is enough; else the one with the least room.
+    let window = outcome.telling_window();
     let code = if refused || (failed_closed && rule.failure_mode == FailureMode::Closed) {
         Code::OverLimit
     } else {
