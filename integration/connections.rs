@@ -168,6 +168,87 @@ async fn at_the_connection_bound_idle_connections_make_room() {
     );
 }
 
+/// An h2c connection that has had one request answered and then neither
+/// reads nor writes: it never answers the PING of a graceful close.
+async fn h2c_gone_silent(tg: &Tollgate) -> TcpStream {
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    hello.extend_from_slice(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00");
+    // GET / on stream 1 (HPACK: :method GET, :scheme http, :path /,
+    // :authority "t"), its only frame.
+    hello.extend_from_slice(b"\x00\x00\x06\x01\x05\x00\x00\x00\x01\x82\x86\x84\x41\x01t");
+    s.write_all(&hello).await.unwrap();
+    // The server's SETTINGS and the response; acknowledge its SETTINGS.
+    let mut got = Vec::new();
+    let until = Instant::now() + Duration::from_millis(500);
+    let mut buf = [0u8; 4096];
+    while let Ok(read) = tokio::time::timeout(until.saturating_duration_since(Instant::now()), s.read(&mut buf)).await {
+        match read {
+            Ok(n) if n > 0 => got.extend_from_slice(&buf[..n]),
+            _ => panic!("closed after {} bytes", got.len()),
+        }
+    }
+    // SETTINGS, then the response's HEADERS and DATA: three frames at least.
+    assert!(got.len() > 27, "{got:?}");
+    s.write_all(b"\x00\x00\x00\x04\x01\x00\x00\x00\x00").await.unwrap();
+    s
+}
+
+#[tokio::test]
+async fn http2_connections_that_never_answer_the_closing_ping_do_not_keep_their_slot() {
+    let up = TestUpstream::start().await;
+    // At the bound: each is told to go away, does not answer, and is
+    // dropped a few seconds later; the new client is served.
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "3", "--proxy-threads", "1"]);
+    let mut silent = Vec::new();
+    for _ in 0..3 {
+        silent.push(h2c_gone_silent(&tg).await);
+    }
+    let mut fresh = TcpStream::connect(tg.addr).await.unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        answer(&mut fresh, Duration::from_secs(10)).await.as_deref(),
+        Some("HTTP/1.1 200 OK"),
+        "served once a silent one was dropped"
+    );
+    assert!(started.elapsed() < Duration::from_secs(6), "{:?}", started.elapsed());
+    // Not at the bound: the keep-alive timeout closes one all the same.
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--keepalive-timeout", "1s"]);
+    let mut s = h2c_gone_silent(&tg).await;
+    assert!(
+        closed_within(&mut s, Duration::from_secs(6)).await,
+        "closed after the keep-alive timeout"
+    );
+    let open = "tollgate_client_connections{listener=\"proxy\"}";
+    assert_eq!(settles_at_most(&tg, open, 0).await, 0);
+}
+
+#[tokio::test]
+async fn at_the_connection_bound_an_eighth_of_the_idle_connections_give_way_at_a_time() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "16", "--proxy-threads", "1"]);
+    let mut idle = Vec::new();
+    for _ in 0..16 {
+        idle.push(served(&tg).await);
+    }
+    // Parked after a second idle.
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut fresh = TcpStream::connect(tg.addr).await.unwrap();
+    assert_eq!(
+        answer(&mut fresh, Duration::from_secs(5)).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+    // One new client needs one slot: NGINX closes an eighth of its
+    // reusable connections when it runs out, not all of them.
+    let mut closed = 0;
+    for s in &mut idle {
+        if closed_within(s, Duration::from_millis(100)).await {
+            closed += 1;
+        }
+    }
+    assert!((1..=4).contains(&closed), "{closed} of 16 closed for one new client");
+}
+
 #[tokio::test]
 async fn idle_keep_alive_connections_are_closed_after_the_keepalive_timeout() {
     let up = TestUpstream::start().await;

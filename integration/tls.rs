@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
@@ -180,34 +180,7 @@ async fn tls_get_with(
     client_cert: Option<(&Path, &Path)>,
     headers: &[(&str, &str)],
 ) -> Result<TlsAnswer, String> {
-    let mut roots = rustls::RootCertStore::empty();
-    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
-        roots.add(cert.unwrap()).unwrap();
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots);
-    let mut config = match client_cert {
-        Some((cert, key)) => {
-            let chain: Vec<_> = CertificateDer::pem_file_iter(cert)
-                .unwrap()
-                .map(|c| c.unwrap())
-                .collect();
-            builder
-                .with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap())
-                .unwrap()
-        }
-        None => builder.with_no_client_auth(),
-    };
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
-    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
-    let session = connector
-        .connect(ServerName::try_from("localhost").unwrap(), tcp)
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
+    let session = connect_tls(addr, ca, client_cert).await?;
     let peer = session
         .get_ref()
         .1
@@ -239,6 +212,65 @@ async fn tls_get_with(
         peer,
         alpn,
     })
+}
+
+/// A TLS session with `addr` (as `localhost`, ALPN `http/1.1`), trusting
+/// `ca`, with a client certificate when given.
+async fn connect_tls(
+    addr: std::net::SocketAddr,
+    ca: &Path,
+    client_cert: Option<(&Path, &Path)>,
+) -> Result<tokio_rustls::client::TlsStream<tokio::net::TcpStream>, String> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in CertificateDer::pem_file_iter(ca).unwrap() {
+        roots.add(cert.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots);
+    let mut config = match client_cert {
+        Some((cert, key)) => {
+            let chain: Vec<_> = CertificateDer::pem_file_iter(cert)
+                .unwrap()
+                .map(|c| c.unwrap())
+                .collect();
+            builder
+                .with_client_auth_cert(chain, PrivateKeyDer::from_pem_file(key).unwrap())
+                .unwrap()
+        }
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr).await.map_err(|e| e.to_string())?;
+    connector
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .map_err(|e| format!("handshake: {e}"))
+}
+
+#[tokio::test]
+async fn sessions_silent_after_their_handshake_give_way_at_the_connection_bound() {
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("server", "localhost", Some(LOCAL));
+    let up = TestUpstream::start().await;
+    let mut args = tls_args(&cert, &key);
+    args.extend(["--max-connections", "2", "--proxy-threads", "1"]);
+    let tg = Tollgate::start(LIMITS, up.addr, &args);
+    let ca = pki.ca();
+    // A handshake finished, then nothing: as idle as a silent TCP socket.
+    let mut silent = Vec::new();
+    for _ in 0..2 {
+        silent.push(connect_tls(tg.addr, &ca, None).await.unwrap());
+    }
+    let started = Instant::now();
+    let answer = tls_get(tg.addr, &ca, "/echo", None).await.unwrap();
+    assert_eq!(answer.status, 200);
+    // Well inside the 10 s header read timeout that used to be the wait.
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
+    assert!(metric(&tg, "tollgate_connections_reclaimed_total{listener=\"proxy\"}").await >= 1);
 }
 
 fn der_of(pem: &Path) -> Vec<u8> {

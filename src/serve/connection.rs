@@ -207,11 +207,11 @@ impl Activity {
     /// (no request in flight, no next head begun). `began_head`: bytes of
     /// a request have arrived that no request began with yet.
     fn gives_way(&self, began_head: bool) -> bool {
-        if !self.listener.gate.room_wanted()
-            || began_head
+        if began_head
             || self.in_flight.load(Ordering::Relaxed) > 0
             || self.head_begun().is_some()
             || self.since_last() < IDLE_BEFORE_RECLAIM
+            || !self.listener.gate.may_reclaim()
         {
             return false;
         }
@@ -320,6 +320,15 @@ enum Protocol {
 }
 
 impl ClientIo {
+    /// Waits for the first bytes, keeping them to be read again; `false`:
+    /// the client closed first.
+    async fn first_bytes(&mut self) -> io::Result<bool> {
+        let mut first = [0u8; 64];
+        let n = tokio::io::AsyncReadExt::read(&mut self.stream, &mut first).await?;
+        self.replay = Bytes::copy_from_slice(first.get(..n).unwrap_or_default());
+        Ok(n > 0)
+    }
+
     /// Reads until the first bytes tell HTTP/2's preface from anything else
     /// (HTTP/1), keeping them to be read again. `None`: the client closed.
     async fn sniff(&mut self) -> io::Result<Option<Protocol>> {
@@ -542,9 +551,15 @@ where
             replay: Bytes::new(),
             activity: activity.clone(),
         };
+        // ALPN named the protocol, but the connection is silent until its
+        // first bytes come, as a plain one is until the sniff has them: a
+        // session that finished its handshake and says nothing gives way
+        // when the listener is full.
         let protocol = match alpn_h2 {
-            Some(true) => Ok(Some(Protocol::Http2)),
-            Some(false) => Ok(Some(Protocol::Http1)),
+            Some(h2) => io
+                .first_bytes()
+                .await
+                .map(|came| came.then_some(if h2 { Protocol::Http2 } else { Protocol::Http1 })),
             None => io.sniff().await,
         };
         Some((io, protocol))
@@ -705,6 +720,10 @@ where
     }
 }
 
+/// How long an HTTP/2 client told to go away, with nothing in flight, has
+/// to answer the closing PING before its connection is dropped.
+const GOAWAY_ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
 /// Watches an HTTP/2 connection until it closes.
 async fn watch_http2<S: Handler>(
     conn: http2::Connection<TokioIo<ClientIo>, S, TokioExecutor>,
@@ -732,6 +751,16 @@ async fn watch_http2<S: Handler>(
             _ = stopped(&mut stop), if !closing => {
                 conn.as_mut().graceful_shutdown();
                 closing = true;
+            }
+            // hyper's graceful close sends GOAWAY and a PING, and waits for
+            // the PING's answer before it ends: a client that never answers
+            // would hold its slot (and its keep-alive) for good. Once nothing
+            // is in flight, it gets GOAWAY_ANSWER_WITHIN to answer.
+            _ = tokio::time::sleep(GOAWAY_ANSWER_WITHIN), if closing => {
+                if activity.in_flight.load(Ordering::Relaxed) == 0 {
+                    tracing::debug!(%peer, "HTTP/2 connection closed: the client did not answer the closing PING");
+                    return;
+                }
             }
             _ = tokio::time::sleep(left), if !closing => {
                 if activity.gives_way(false) {

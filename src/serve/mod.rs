@@ -35,8 +35,9 @@ mod parking;
 /// closes it to make room: a client that just connected has its request on
 /// the way, and one that just got an answer may send the next at once.
 const IDLE_BEFORE_RECLAIM: Duration = Duration::from_secs(1);
-/// Parked connections closed at once per turn while a listener waits for
-/// room (NGINX drains 32 of its reusable connections at a time).
+/// Most idle connections closed per turn while a listener waits for room:
+/// an eighth of the bound, at least one and at most 32, as NGINX drains
+/// its reusable connections when it runs out.
 const RECLAIM_AT_ONCE: usize = 32;
 /// How often a listener waiting for room closes idle connections again.
 const RECLAIM_EVERY: Duration = Duration::from_millis(500);
@@ -102,6 +103,8 @@ pub struct Gate {
     /// Accept loops waiting for a slot: while any does, idle connections
     /// close to make room.
     wanting: Arc<AtomicUsize>,
+    /// How many more idle connections may close this turn.
+    tickets: Arc<AtomicUsize>,
     /// The lots of the gate's listeners, whose parked connections go first.
     lots: Arc<Mutex<Vec<Weak<parking::Lot>>>>,
     /// Idle connections closed to make room (`tollgate_connections_reclaimed`).
@@ -123,6 +126,7 @@ impl Gate {
             slots: max.map(|m| Arc::new(Semaphore::new(m.min(Semaphore::MAX_PERMITS)))),
             max: max.unwrap_or(usize::MAX),
             wanting: Arc::new(AtomicUsize::new(0)),
+            tickets: Arc::new(AtomicUsize::new(0)),
             lots: Arc::new(Mutex::new(Vec::new())),
             reclaimed: crate::metrics::get().connections_reclaimed(name),
             last_warned: Arc::new(AtomicU64::new(u64::MAX)),
@@ -136,6 +140,16 @@ impl Gate {
         self.wanting.load(Ordering::Relaxed) > 0
     }
 
+    /// Whether an idle connection may close to make room now (it takes one
+    /// of the turn's tickets).
+    fn may_reclaim(&self) -> bool {
+        self.room_wanted()
+            && self
+                .tickets
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| t.checked_sub(1))
+                .is_ok()
+    }
+
     /// Counts `lot`'s parked connections among those that make room.
     fn add_lot(&self, lot: &Arc<parking::Lot>) {
         let mut lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
@@ -143,17 +157,21 @@ impl Gate {
         lots.push(Arc::downgrade(lot));
     }
 
-    /// Closes up to [`RECLAIM_AT_ONCE`] parked connections (each idle for
-    /// [`connection::PARK_AFTER`] at least), longest idle first; how many.
-    fn reclaim_parked(&self) -> usize {
+    /// Begins a turn of making room: closes parked connections (each idle
+    /// for [`connection::PARK_AFTER`] at least), longest idle first, and
+    /// leaves what is left of the turn's number to connections held by a
+    /// task, which look on their watchdog's next turn; how many it closed.
+    fn reclaim_turn(&self) -> usize {
+        let at_once = (self.max / 8).clamp(1, RECLAIM_AT_ONCE);
         let lots: Vec<Arc<parking::Lot>> = {
             let lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
             lots.iter().filter_map(Weak::upgrade).collect()
         };
         let mut closed = 0usize;
         for lot in lots {
-            closed = closed.saturating_add(lot.reclaim(RECLAIM_AT_ONCE.saturating_sub(closed)));
+            closed = closed.saturating_add(lot.reclaim(at_once.saturating_sub(closed)));
         }
+        self.tickets.store(at_once.saturating_sub(closed), Ordering::Relaxed);
         closed
     }
 
@@ -296,7 +314,7 @@ async fn free_slot(gate: &Gate) -> Option<OwnedSemaphorePermit> {
     let acquire = slots.clone().acquire_owned();
     let mut acquire = std::pin::pin!(acquire);
     loop {
-        let reclaimed = gate.reclaim_parked();
+        let reclaimed = gate.reclaim_turn();
         gate.reclaimed.inc_by(reclaimed as u64);
         tokio::select! {
             // The semaphore is never closed, so this only waits.
