@@ -269,9 +269,10 @@ pub fn refusal_body(decision: &Decision) -> Bytes {
             })
         }
         _ => {
-            // The window the retry time comes from.
-            let held = decision.holding_back();
-            let (refusing, window) = (held.map(|(r, _)| r), held.map(|(_, w)| w));
+            // The rule whose status the answer has; of its windows, the one
+            // that holds the request out longest.
+            let refusing = decision.refusing().next();
+            let window = refusing.and_then(RuleOutcome::telling_window);
             serde_json::json!({
                 "error": "rate_limited",
                 "rule": refusing.map(|r| r.rule.name.as_str()),

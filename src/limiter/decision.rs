@@ -151,20 +151,6 @@ impl Decision {
         quota_never || self.refusing().filter(|r| !r.rule.quota).any(never)
     }
 
-    /// The refusing rule and window the retry time comes from: the window
-    /// that holds the request out longest (where quota rules decide, the
-    /// one that frees first). `None` when nothing refused.
-    pub fn holding_back(&self) -> Option<(&RuleOutcome, &WindowOutcome)> {
-        let retry = self.retry_after_ms();
-        let over = || {
-            self.refusing()
-                .flat_map(|r| r.windows.iter().filter(|w| w.over()).map(move |w| (r, w)))
-        };
-        over()
-            .find(|(_, w)| retry.is_some() && w.retry_ms == retry)
-            .or_else(|| over().next())
-    }
-
     /// The window with the least room left among enforcing rules (ties go to
     /// the one that frees up last), for the headers on an admitted response.
     pub fn tightest(&self) -> Option<(&RuleOutcome, &WindowOutcome)> {
