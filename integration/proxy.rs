@@ -544,6 +544,87 @@ async fn an_idle_upstream_connection_is_parked_and_used_again_unless_the_upstrea
     assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
 }
 
+/// An upstream whose idle timeout (200 ms) fires just as the next request
+/// arrives: a request on a connection idle that long is read and the
+/// connection closed without an answer (with a reset when `reset`); others
+/// are answered. Counts the requests it read, by method.
+async fn closing_as_asked_upstream(reset: bool) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            let log = log.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut answered: Option<std::time::Instant> = None;
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let n = match stream.read(&mut chunk).await {
+                        Ok(n) if n > 0 => n,
+                        _ => return,
+                    };
+                    buf.extend_from_slice(&chunk[..n]);
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    buf.drain(..end + 4);
+                    log.lock()
+                        .unwrap()
+                        .push(head.split(' ').next().unwrap_or("").to_string());
+                    if answered.is_some_and(|at| at.elapsed() >= Duration::from_millis(200)) {
+                        if reset {
+                            let _ = stream.set_zero_linger();
+                        }
+                        return;
+                    }
+                    if stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    answered = Some(std::time::Instant::now());
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn a_get_on_a_connection_the_upstream_closes_as_it_arrives_is_sent_again_a_post_is_not() {
+    let c = client();
+    for reset in [false, true] {
+        let (addr, seen) = closing_as_asked_upstream(reset).await;
+        let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+        // Idle gaps either side of the park: a kept connection of hyper's,
+        // and a parked one.
+        for gap in [300, 1_500] {
+            assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
+            tokio::time::sleep(Duration::from_millis(gap)).await;
+            let a = get(&c, &tg.url("/any"), &[]).await;
+            assert_eq!(
+                (reset, gap, a.status, a.body.as_ref()),
+                (reset, gap, StatusCode::OK, &b"ok"[..]),
+                "sent again on a new connection"
+            );
+        }
+        // A POST may have been acted on: it is not sent twice (NGINX does
+        // not either), and the client gets 502.
+        assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let a = send(&c, http::Method::POST, &tg.url("/any"), &[], b"x".to_vec()).await;
+        assert_eq!(a.status, StatusCode::BAD_GATEWAY);
+        let seen = seen.lock().unwrap().clone();
+        assert_eq!(seen.iter().filter(|m| *m == "POST").count(), 1, "{seen:?}");
+    }
+}
+
 #[tokio::test]
 async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     let limits = "\

@@ -118,6 +118,29 @@ enum Connected {
 /// closed, idle this long they are parked.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// How long a kept connection must have been idle for the upstream to be
+/// possibly closing it (no server's idle timeout is shorter).
+const MAY_BE_CLOSING_AFTER: Duration = Duration::from_millis(100);
+
+/// Whether `e` says the connection closed (or was reset) with no answer
+/// begun: what an upstream closing an idle connection looks like.
+fn closed_unanswered(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() {
+        return true;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(io) = err.downcast_ref::<io::Error>() {
+            return matches!(
+                io.kind(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
+            );
+        }
+        source = err.source();
+    }
+    false
+}
+
 /// How long an upstream connection stays idle before it is parked.
 const PARK_AFTER: Duration = Duration::from_secs(1);
 
@@ -175,7 +198,8 @@ impl Kept {
 
 /// What [`UpstreamPool::take`] found.
 enum Taken {
-    Live(Sender),
+    /// One of hyper's, idle since the instant given.
+    Live(Sender, Instant),
     Parked(Parked),
 }
 
@@ -229,17 +253,22 @@ impl UpstreamPool {
         // A protocol switch gets a connection of its own, which hyper hands
         // to the tunnel on a 101: a parkable one would not be handed over.
         let switching = req.headers().contains_key(http::header::UPGRADE);
+        // Sent again once on a new connection: kept idle ones are not tried.
+        let mut fresh_only = false;
         loop {
             // The HTTP/1.1 stack is never h2c's.
-            let taken = if h2c || switching { None } else { self.take() };
-            let (mut sender, reused) = match taken {
-                Some(Taken::Live(sender)) => (sender, true),
-                Some(Taken::Parked(parked)) => match self.unpark(parked).await {
-                    Some(sender) => (sender, true),
-                    None => continue,
-                },
+            let taken = if h2c || switching || fresh_only { None } else { self.take() };
+            let (mut sender, reused, idle) = match taken {
+                Some(Taken::Live(sender, since)) => (sender, true, since.elapsed()),
+                Some(Taken::Parked(parked)) => {
+                    let idle = parked.since.elapsed().saturating_add(PARK_AFTER);
+                    match self.unpark(parked).await {
+                        Some(sender) => (sender, true, idle),
+                        None => continue,
+                    }
+                }
                 None => match self.connect(h2c, !switching).await? {
-                    Connected::Http1(sender) => (sender, false),
+                    Connected::Http1(sender) => (sender, false, Duration::ZERO),
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
                         // A fresh connection failing is final.
@@ -247,6 +276,18 @@ impl UpstreamPool {
                     }
                 },
             };
+            // An upstream closes a connection idle past its own timeout
+            // (Node after 5 s, gunicorn after 2 s): when that crosses the
+            // request on the wire, the request went out and no answer comes.
+            // A body-less request of an idempotent method is then sent again
+            // on a new connection, as NGINX's proxy_next_upstream does
+            // (RFC 9110 §9.2.2). Kept only for connections idle a while, so
+            // busy ones copy no headers.
+            let again = (reused
+                && idle >= MAY_BE_CLOSING_AFTER
+                && req.method().is_idempotent()
+                && req.body().is_end_stream())
+            .then(|| Replay::of(&req));
             match sender.send.try_send_request(req).await {
                 Ok(response) => return Ok(self.lease(sender, response)),
                 Err(mut e) => match e.take_message() {
@@ -254,7 +295,17 @@ impl UpstreamPool {
                     // request went out: nothing was sent, so another
                     // connection may carry it. A fresh one failing is final.
                     Some(unsent) if reused => req = unsent,
-                    _ => return Err(SendError::Http(e.into_error())),
+                    _ => {
+                        let e = e.into_error();
+                        match again {
+                            Some(again) if closed_unanswered(&e) => {
+                                tracing::debug!(error = %e, "an idle upstream connection closed as the request went out; sending it again on a new one");
+                                req = again.request(self.inner.body_timeout);
+                                fresh_only = true;
+                            }
+                            _ => return Err(SendError::Http(e)),
+                        }
+                    }
                 },
             }
         }
@@ -339,7 +390,7 @@ impl UpstreamPool {
                 // Dropping it closes it.
                 live.remove(i);
             } else if entry.sender.send.is_ready() {
-                return live.remove(i).map(|e| Taken::Live(e.sender));
+                return live.remove(i).map(|e| Taken::Live(e.sender, e.since));
             }
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
