@@ -380,6 +380,18 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
                 let read = status.current_limit.is_some();
                 if read {
                     prop_assert_eq!(status.code, code(!e.over() || e.shadow), "{:?}", items);
+                    if e.over() {
+                        // Waiting duration_until_reset is enough: the latest
+                        // of the descriptor's refusing windows (none when one
+                        // can never hold the cost).
+                        let never = e.windows.iter().any(|w| w.1);
+                        let want = (!never).then(|| e.windows.iter().filter_map(|w| w.0).max()).flatten();
+                        let got_ms = status
+                            .duration_until_reset
+                            .as_ref()
+                            .map(|d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000);
+                        prop_assert_eq!(got_ms, want, "{:?} at {}", items, now - T0);
+                    }
                 } else {
                     // Unread: only where a cached refusal answered the request.
                     prop_assert!(cache && !admitted, "a status without a limit: {:?}", status);

@@ -408,6 +408,17 @@ mod tests {
     }
 
     #[test]
+    fn sub_second_windows_are_whole_seconds_rounded_up() {
+        // The draft's fields are integers: 500ms is w=1, 1500ms w=2.
+        let mut d = decision();
+        d.rules[0].windows[0].window.period_ms = 500;
+        d.rules[0].windows[1].window.period_ms = 1500;
+        let mut h = HeaderMap::new();
+        refusal_headers(&d, &mut h);
+        assert_eq!(h[RATELIMIT_POLICY], "\"login\";q=5;w=1, \"login\";q=20;w=2");
+    }
+
+    #[test]
     fn names_are_escaped_as_structured_field_strings() {
         assert_eq!(sf_string("a\"b\\c\u{e9}d"), "a\\\"b\\\\cd");
     }

@@ -125,20 +125,25 @@ const MAY_BE_CLOSING_AFTER: Duration = Duration::from_millis(100);
 /// Whether `e` says the connection closed (or was reset) with no answer
 /// begun: what an upstream closing an idle connection looks like.
 fn closed_unanswered(e: &hyper::Error) -> bool {
-    if e.is_incomplete_message() {
-        return true;
-    }
-    let mut source = std::error::Error::source(e);
-    while let Some(err) = source {
-        if let Some(io) = err.downcast_ref::<io::Error>() {
-            return matches!(
+    e.is_incomplete_message()
+        || cause::<io::Error>(e).is_some_and(|io| {
+            matches!(
                 io.kind(),
                 io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
-            );
+            )
+        })
+}
+
+/// The first error of type `T` among `e`'s causes.
+fn cause<T: std::error::Error + 'static>(e: &hyper::Error) -> Option<&T> {
+    let mut source = std::error::Error::source(e);
+    while let Some(err) = source {
+        if let Some(found) = err.downcast_ref::<T>() {
+            return Some(found);
         }
         source = err.source();
     }
-    false
+    None
 }
 
 /// How long an upstream connection stays idle before it is parked.
@@ -198,8 +203,8 @@ impl Kept {
 
 /// What [`UpstreamPool::take`] found.
 enum Taken {
-    /// One of hyper's, idle since the instant given.
-    Live(Sender, Instant),
+    /// One of hyper's, idle for as long as given.
+    Live(Sender, Duration),
     Parked(Parked),
 }
 
@@ -259,7 +264,7 @@ impl UpstreamPool {
             // The HTTP/1.1 stack is never h2c's.
             let taken = if h2c || switching || fresh_only { None } else { self.take() };
             let (mut sender, reused, idle) = match taken {
-                Some(Taken::Live(sender, since)) => (sender, true, since.elapsed()),
+                Some(Taken::Live(sender, idle)) => (sender, true, idle),
                 Some(Taken::Parked(parked)) => {
                     let idle = parked.since.elapsed().saturating_add(PARK_AFTER);
                     match self.unpark(parked).await {
@@ -386,11 +391,12 @@ impl UpstreamPool {
         // Newest first; `i` stays in bounds as entries behind it go.
         for i in (0..live.len()).rev() {
             let Some(entry) = live.get(i) else { continue };
-            if entry.sender.send.is_closed() || entry.since.elapsed() >= self.inner.idle_timeout {
+            let idle = entry.since.elapsed();
+            if entry.sender.send.is_closed() || idle >= self.inner.idle_timeout {
                 // Dropping it closes it.
                 live.remove(i);
             } else if entry.sender.send.is_ready() {
-                return live.remove(i).map(|e| Taken::Live(e.sender, e.since));
+                return live.remove(i).map(|e| Taken::Live(e.sender, idle));
             }
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
@@ -643,17 +649,12 @@ impl Replay {
         if e.is_canceled() || (e.is_user() && std::error::Error::source(e).is_none()) {
             return true;
         }
-        let mut source = std::error::Error::source(e);
-        while let Some(err) = source {
-            if let Some(h2) = err.downcast_ref::<h2::Error>() {
-                let gone = h2.is_go_away() && h2.is_remote();
-                return h2.reason() == Some(h2::Reason::REFUSED_STREAM)
-                    || (gone && h2.reason() == Some(h2::Reason::NO_ERROR))
-                    || (gone && self.method.is_idempotent());
-            }
-            source = err.source();
-        }
-        false
+        cause::<h2::Error>(e).is_some_and(|h2| {
+            let gone = h2.is_go_away() && h2.is_remote();
+            h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+                || (gone && h2.reason() == Some(h2::Reason::NO_ERROR))
+                || (gone && self.method.is_idempotent())
+        })
     }
 
     fn request(self, body_timeout: Duration) -> Request<ClientBody> {
