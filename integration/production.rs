@@ -210,6 +210,35 @@ async fn passwords_and_acl_users_work_and_never_show() {
     assert!(!tg.log_text().contains("S3CRET"), "{}", tg.log_text());
 }
 
+/// Operators alert on Redis's error statistics: tollgate's start and its
+/// decisions must not put anything there (redis-rs's `CLIENT SETINFO`,
+/// unknown before Redis 7.2, and a first `EVALSHA` answered `NOSCRIPT` did).
+#[tokio::test]
+async fn starting_and_deciding_leave_no_errors_in_redis_statistics() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LIMITS,
+        upstream.addr,
+        &["--redis", &redis.url(), "--proxy-threads", "2"],
+    );
+    assert_eq!(probe(&tg).await, 3);
+    // Both lanes connect and decide.
+    let calls: Vec<_> = (0..64)
+        .map(|_| {
+            let url = tg.url("/load");
+            tokio::spawn(async move { get(&client(), &url, &[]).await.status })
+        })
+        .collect();
+    for call in calls {
+        assert_eq!(call.await.unwrap(), StatusCode::OK);
+    }
+    let stats = redis.cli(&["INFO", "errorstats"]).unwrap();
+    let errors: Vec<&str> = stats.lines().filter(|l| l.starts_with("errorstat_")).collect();
+    assert!(errors.is_empty(), "Redis counted errors: {errors:?}");
+    assert!(evalsha_calls(&redis) > 0, "decisions went through the script");
+}
+
 fn evalsha_calls(redis: &RedisServer) -> u64 {
     let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
     stats

@@ -37,7 +37,7 @@ use redis::aio::ConnectionManagerConfig;
 use redis::cluster::ClusterClient;
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{Client, ConnectionInfo, IntoConnectionInfo};
+use redis::{Client, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
 use thread_local::ThreadLocal;
 use tokio::sync::{OnceCell, oneshot};
 
@@ -104,8 +104,16 @@ fn tcp_settings() -> TcpSettings {
     TcpSettings::default().set_nodelay(true)
 }
 
+/// Redis before 7.2 answers redis-rs's `CLIENT SETINFO` with an error on
+/// every new connection, and operators alert on the error statistics.
+fn quiet(redis: RedisConnectionInfo) -> RedisConnectionInfo {
+    redis.set_skip_set_lib_name()
+}
+
 fn node_info(url: &str) -> redis::RedisResult<ConnectionInfo> {
-    Ok(url.into_connection_info()?.set_tcp_settings(tcp_settings()))
+    let info = url.into_connection_info()?;
+    let redis = quiet(info.redis_settings().clone());
+    Ok(info.set_redis_settings(redis).set_tcp_settings(tcp_settings()))
 }
 
 fn manager_config() -> ConnectionManagerConfig {
@@ -146,7 +154,9 @@ impl RedisStore {
                 }))
             }
             RedisMode::Sentinel { master } => {
-                let nodes = SentinelNodeConnectionInfo::default().set_tcp_settings(tcp_settings());
+                let nodes = SentinelNodeConnectionInfo::default()
+                    .set_tcp_settings(tcp_settings())
+                    .set_redis_connection_info(quiet(RedisConnectionInfo::default()));
                 let client =
                     SentinelClient::build(urls.to_vec(), master.clone(), Some(nodes), SentinelServerType::Master)?;
                 let node = Arc::new(NodeConn {

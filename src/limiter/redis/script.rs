@@ -2,6 +2,7 @@
 //! reply read back into answers (the script itself is `decide.lua`).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use redis::Script;
 use redis::aio::ConnectionLike;
@@ -26,6 +27,11 @@ pub(super) struct OwnedCheck {
 #[derive(Clone)]
 pub(super) struct DecideScript {
     script: Arc<Script>,
+    /// Whether a `SCRIPT LOAD` went ahead of the first call. Without it,
+    /// the first call on a fresh server fails with `NOSCRIPT` before
+    /// redis-rs loads the script, and that error shows in the server's
+    /// error statistics; a server that restarts later costs one again.
+    loaded: Arc<AtomicBool>,
     pinned_clock: Option<Arc<dyn Clock>>,
     pub(super) compact_entries: usize,
 }
@@ -54,6 +60,7 @@ impl DecideScript {
     pub(super) fn new(pinned_clock: Option<Arc<dyn Clock>>, compact_entries: usize) -> Self {
         DecideScript {
             script: Arc::new(Script::new(DECIDE_LUA)),
+            loaded: Arc::new(AtomicBool::new(false)),
             pinned_clock,
             compact_entries,
         }
@@ -66,23 +73,27 @@ impl DecideScript {
         conn: &mut C,
         decisions: &[(&[OwnedCheck], bool)],
     ) -> Result<Vec<StoreAnswer>, StoreError> {
+        if !self.loaded.load(Ordering::Relaxed) {
+            self.script.load_async(conn).await?;
+            self.loaded.store(true, Ordering::Relaxed);
+        }
         let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         let mut call = self.script.prepare_invoke();
         call.arg(pinned).arg(self.compact_entries).arg(decisions.len());
-    for (checks, dry_run) in decisions {
-        call.arg(checks.len()).arg(u8::from(*dry_run));
-        for check in checks.iter() {
-            call.key(&check.key);
-            call.arg(check.cost)
-                .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
-                .arg(check.windows.len());
-            for w in &check.windows {
-                call.arg(w.requests).arg(w.period_ms).arg(w.precision_ms);
+        for (checks, dry_run) in decisions {
+            call.arg(checks.len()).arg(u8::from(*dry_run));
+            for check in checks.iter() {
+                call.key(&check.key);
+                call.arg(check.cost)
+                    .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
+                    .arg(check.windows.len());
+                for w in &check.windows {
+                    call.arg(w.requests).arg(w.period_ms).arg(w.precision_ms);
+                }
             }
         }
-    }
-    let reply: Vec<i64> = call.invoke_async(conn).await?;
-    parse_reply(&reply, decisions)
+        let reply: Vec<i64> = call.invoke_async(conn).await?;
+        parse_reply(&reply, decisions)
     }
 }
 
