@@ -33,12 +33,18 @@
 -- KEYS     every decision's counters, decision after decision
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the most entries a compact counter keeps (0: streams only)
--- ARGV[3]  the number of decisions
--- then per decision: its key count, dry run (0/1: check with the real costs
--- but charge nothing), and per key: cost, role (bit 1: shadow, never
--- refuses; bit 2: quota, refuses only when no quota key of the decision has
--- room), window count, and (limit, period_ms, precision_ms) triples
--- (precision 0: an exact window; otherwise a bucketed one, see below)
+-- ARGV[3]  the number of check shapes, then each: cost, role (bit 1:
+--          shadow, never refuses; bit 2: quota, refuses only when no quota
+--          key of the decision has room), window count, and (limit,
+--          period_ms, precision_ms) triples (precision 0: an exact window;
+--          otherwise a bucketed one, see below)
+-- then     the number of decision shapes, then each: dry run (0/1: check
+--          with the real costs but charge nothing), key count, and the
+--          check shape of each key
+-- then     the number of decisions, then each one's decision shape
+-- Every argument costs Redis about as much as a few lines of this script,
+-- and the decisions of a batch are mostly alike: what they share is sent
+-- once per call, and a decision is its keys and one number.
 --
 -- Reply, per decision: admitted (0/1), then per key: charged (0/1), then per
 -- window: used (before this request, with what earlier keys of the same
@@ -69,8 +75,9 @@ local find, sub, gmatch = string.find, string.sub, string.gmatch
 
 -- Decisions in one call repeat the same few argument strings (limits,
 -- periods, costs), and converting a string costs Lua two strtod calls:
--- each distinct string is converted once per call.
-local nums = {}
+-- each distinct string is converted once per call, and the commonest are
+-- converted already.
+local nums = { ['0'] = 0, ['1'] = 1 }
 local function num(s)
   local v = nums[s]
   if v == nil then
@@ -86,7 +93,7 @@ local function int(n)
   return format('%d', n)
 end
 
-local pinned = tonumber(ARGV[1])
+local pinned = num(ARGV[1])
 local now
 if pinned > 0 then
   now = pinned
@@ -102,7 +109,8 @@ local function amounts(entry)
   for i = 1, #f, 2 do
     local name = f[i]
     if name == 'n' then
-      n = tonumber(f[i + 1])
+      -- Mostly a request's cost, the same few values.
+      n = num(f[i + 1])
     elseif name == 'c' then
       c = tonumber(f[i + 1])
     end
@@ -116,7 +124,12 @@ local function id_parts(id)
   return tonumber(sub(id, 1, dash - 1)), tonumber(sub(id, dash + 1))
 end
 
-local compact_max = tonumber(ARGV[2])
+-- The ms part alone (each conversion is a strtod).
+local function id_ms(id)
+  return tonumber(sub(id, 1, find(id, '-', 1, true) - 1))
+end
+
+local compact_max = num(ARGV[2])
 
 -- A compact counter's entries: times, costs and running totals.
 local function parse(v)
@@ -184,7 +197,7 @@ local function counter(key)
     return error('counter ' .. key .. ' holds a ' .. kind)
   end
   s = { total = total, written = total, last_ms = last_ms, last_seq = last_seq, first = {},
-        pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0, compact = compact }
+        empty = false, pend_n = 0, pend_ms = 0, pend_seq = 0, longest = 0, compact = compact }
   counters[key] = s
   return s
 end
@@ -208,7 +221,7 @@ local function first_in_window(key, s, period)
     local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
     if e then
       local n, c = amounts(e)
-      f = { c, n, (id_parts(e[1])) }
+      f = { c, n, id_ms(e[1]) }
     end
   end
   if not f and s.pend_n > 0 then
@@ -216,6 +229,7 @@ local function first_in_window(key, s, period)
     -- before it, however much more the call goes on to admit.
     f = { s.total, s.pend_n, s.pend_ms }
   end
+  if not f then s.empty = true end
   s.first[period] = f
   return f
 end
@@ -251,7 +265,7 @@ local function retry_after(key, s, f, period, excess)
       local c = base
       if e then c = select(2, amounts(e)) end
       if e and (c - base) % M >= excess then
-        hi = id_parts(e[1])
+        hi = id_ms(e[1])
       else
         lo = mid
       end
@@ -627,41 +641,64 @@ local function rings_setup()
   end
 end
 
+-- The shapes of this call's checks and decisions, each one array (read
+-- by index, the cheapest table access Lua has):
+--   check shape: cost, shadow, quota, longest exact window (which the
+--   counter must outlive), window count, then limit, period, precision
+--   per window
+--   decision shape: dry run, then its keys' check shapes
+local a = 4
+local shapes = {}
+for i = 1, num(ARGV[3]) do
+  local role, nwin = num(ARGV[a + 1]), num(ARGV[a + 2])
+  local shape = { num(ARGV[a]), role % 2 == 1, role >= 2, 0, nwin }
+  a = a + 3
+  for w = 1, nwin do
+    local period, precision = num(ARGV[a + 1]), num(ARGV[a + 2])
+    shape[3 * w + 3], shape[3 * w + 4], shape[3 * w + 5] = num(ARGV[a]), period, precision
+    if precision == 0 and period > shape[4] then shape[4] = period end
+    a = a + 3
+  end
+  shapes[i] = shape
+end
+local kinds = {}
+for i = 1, num(ARGV[a]) do
+  local kind = { ARGV[a + 1] == '1' }
+  for j = 1, num(ARGV[a + 2]) do kind[j + 1] = shapes[num(ARGV[a + 2 + j])] end
+  kinds[i] = kind
+  a = a + 2 + #kind - 1
+end
+a = a + 1 -- the number of decisions
+
+-- Per key of the decision being made, three slots each (its counter,
+-- whether it fits, its rings), reused from decision to decision.
+local held = {}
 local reply = {}
 local r = 0
 local k = 0
-local a = 4
-local keys = {}
-for _ = 1, num(ARGV[3]) do
-  local nkeys = num(ARGV[a])
-  local dry = ARGV[a + 1] == '1'
-  a = a + 2
+for d = 1, num(ARGV[a]) do
+  local kind = kinds[num(ARGV[a + d])]
+  local dry = kind[1]
+  local nkeys = #kind - 1
   local admitted = 1
   local quotas, quota_room = false, false
   local base = r + 1
   r = r + 1
   -- Units earlier keys of this decision take from a counter: a counter
   -- named twice is checked against both costs, not twice against one.
-  local claims = {}
+  local claims = false
+  if nkeys > 1 then claims = {} end
   for i = 1, nkeys do
     local key = KEYS[k + i]
-    local cost = num(ARGV[a])
-    local role = num(ARGV[a + 1])
-    local shadow = role % 2 == 1
-    local quota = role >= 2
-    local nwin = num(ARGV[a + 2])
-    a = a + 3
-    local s = nil
-    local claim = claims[key] or 0
+    local shape = kind[i + 1]
+    local cost = shape[1]
+    local s = false
+    local claim = claims and claims[key] or 0
     local fits = true
-    local longest = 0
     local bucketed = false
     r = r + 1 -- charged, filled in below
-    for w = 1, nwin do
-      local limit = num(ARGV[a])
-      local period = num(ARGV[a + 1])
-      local precision = num(ARGV[a + 2])
-      a = a + 3
+    for w = 1, shape[5] do
+      local limit, period, precision = shape[3 * w + 3], shape[3 * w + 4], shape[3 * w + 5]
       local used, reset, retry = claim, period, -1
       if precision > 0 then
         if not ring then rings_setup() end
@@ -671,7 +708,6 @@ for _ = 1, num(ARGV[3]) do
         used, reset, retry = ring_window(rs, limit, claim, cost)
         if retry ~= -1 then fits = false end
       else
-        if period > longest then longest = period end
         -- The entries are read only for a key with an exact window.
         if not s then s = counter(key) end
         local f = first_in_window(key, s, period)
@@ -694,50 +730,62 @@ for _ = 1, num(ARGV[3]) do
       reply[r + 3] = retry
       r = r + 3
     end
-    if quota then
+    if shape[3] then
       quotas = true
-      if fits or shadow then quota_room = true end
-    elseif not fits and not shadow then
+      if fits or shape[2] then quota_room = true end
+    elseif not fits and not shape[2] then
       admitted = 0
     end
-    if fits then claims[key] = claim + cost end
-    keys[i] = { key, s or false, fits, cost, longest, r - 3 * nwin, bucketed }
+    if fits and claims then claims[key] = claim + cost end
+    local h = 3 * i
+    held[h - 2], held[h - 1], held[h] = s, fits, bucketed
   end
 
   if quotas and not quota_room then admitted = 0 end
   reply[base] = admitted
+  -- Each key's charged flag comes before its windows.
+  local at = base + 1
   for i = 1, nkeys do
-    local key, s, fits, cost, longest, at, bucketed = unpack(keys[i])
+    local h = 3 * i
+    local s, fits, bucketed = held[h - 2], held[h - 1], held[h]
+    local shape = kind[i + 1]
+    local cost = shape[1]
     local charged = 0
-    if bucketed and admitted == 1 and not dry and fits and cost > 0 then
-      for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
-    end
-    if s and admitted == 1 and not dry and fits and cost > 0 then
-      if s.pend_n == 0 then
-        -- The entry carries this call's clock (never before the last entry,
-        -- which a clock step back could otherwise ask for), so no later call
-        -- can see an entry from its own future. The whole ID is spelled
-        -- out: `ms-*` would need Redis 7.
-        local ms, seq = now, 0
-        if s.last_ms >= ms then
-          ms, seq = s.last_ms, s.last_seq + 1
+    if admitted == 1 and not dry and fits and cost > 0 then
+      charged = 1
+      if bucketed then
+        for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
+      end
+      if s then
+        if s.pend_n == 0 then
+          -- The entry carries this call's clock (never before the last
+          -- entry, which a clock step back could otherwise ask for), so no
+          -- later call can see an entry from its own future. The whole ID
+          -- is spelled out: `ms-*` would need Redis 7.
+          local ms, seq = now, 0
+          if s.last_ms >= ms then
+            ms, seq = s.last_ms, s.last_seq + 1
+          end
+          s.pend_ms, s.pend_seq = ms, seq
+          touched[#touched + 1] = KEYS[k + i]
         end
-        s.pend_ms, s.pend_seq = ms, seq
-        touched[#touched + 1] = key
+        s.pend_n = s.pend_n + cost
+        s.total = (s.total + cost) % M
+        -- Every window of this counter that had no entry has this one now,
+        -- including windows other decisions in this call asked about. Its
+        -- c - n stays the total before this call's first charge, which is
+        -- what counts from it.
+        if s.empty then
+          for period, f in pairs(s.first) do
+            if f == false then s.first[period] = { s.total, cost, s.pend_ms } end
+          end
+          s.empty = false
+        end
+        if shape[4] > s.longest then s.longest = shape[4] end
       end
-      s.pend_n = s.pend_n + cost
-      s.total = (s.total + cost) % M
-      -- Every window of this counter that had no entry has this one now,
-      -- including windows other decisions in this call asked about. Its
-      -- c - n stays the total before this call's first charge, which is
-      -- what counts from it.
-      for period, f in pairs(s.first) do
-        if f == false then s.first[period] = { s.total, cost, s.pend_ms } end
-      end
-      if longest > s.longest then s.longest = longest end
     end
-    if admitted == 1 and not dry and fits and cost > 0 then charged = 1 end
     reply[at] = charged
+    at = at + 1 + 3 * shape[5]
   end
   k = k + nkeys
 end

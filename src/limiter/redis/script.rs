@@ -78,22 +78,84 @@ impl DecideScript {
             self.loaded.store(true, Ordering::Relaxed);
         }
         let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+        let shapes = Shapes::of(decisions);
         let mut call = self.script.prepare_invoke();
-        call.arg(pinned).arg(self.compact_entries).arg(decisions.len());
-        for (checks, dry_run) in decisions {
-            call.arg(checks.len()).arg(u8::from(*dry_run));
+        call.arg(pinned).arg(self.compact_entries).arg(shapes.checks.len());
+        for check in &shapes.checks {
+            call.arg(check.cost)
+                .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
+                .arg(check.windows.len());
+            for w in &check.windows {
+                call.arg(w.requests).arg(w.period_ms).arg(w.precision_ms);
+            }
+        }
+        call.arg(shapes.decisions.len());
+        for (dry_run, checks) in &shapes.decisions {
+            call.arg(u8::from(*dry_run)).arg(checks.len());
+            for shape in checks {
+                call.arg(*shape);
+            }
+        }
+        call.arg(decisions.len());
+        for (checks, _) in decisions {
             for check in checks.iter() {
                 call.key(&check.key);
-                call.arg(check.cost)
-                    .arg(u8::from(check.shadow) | u8::from(check.quota) << 1)
-                    .arg(check.windows.len());
-                for w in &check.windows {
-                    call.arg(w.requests).arg(w.period_ms).arg(w.precision_ms);
-                }
             }
+        }
+        for shape in &shapes.of_decision {
+            call.arg(*shape);
         }
         let reply: Vec<i64> = call.invoke_async(conn).await?;
         parse_reply(&reply, decisions)
+    }
+}
+
+/// What a call's decisions have in common, sent once: the shapes of their
+/// checks (all but the key) and of the decisions (dry run, and each key's
+/// check shape), numbered from 1 as the script's tables are.
+struct Shapes<'a> {
+    checks: Vec<&'a OwnedCheck>,
+    decisions: Vec<(bool, Vec<usize>)>,
+    of_decision: Vec<usize>,
+}
+
+impl<'a> Shapes<'a> {
+    /// A batch holds at most a few shapes (one per matching rule set), so a
+    /// linear search finds them faster than hashing would.
+    fn of(decisions: &[(&'a [OwnedCheck], bool)]) -> Self {
+        let mut shapes = Shapes {
+            checks: Vec::new(),
+            decisions: Vec::new(),
+            of_decision: Vec::with_capacity(decisions.len()),
+        };
+        for (checks, dry_run) in decisions {
+            let numbers: Vec<usize> = checks.iter().map(|c| shapes.check(c)).collect();
+            let found = shapes.decisions.iter().position(|(d, n)| d == dry_run && *n == numbers);
+            let number = match found {
+                Some(i) => i,
+                None => {
+                    shapes.decisions.push((*dry_run, numbers));
+                    shapes.decisions.len().saturating_sub(1)
+                }
+            };
+            shapes.of_decision.push(number.saturating_add(1));
+        }
+        shapes
+    }
+
+    fn check(&mut self, check: &'a OwnedCheck) -> usize {
+        let same = |c: &&OwnedCheck| {
+            c.cost == check.cost && c.shadow == check.shadow && c.quota == check.quota && c.windows == check.windows
+        };
+        let found = self.checks.iter().position(same);
+        let index = match found {
+            Some(i) => i,
+            None => {
+                self.checks.push(check);
+                self.checks.len().saturating_sub(1)
+            }
+        };
+        index.saturating_add(1)
     }
 }
 
