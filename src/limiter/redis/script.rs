@@ -1,6 +1,7 @@
 //! The decision script's wire format: the arguments of one call and the
 //! reply read back into answers (the script itself is `decide.lua`).
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -90,9 +91,10 @@ impl DecideScript {
             }
         }
         call.arg(shapes.decisions.len());
-        for (dry_run, checks) in &shapes.decisions {
-            call.arg(u8::from(*dry_run)).arg(checks.len());
-            for shape in checks {
+        for (dry_run, at) in &shapes.decisions {
+            let numbers = shapes.numbers.get(at.clone()).unwrap_or_default();
+            call.arg(u8::from(*dry_run)).arg(numbers.len());
+            for shape in numbers {
                 call.arg(*shape);
             }
         }
@@ -115,7 +117,9 @@ impl DecideScript {
 /// check shape), numbered from 1 as the script's tables are.
 struct Shapes<'a> {
     checks: Vec<&'a OwnedCheck>,
-    decisions: Vec<(bool, Vec<usize>)>,
+    /// Dry run, and where the decision's check shapes lie in `numbers`.
+    decisions: Vec<(bool, Range<usize>)>,
+    numbers: Vec<usize>,
     of_decision: Vec<usize>,
 }
 
@@ -126,15 +130,29 @@ impl<'a> Shapes<'a> {
         let mut shapes = Shapes {
             checks: Vec::new(),
             decisions: Vec::new(),
+            numbers: Vec::new(),
             of_decision: Vec::with_capacity(decisions.len()),
         };
         for (checks, dry_run) in decisions {
-            let numbers: Vec<usize> = checks.iter().map(|c| shapes.check(c)).collect();
-            let found = shapes.decisions.iter().position(|(d, n)| d == dry_run && *n == numbers);
+            // Written after the known shapes, and taken back if one matches:
+            // no allocation per decision.
+            let start = shapes.numbers.len();
+            for check in checks.iter() {
+                let number = shapes.check(check);
+                shapes.numbers.push(number);
+            }
+            let (known, this) = shapes.numbers.split_at(start);
+            let found = shapes
+                .decisions
+                .iter()
+                .position(|(d, at)| d == dry_run && known.get(at.clone()) == Some(this));
             let number = match found {
-                Some(i) => i,
+                Some(i) => {
+                    shapes.numbers.truncate(start);
+                    i
+                }
                 None => {
-                    shapes.decisions.push((*dry_run, numbers));
+                    shapes.decisions.push((*dry_run, start..shapes.numbers.len()));
                     shapes.decisions.len().saturating_sub(1)
                 }
             };
@@ -208,3 +226,45 @@ fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec
     Ok(answers)
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(key: &str, cost: u64, requests: u64) -> OwnedCheck {
+        OwnedCheck {
+            key: key.into(),
+            windows: vec![Window {
+                requests,
+                period_ms: 60_000,
+                precision_ms: 0,
+            }],
+            cost,
+            shadow: false,
+            quota: false,
+        }
+    }
+
+    #[test]
+    fn a_batch_sends_each_shape_once_and_every_decision_its_own_number() {
+        let one = [check("a", 1, 10)];
+        let other_key = [check("b", 1, 10)];
+        let two = [check("a", 1, 10), check("c", 2, 10)];
+        let other_limit = [check("a", 1, 11)];
+        let decisions: Vec<(&[OwnedCheck], bool)> =
+            vec![(&one, false), (&two, false), (&other_key, false), (&one, true), (&other_limit, false)];
+        let shapes = Shapes::of(&decisions);
+        // Keys are not part of a shape; cost and windows are.
+        assert_eq!(shapes.checks.len(), 3);
+        let kinds: Vec<(bool, &[usize])> = shapes
+            .decisions
+            .iter()
+            .map(|(dry, at)| (*dry, shapes.numbers.get(at.clone()).unwrap()))
+            .collect();
+        assert_eq!(
+            kinds,
+            vec![(false, &[1][..]), (false, &[1, 2][..]), (true, &[1][..]), (false, &[3][..])]
+        );
+        assert_eq!(shapes.of_decision, vec![1, 2, 1, 3, 4]);
+    }
+}
