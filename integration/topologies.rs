@@ -57,6 +57,14 @@ rules:
     match: { path: /k }
     by: [\"header:x-key\"]
     limits: [{ requests: 4, per: 60s }]
+  - name: race-shared
+    match: { path: /race/* }
+    by: [\"header:x-shared\"]
+    limits: [{ requests: 10, per: 1h }]
+  - name: race-own
+    match: { path: /race/both }
+    by: [\"header:x-own\"]
+    limits: [{ requests: 10, per: 1h }]
   - name: per-ip
     match: { path: /k }
     by: [client_ip]
@@ -171,6 +179,62 @@ async fn redis_cluster_of_three_masters() {
     let a = get(&c, &tg.url("/k"), &other_ip).await;
     assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "the key holds exactly 4");
     assert_eq!(a.json()["rule"], "per-key");
+
+    // One instance's own requests race between a dry run and its charges:
+    // requests on two slots (`race-own`, `race-shared`) while requests on
+    // `race-shared` alone fill it. The tighter slot is charged first and a
+    // refusal there ends the charging, so every refused request left
+    // `race-own` as it was. (Before, slots were charged in their order, own
+    // first, all of them even after one refused: 2 of 3 runs failed here.)
+    for round in 0..6 {
+        let (own, shared) = (format!("o-race{round}"), format!("s-race{round}"));
+        for _ in 0..5 {
+            let only = get(&c, &tg.url("/race/only"), &[("x-shared", &shared)]).await;
+            assert_eq!(only.status, StatusCode::OK);
+        }
+        let mut calls = tokio::task::JoinSet::new();
+        for i in 0..45 {
+            let (own, shared, url) = (
+                own.clone(),
+                shared.clone(),
+                tg.url(if i % 3 == 0 { "/race/both" } else { "/race/only" }),
+            );
+            calls.spawn(async move {
+                let both = url.ends_with("/both");
+                let headers = [("x-shared", shared.as_str()), ("x-own", own.as_str())];
+                let n = if both { 2 } else { 1 };
+                (
+                    both,
+                    get(&client(), &url, headers.get(..n).unwrap_or_default()).await.status,
+                )
+            });
+        }
+        let (mut both_admitted, mut admitted) = (0, 0);
+        while let Some(call) = calls.join_next().await {
+            let (both, status) = call.unwrap();
+            if status == StatusCode::OK {
+                admitted += 1;
+                both_admitted += usize::from(both);
+            }
+        }
+        assert_eq!(admitted, 5, "race-shared had room for 5 more");
+        // What `race-own` has left, with a fresh `race-shared` counter.
+        let fresh = format!("s-fresh{round}");
+        let mut own_left = 0;
+        while own_left < 12
+            && get(&c, &tg.url("/race/both"), &[("x-shared", &fresh), ("x-own", &own)])
+                .await
+                .status
+                == StatusCode::OK
+        {
+            own_left += 1;
+        }
+        assert_eq!(
+            own_left,
+            10 - both_admitted,
+            "round {round}: only the admitted requests charged race-own"
+        );
+    }
 
     // Quota mode is a rule about the whole request, and its counters sit in
     // different slots here: decided across the slots, not per slot.

@@ -125,7 +125,9 @@ impl Limiter {
                 let asked = self.clock.now_ms();
                 let decision = self.ask_store(hits).await;
                 self.denials.remember(hits, &decision, asked);
-                if decision.verdict == Verdict::Allowed {
+                // A refusal can have charged too: on Redis Cluster, a slot
+                // charged before another refused (the store's gap).
+                if decision.rules.iter().any(|r| r.charged) {
                     self.denials.charged(hits, &decision);
                 }
                 for r in &decision.rules {

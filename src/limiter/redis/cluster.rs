@@ -41,14 +41,31 @@ impl RedisStore {
         if !dry.admitted {
             return Ok(dry);
         }
-        let mut answers = Vec::with_capacity(parts.len());
-        for part in &parts {
-            answers.push(single(self.script.call(&mut conn, &[(part, false)]).await?)?);
+        // Between the dry run and a part's charge, any other decision on
+        // its counters (this instance's own included) may fill one. The
+        // part with the least room is charged first, and the first part
+        // that refuses ends the charging: a counter filled meanwhile is
+        // most likely the tightest, and then nothing stays charged.
+        let mut counts = dry.checks;
+        let mut admitted = true;
+        for g in tightest_first(&groups, &checks, &counts) {
+            let (Some(part), Some(idx)) = (parts.get(g), groups.values().nth(g)) else {
+                continue;
+            };
+            let answer = single(self.script.call(&mut conn, &[(part, false)]).await?)?;
+            for (&i, count) in idx.iter().zip(answer.checks) {
+                if let Some(slot) = counts.get_mut(i) {
+                    *slot = count;
+                }
+            }
+            if !answer.admitted {
+                admitted = false;
+                break;
+            }
         }
-        let admitted = answers.iter().all(|a| a.admitted);
         Ok(StoreAnswer {
             admitted,
-            checks: in_order(&groups, answers, checks.len()),
+            checks: counts,
         })
     }
 
@@ -113,6 +130,29 @@ fn parts(groups: &BTreeMap<&str, Vec<usize>>, checks: &[OwnedCheck]) -> Vec<Vec<
         .collect()
 }
 
+/// The groups' numbers (their order in `groups`), the one with the least
+/// room first: a group's room is the least, over its checks that can refuse
+/// and their windows, of what `counts` (a dry run's) leave after the check's
+/// cost. A group nothing in can refuse comes last; ties keep their order.
+fn tightest_first(groups: &BTreeMap<&str, Vec<usize>>, checks: &[OwnedCheck], counts: &[CheckCount]) -> Vec<usize> {
+    let room = |idx: &Vec<usize>| {
+        idx.iter()
+            .filter_map(|&i| Some((checks.get(i)?, counts.get(i)?)))
+            .filter(|(c, _)| !c.shadow && !c.quota)
+            .flat_map(|(c, n)| {
+                c.windows
+                    .iter()
+                    .zip(&n.windows)
+                    .map(|(w, n)| w.requests.saturating_sub(n.used.saturating_add(c.cost)))
+            })
+            .min()
+            .unwrap_or(u64::MAX)
+    };
+    let mut order: Vec<(u64, usize)> = groups.values().map(room).zip(0..).collect();
+    order.sort_by_key(|&(room, _)| room);
+    order.into_iter().map(|(_, g)| g).collect()
+}
+
 /// The parts' answers back in the order the checks came in.
 fn in_order(groups: &BTreeMap<&str, Vec<usize>>, answers: Vec<StoreAnswer>, n: usize) -> Vec<CheckCount> {
     let mut merged: Vec<Option<CheckCount>> = vec![None; n];
@@ -148,7 +188,49 @@ fn hash_tag(key: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
-    use super::hash_tag;
+    use super::*;
+    use crate::limiter::WindowCount;
+
+    fn check(key: &str, requests: u64, cost: u64, shadow: bool) -> OwnedCheck {
+        OwnedCheck::per_minute(key, requests, cost, shadow)
+    }
+
+    fn used(n: u64) -> CheckCount {
+        CheckCount {
+            charged: false,
+            windows: vec![WindowCount {
+                used: n,
+                reset_ms: 0,
+                retry_ms: None,
+                never: false,
+            }],
+        }
+    }
+
+    #[test]
+    fn the_slot_with_the_least_room_is_charged_first() {
+        // Slots a (room 10 - 2 - 1 = 7), b (room 5 - 1 - 3 = 1, and a wide
+        // check with room 90), c (a shadow check only: it never refuses).
+        let checks = [
+            check("tg:2{a}x", 10, 1, false),
+            check("tg:2{b}x", 5, 3, false),
+            check("tg:2{b}y", 100, 3, false),
+            check("tg:2{c}x", 1, 1, true),
+        ];
+        let counts = [used(2), used(1), used(7), used(50)];
+        let groups = tag_groups(&checks);
+        assert_eq!(groups.keys().copied().collect::<Vec<_>>(), ["a", "b", "c"]);
+        assert_eq!(tightest_first(&groups, &checks, &counts), [1, 0, 2]);
+        // Equal room keeps the slots' order.
+        let counts = [used(2), used(0), used(0), used(0)];
+        let checks = [
+            check("tg:2{a}x", 10, 1, false),
+            check("tg:2{b}x", 10, 3, false),
+            check("tg:2{b}y", 100, 3, false),
+            check("tg:2{c}x", 1, 1, true),
+        ];
+        assert_eq!(tightest_first(&groups, &checks, &counts), [0, 1, 2]);
+    }
 
     #[test]
     fn hash_tags_as_redis_cluster_reads_them() {

@@ -22,8 +22,11 @@
 //! `limits/keys.rs`). One group is one atomic call. Several groups are
 //! decided in two steps: a dry run of every group (checks with the real
 //! costs, charges nothing), then, only if all have room, the charging calls.
-//! Between the two steps another instance may fill a group; then the groups
-//! charged before it stay charged. That window is one round trip wide.
+//! Between the two steps any other decision on the same counters (this
+//! instance's own too) may fill a group; then the groups charged before it
+//! stay charged. That window is one round trip wide; the tightest group is
+//! charged first and charging stops at a refusal, which closes it whenever
+//! only one group's counter fills meanwhile.
 
 mod cluster;
 mod lanes;

@@ -228,10 +228,9 @@ fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec
 
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn check(key: &str, cost: u64, requests: u64) -> OwnedCheck {
+impl OwnedCheck {
+    /// A check of `cost` against `requests` a minute, for tests.
+    pub(super) fn per_minute(key: &str, requests: u64, cost: u64, shadow: bool) -> Self {
         OwnedCheck {
             key: key.into(),
             windows: vec![Window {
@@ -240,9 +239,18 @@ mod tests {
                 precision_ms: 0,
             }],
             cost,
-            shadow: false,
+            shadow,
             quota: false,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(key: &str, cost: u64, requests: u64) -> OwnedCheck {
+        OwnedCheck::per_minute(key, requests, cost, false)
     }
 
     #[test]
