@@ -262,13 +262,12 @@ impl Proxy {
                 }
                 tokio::time::sleep(timeout).await;
             };
-            // Boxed: each enclosing future (exchange, forward, handle, and
-            // the connection's) held the send's state over again, about
-            // doubling at each level, and the handler's future came to
-            // 11 KB, copied whole into its box on every request (2.7 KB
-            // now; BENCHMARKS.md §36).
+            // Not boxed: the send keeps its rare, large steps (connecting,
+            // HTTP/2) in boxes of their own, so its future is ~1.3 KB; boxed
+            // here it was 8.5 KB, copied whole into the box on every request
+            // (BENCHMARKS.md §36, §40).
             tokio::select! {
-                answer = Box::pin(self.pool.send(upstream_req, needs_h2)) => Ok(answer),
+                answer = self.pool.send(upstream_req, needs_h2) => Ok(answer),
                 () = waited => Err(()),
             }
         };

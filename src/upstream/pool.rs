@@ -239,7 +239,7 @@ impl UpstreamPool {
             // A body-less request can be sent again as it was if the
             // upstream refuses it unprocessed.
             let again = req.body().is_end_stream().then(|| Replay::of(&req));
-            match self.send_h2(h2, req).await {
+            match Box::pin(self.send_h2(h2, req)).await {
                 Ok(Ok(response)) => return Ok(response),
                 // The connection was going away (NGINX ends one with GOAWAY
                 // after keepalive_requests): nothing went out, so a new
@@ -267,17 +267,21 @@ impl UpstreamPool {
                 Some(Taken::Live(sender, idle)) => (sender, true, idle),
                 Some(Taken::Parked(parked)) => {
                     let idle = parked.since.elapsed().saturating_add(PARK_AFTER);
-                    match self.unpark(parked).await {
+                    match Box::pin(self.unpark(parked)).await {
                         Some(sender) => (sender, true, idle),
                         None => continue,
                     }
                 }
-                None => match self.connect(h2c, !switching).await? {
+                // Boxed, as the other rare steps: connecting (TCP, TLS,
+                // the HTTP/2 handshake) is kilobytes of future, and the
+                // send's future, sized for its largest step, was copied
+                // whole into its box on every request (~8 KB).
+                None => match Box::pin(self.connect(h2c, !switching)).await? {
                     Connected::Http1(sender) => (sender, false, Duration::ZERO),
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
                         // A fresh connection failing is final.
-                        return self.send_h2(h2, req).await?.map_err(|_| SendError::Unsent);
+                        return Box::pin(self.send_h2(h2, req)).await?.map_err(|_| SendError::Unsent);
                     }
                 },
             };
