@@ -8,6 +8,14 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 pub trait Clock: Send + Sync {
     /// Milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// Milliseconds since the Unix epoch at `instant`, a moment just read:
+    /// a clock kept by [`Instant`] answers without reading the time again
+    /// (each read is a system clock read, several per request add up).
+    fn at(&self, instant: Instant) -> u64 {
+        let _ = instant;
+        self.now_ms()
+    }
 }
 
 /// Wall-clock milliseconds, advanced by a monotonic clock so that a step of
@@ -32,8 +40,13 @@ impl Default for SystemClock {
 
 impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
-        let elapsed = u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX);
-        self.epoch_ms.saturating_add(elapsed)
+        self.at(Instant::now())
+    }
+
+    fn at(&self, instant: Instant) -> u64 {
+        let elapsed = instant.saturating_duration_since(self.start);
+        self.epoch_ms
+            .saturating_add(u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX))
     }
 }
 

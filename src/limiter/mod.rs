@@ -105,9 +105,12 @@ impl Limiter {
                 rules: Vec::new(),
             };
         }
+        // One read of the time for the cache, the store's timing and the
+        // decision's: a request's path reads the clock enough already.
         let started = Instant::now();
+        let now_ms = self.clock.at(started);
         let metrics = metrics::get();
-        let decision = match self.denials.check(hits, self.clock.now_ms()) {
+        let decision = match self.denials.check(hits, now_ms) {
             Some(cached) => {
                 metrics.denial_cache_hit();
                 // A caller refused again and again is in use, not idle: its
@@ -122,9 +125,8 @@ impl Limiter {
             None => {
                 // The store decided after this instant: a cached refusal
                 // counts its retry time from here, never from the reply.
-                let asked = self.clock.now_ms();
-                let decision = self.ask_store(hits).await;
-                self.denials.remember(hits, &decision, asked);
+                let decision = self.ask_store(hits, started).await;
+                self.denials.remember(hits, &decision, now_ms);
                 // A refusal can have charged too: on Redis Cluster, a slot
                 // charged before another refused (the store's gap).
                 if decision.rules.iter().any(|r| r.charged) {
@@ -162,9 +164,9 @@ impl Limiter {
         Ok((decision_of(hits, answer), Some(counts)))
     }
 
-    async fn ask_store(&self, hits: &[Hit]) -> Decision {
+    /// The store's decision for `hits`, asked at `asked`.
+    async fn ask_store(&self, hits: &[Hit], asked: Instant) -> Decision {
         let checks = checks_of(hits);
-        let asked = Instant::now();
         // Nothing to wait for in process: no deadline timer on the hot path.
         let answer = match self.store.in_process() {
             true => self.store.decide(&checks).await,

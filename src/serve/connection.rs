@@ -141,8 +141,11 @@ impl Activity {
         }
     }
 
-    fn touch(&self) {
-        let ms = u64::try_from(self.opened.elapsed().as_millis()).unwrap_or(u64::MAX);
+    /// Activity at `now` (a moment just read: the request's own timing
+    /// reads the clock too, and one read serves both).
+    fn touch(&self, now: Instant) {
+        let since = now.saturating_duration_since(self.opened);
+        let ms = u64::try_from(since.as_millis()).unwrap_or(u64::MAX);
         self.last_ms.store(ms, Ordering::Relaxed);
     }
 
@@ -150,17 +153,19 @@ impl Activity {
     /// park, see [`never_parks`]); the connection is busy until the result
     /// is dropped.
     fn began(self: &Arc<Self>, never_park: bool) -> Busy {
-        self.touch();
+        let now = Instant::now();
+        self.touch(now);
         self.served.store(true, Ordering::Relaxed);
         self.head_ms.store(0, Ordering::Relaxed);
         if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
-            self.listener.metrics.first_request_seconds.observe(self.opened.elapsed().as_secs_f64());
+            let waited = now.saturating_duration_since(self.opened);
+            self.listener.metrics.first_request_seconds.observe(waited.as_secs_f64());
         }
         if never_park {
             self.never_park.store(true, Ordering::Relaxed);
         }
         self.in_flight.fetch_add(1, Ordering::Relaxed);
-        Busy(self.clone(), Instant::now())
+        Busy(self.clone(), now)
     }
 
     /// How long until an idle connection should be parked (zero: now);
@@ -248,8 +253,10 @@ struct Busy(Arc<Activity>, Instant);
 impl Drop for Busy {
     fn drop(&mut self) {
         self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
-        self.0.touch();
-        self.0.listener.metrics.response_seconds.observe(self.1.elapsed().as_secs_f64());
+        let now = Instant::now();
+        self.0.touch(now);
+        let took = now.saturating_duration_since(self.1);
+        self.0.listener.metrics.response_seconds.observe(took.as_secs_f64());
     }
 }
 
