@@ -281,6 +281,102 @@ async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
     assert_eq!(metric(&tg, "tollgate_client_body_stalls_total").await, 1);
 }
 
+/// A listener that accepts connections and then neither reads nor writes.
+async fn mute_upstream() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            held.push(s);
+        }
+    });
+    addr
+}
+
+/// Sends `head` and then `body_len` bytes (written from another task, as a
+/// client uploading), and reads the answer's first line within `limit`.
+async fn upload(addr: std::net::SocketAddr, head: String, body_len: usize, limit: Duration) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (mut r, mut w) = s.into_split();
+    tokio::spawn(async move {
+        w.write_all(head.as_bytes()).await.unwrap();
+        let chunk = vec![b'x'; 64 * 1024];
+        let mut left = body_len;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            if w.write_all(chunk.get(..n).unwrap()).await.is_err() {
+                return;
+            }
+            left -= n;
+        }
+        std::future::pending::<()>().await;
+    });
+    let mut out = vec![0u8; 256];
+    let n = tokio::time::timeout(limit, r.read(&mut out))
+        .await
+        .map_or(0, |n| n.unwrap_or(0));
+    String::from_utf8_lossy(out.get(..n).unwrap_or_default())
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[tokio::test]
+async fn a_request_body_the_upstream_never_takes_is_a_504_not_held_forever() {
+    // From the seventh attack: a POST to an upstream whose TLS handshake
+    // never completes, or that stops reading an upload, was never answered
+    // (the wait for the answer begins once the body is sent, and it never
+    // was). NGINX ends both (proxy_connect_timeout, proxy_send_timeout).
+    let mute = mute_upstream().await;
+    let tls = Tollgate::start_upstream_url(
+        "domain: d\nrules: []\n",
+        &format!("https://localhost:{}", mute.port()),
+        &["--upstream-timeout", "1s", "--upstream-body-timeout", "1s"],
+    );
+    let started = std::time::Instant::now();
+    let first = upload(
+        tls.addr,
+        "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n".into(),
+        3,
+        Duration::from_secs(10),
+    )
+    .await;
+    assert!(first.starts_with("HTTP/1.1 504"), "{first:?}\n{}", tls.log_text());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "held {:?}",
+        started.elapsed()
+    );
+    assert!(tls.logged("upstream took none of the request body"));
+
+    // Plain HTTP, an upstream that accepts and never reads: a 64 MB upload
+    // fills the sockets' buffers, then nothing moves.
+    let plain = Tollgate::start(
+        "domain: d\nrules: []\n",
+        mute,
+        &["--upstream-timeout", "1s", "--upstream-body-timeout", "1s"],
+    );
+    let started = std::time::Instant::now();
+    let first = upload(
+        plain.addr,
+        format!("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n", 64 << 20),
+        64 << 20,
+        Duration::from_secs(15),
+    )
+    .await;
+    assert!(first.starts_with("HTTP/1.1 504"), "{first:?}\n{}", plain.log_text());
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "held {:?}",
+        started.elapsed()
+    );
+    assert_eq!(metric(&plain, "tollgate_upstream_body_stalls_total").await, 1);
+    assert_eq!(metric(&plain, "tollgate_client_body_stalls_total").await, 0);
+}
+
 #[tokio::test]
 async fn an_upstream_switch_nobody_asked_for_is_a_502() {
     let up = stalling_upstream(

@@ -92,6 +92,15 @@ pub struct Proxy {
     options: ProxyOptions,
 }
 
+/// Why the wait for the upstream ended before its answer.
+enum Waited {
+    /// Nothing of the request's body was taken for this long (the
+    /// connection never came up, or the upstream stopped reading).
+    NotTaken(Duration),
+    /// No answer within `--upstream-timeout` of the request sent whole.
+    NoAnswer,
+}
+
 impl Proxy {
     /// A proxy deciding with `limiter` against the live limits in `catalog`.
     pub fn new(limiter: Arc<Limiter>, catalog: SharedCatalog, options: ProxyOptions) -> Self {
@@ -257,10 +266,34 @@ impl Proxy {
                     // The caller's own deadline ends the wait (in `handle`).
                     return std::future::pending().await;
                 }
-                if let Ok(whole) = (&mut body_sent).await {
-                    let _ = body_told.set(whole);
+                // The upstream side must keep taking the body: a connection
+                // that never comes up (a dropped SYN, a TLS handshake never
+                // answered) or an upstream that stops reading would hold a
+                // request with a body forever, its answer's wait never
+                // begun. Nothing asked of the body for the body timeout,
+                // while not waiting on the client, ends it (NGINX's
+                // `proxy_connect_timeout` and `proxy_send_timeout`).
+                let limit = self.options.body_timeout;
+                let mut seen = body_sent.asked();
+                loop {
+                    match tokio::time::timeout(limit, body_sent.finished()).await {
+                        Ok(told) => {
+                            if let Some(whole) = told {
+                                let _ = body_told.set(whole);
+                            }
+                            break;
+                        }
+                        Err(_) => {
+                            let now = body_sent.asked();
+                            if now.is_some() && now == seen {
+                                return Waited::NotTaken(limit);
+                            }
+                            seen = now;
+                        }
+                    }
                 }
                 tokio::time::sleep(timeout).await;
+                Waited::NoAnswer
             };
             // Not boxed: the send keeps its rare, large steps (connecting,
             // HTTP/2) in boxes of their own, so its future is ~1.3 KB; boxed
@@ -268,7 +301,7 @@ impl Proxy {
             // (BENCHMARKS.md §36, §40).
             tokio::select! {
                 answer = self.pool.send(upstream_req, needs_h2) => Ok(answer),
-                () = waited => Err(()),
+                waited = waited => Err(waited),
             }
         };
         let class = match &answer {
@@ -279,7 +312,7 @@ impl Proxy {
         metrics::get().upstream(class, sent.elapsed());
         match answer {
             Ok(Ok(r)) => Ok(r),
-            Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_recv().ok()) == Some(false) => {
+            Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
                 tracing::info!(error = %e, "client request body failed (stalled past --upstream-body-timeout, or reset); the exchange was ended");
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
@@ -288,7 +321,12 @@ impl Proxy {
                 tracing::warn!(error = %e, "upstream failed");
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
-            Err(_) => {
+            Err(Waited::NotTaken(limit)) => {
+                metrics::get().body_stalled(true);
+                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?limit, "upstream took none of the request body within --upstream-body-timeout (connecting, or not reading)");
+                Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
+            }
+            Err(Waited::NoAnswer) => {
                 tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, "upstream timed out");
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }

@@ -5,10 +5,15 @@
 //! no frame arrives for the body timeout (`--upstream-body-timeout`), and the
 //! event is counted. The client's body also tells the proxy when it has been
 //! sent whole, so the wait for the upstream's answer (`--upstream-timeout`)
-//! starts then, not while the client is still uploading.
+//! starts then, not while the client is still uploading; and it tells
+//! whether the upstream side is taking it at all (a connection that never
+//! comes up, an upstream that stops reading), which ends the wait after the
+//! body timeout too, as NGINX's `proxy_send_timeout` does.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -71,11 +76,44 @@ impl IdleTimer {
     }
 }
 
-/// Told once the client's body has been read: `true` whole, `false` if it
-/// failed (a stall, a reset). An HTTP/2 upstream exchange that fails after
-/// the client's body did is the client's doing, though hyper reports the
-/// reset stream.
-pub type BodyProgress = oneshot::Receiver<bool>;
+/// Where the client's body stands on its way upstream.
+pub struct BodyProgress {
+    /// Told once the body has been read: `true` whole, `false` if it failed
+    /// (a stall, a reset). An HTTP/2 upstream exchange that fails after the
+    /// client's body did is the client's doing, though hyper reports the
+    /// reset stream.
+    done: oneshot::Receiver<bool>,
+    asked: Arc<Asked>,
+}
+
+/// How the upstream connection has asked for the body.
+#[derive(Default)]
+struct Asked {
+    /// Times it asked for the next piece.
+    times: AtomicU64,
+    /// The last time, the client had not sent it yet.
+    waiting_for_client: AtomicBool,
+}
+
+impl BodyProgress {
+    /// Waits until the body has been read whole (`true`) or failed;
+    /// `None` when it was dropped unread (its exchange failed first).
+    pub async fn finished(&mut self) -> Option<bool> {
+        (&mut self.done).await.ok()
+    }
+
+    /// Whether the body has been read whole or failed, if it has.
+    pub fn try_finished(&mut self) -> Option<bool> {
+        self.done.try_recv().ok()
+    }
+
+    /// Times the upstream connection asked for a piece of the body, or
+    /// `None` while it waits for the client to send one (the client's
+    /// stall, which the body's own timer ends).
+    pub fn asked(&self) -> Option<u64> {
+        (!self.asked.waiting_for_client.load(Ordering::Relaxed)).then(|| self.asked.times.load(Ordering::Relaxed))
+    }
+}
 
 /// The client's request body on its way upstream.
 pub struct ClientBody {
@@ -84,22 +122,25 @@ pub struct ClientBody {
     timer: IdleTimer,
     /// Told once the whole body has been read, or it failed.
     sent: Option<oneshot::Sender<bool>>,
+    asked: Arc<Asked>,
 }
 
 impl ClientBody {
     /// Wraps `body`, with where its progress is told.
     pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
         let (tx, rx) = oneshot::channel();
+        let asked = Arc::new(Asked::default());
         let mut body = ClientBody {
             body: Some(body),
             timer: IdleTimer::new(idle),
             sent: Some(tx),
+            asked: asked.clone(),
         };
         // An empty body is never polled: it is sent with the head.
         if body.is_end_stream() {
             body.finished(true);
         }
-        (body, rx)
+        (body, BodyProgress { done: rx, asked })
     }
 
     /// No body at all: for a body-less request sent again.
@@ -108,6 +149,7 @@ impl ClientBody {
             body: None,
             timer: IdleTimer::new(idle),
             sent: None,
+            asked: Arc::default(),
         }
     }
 
@@ -128,6 +170,8 @@ impl Body for ClientBody {
             return Poll::Ready(None);
         };
         let frame = this.timer.poll(Pin::new(body), cx);
+        this.asked.times.fetch_add(1, Ordering::Relaxed);
+        this.asked.waiting_for_client.store(frame.is_pending(), Ordering::Relaxed);
         match &frame {
             Poll::Ready(None) => this.finished(true),
             Poll::Ready(Some(Err(e))) => {
