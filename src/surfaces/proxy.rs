@@ -33,18 +33,23 @@ pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1),
 /// and `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses.
-const HOP_BY_HOP: [HeaderName; 10] = [
+const HOP_BY_HOP: [HeaderName; 7] = [
     HeaderName::from_static("http2-settings"),
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
     header::TE,
     header::TRANSFER_ENCODING,
     header::UPGRADE,
     header::TRAILER,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
 ];
+
+/// `Proxy-*` (`Proxy-Connection`, `Proxy-Authorization`...: meant for a
+/// proxy, never passed on) and `Proxy` itself, which CGI-style servers
+/// read as their `HTTP_PROXY` setting (httpoxy).
+fn is_proxy_header(name: &HeaderName) -> bool {
+    let name = name.as_str();
+    name == "proxy" || name.starts_with("proxy-")
+}
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -431,7 +436,11 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
 fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     // One pass over the few names present is cheaper than a hashed removal
     // per hop-by-hop name, and most messages carry one at most.
-    let mut doomed: Vec<HeaderName> = headers.keys().filter(|n| HOP_BY_HOP.contains(n)).cloned().collect();
+    let mut doomed: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| HOP_BY_HOP.contains(n) || is_proxy_header(n))
+        .cloned()
+        .collect();
     if !doomed.is_empty() {
         doomed.extend(connection_tokens(headers).filter_map(|t| HeaderName::from_bytes(t).ok()));
         for name in doomed {
@@ -584,9 +593,15 @@ mod tests {
             ("te", b"trailers"),
             ("set-cookie", b"a=1"),
             ("set-cookie", b"b=2"),
+            ("proxy-foo", b"1"),
+            ("proxy", b"http://evil:1"),
+            ("proxy-authorization", b"Basic eDp5"),
+            ("proxyish", b"kept"),
         ]);
         strip_hop_by_hop(&mut h, false);
         assert!(!h.contains_key("x-secret") && !h.contains_key("connection") && !h.contains_key("te"));
+        assert!(!h.contains_key("proxy-foo") && !h.contains_key("proxy") && !h.contains_key("proxy-authorization"));
+        assert!(h.contains_key("proxyish"));
         assert_eq!(h.get_all("set-cookie").iter().count(), 2);
     }
 
