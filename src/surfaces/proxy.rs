@@ -278,17 +278,16 @@ impl Proxy {
                 // begun. Nothing asked of the body for the body timeout,
                 // while not waiting on the client, ends it (NGINX's
                 // `proxy_connect_timeout` and `proxy_send_timeout`).
-                let limit = self.options.body_timeout;
-                let mut seen = body_sent.asked();
-                loop {
-                    match tokio::time::timeout(limit, body_sent.finished()).await {
-                        Ok(told) => {
-                            if let Some(whole) = told {
-                                let _ = body_told.set(whole);
+                // A body-less request's is known at once: no timer for it.
+                let told = match body_sent.finished_now() {
+                    Some(told) => told,
+                    None => {
+                        let limit = self.options.body_timeout;
+                        let mut seen = body_sent.asked();
+                        loop {
+                            if let Ok(told) = tokio::time::timeout(limit, body_sent.finished()).await {
+                                break told;
                             }
-                            break;
-                        }
-                        Err(_) => {
                             let now = body_sent.asked();
                             if now.is_some() && now == seen {
                                 return Waited::NotTaken(limit);
@@ -296,6 +295,9 @@ impl Proxy {
                             seen = now;
                         }
                     }
+                };
+                if let Some(whole) = told {
+                    let _ = body_told.set(whole);
                 }
                 tokio::time::sleep(timeout).await;
                 Waited::NoAnswer

@@ -83,7 +83,8 @@ pub struct BodyProgress {
     /// client's body did is the client's doing, though hyper reports the
     /// reset stream.
     done: oneshot::Receiver<bool>,
-    asked: Arc<Asked>,
+    /// `None` for a body-less request: nothing is ever asked of it.
+    asked: Option<Arc<Asked>>,
 }
 
 /// How the upstream connection has asked for the body.
@@ -107,11 +108,22 @@ impl BodyProgress {
         self.done.try_recv().ok()
     }
 
+    /// As [`BodyProgress::finished`] if that is known already (a body-less
+    /// request's is, from the start), else `None`: no timer is needed then.
+    pub fn finished_now(&mut self) -> Option<Option<bool>> {
+        match self.done.try_recv() {
+            Ok(whole) => Some(Some(whole)),
+            Err(oneshot::error::TryRecvError::Closed) => Some(None),
+            Err(oneshot::error::TryRecvError::Empty) => None,
+        }
+    }
+
     /// Times the upstream connection asked for a piece of the body, or
     /// `None` while it waits for the client to send one (the client's
     /// stall, which the body's own timer ends).
     pub fn asked(&self) -> Option<u64> {
-        (!self.asked.waiting_for_client.load(Ordering::Relaxed)).then(|| self.asked.times.load(Ordering::Relaxed))
+        let asked = self.asked.as_ref()?;
+        (!asked.waiting_for_client.load(Ordering::Relaxed)).then(|| asked.times.load(Ordering::Relaxed))
     }
 }
 
@@ -122,14 +134,15 @@ pub struct ClientBody {
     timer: IdleTimer,
     /// Told once the whole body has been read, or it failed.
     sent: Option<oneshot::Sender<bool>>,
-    asked: Arc<Asked>,
+    asked: Option<Arc<Asked>>,
 }
 
 impl ClientBody {
     /// Wraps `body`, with where its progress is told.
     pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
         let (tx, rx) = oneshot::channel();
-        let asked = Arc::new(Asked::default());
+        // Most requests have no body: no allocation for them.
+        let asked = (!body.is_end_stream()).then(Arc::default);
         let mut body = ClientBody {
             body: Some(body),
             timer: IdleTimer::new(idle),
@@ -149,7 +162,7 @@ impl ClientBody {
             body: None,
             timer: IdleTimer::new(idle),
             sent: None,
-            asked: Arc::default(),
+            asked: None,
         }
     }
 
@@ -170,8 +183,10 @@ impl Body for ClientBody {
             return Poll::Ready(None);
         };
         let frame = this.timer.poll(Pin::new(body), cx);
-        this.asked.times.fetch_add(1, Ordering::Relaxed);
-        this.asked.waiting_for_client.store(frame.is_pending(), Ordering::Relaxed);
+        if let Some(asked) = &this.asked {
+            asked.times.fetch_add(1, Ordering::Relaxed);
+            asked.waiting_for_client.store(frame.is_pending(), Ordering::Relaxed);
+        }
         match &frame {
             Poll::Ready(None) => this.finished(true),
             Poll::Ready(Some(Err(e))) => {

@@ -48,8 +48,9 @@ impl RedisStore {
         // most likely the tightest, and then nothing stays charged.
         let mut counts = dry.checks;
         let mut admitted = true;
+        let indexes: Vec<&Vec<usize>> = groups.values().collect();
         for g in tightest_first(&groups, &checks, &counts) {
-            let (Some(part), Some(idx)) = (parts.get(g), groups.values().nth(g)) else {
+            let (Some(part), Some(idx)) = (parts.get(g), indexes.get(g)) else {
                 continue;
             };
             let answer = single(self.script.call(&mut conn, &[(part, false)]).await?)?;
