@@ -571,6 +571,19 @@ fn tls_nginx(pki: &Pki, san: &str) -> (Nginx, u16) {
     (Nginx::start(&extra, "location / { return 204; }"), port)
 }
 
+/// NGINX speaking h2 over TLS, certified for `localhost`, with `server`
+/// inside its `server` block.
+fn h2_nginx(pki: &Pki, server: &str) -> (Nginx, u16) {
+    let (cert, key) = pki.leaf("upstream", "localhost", Some(LOCAL));
+    let port = free_port();
+    let extra = format!(
+        "server {{ listen 127.0.0.1:{port} ssl http2; ssl_certificate {}; ssl_certificate_key {}; {server} }}",
+        cert.display(),
+        key.display()
+    );
+    (Nginx::start(&extra, "location / { return 204; }"), port)
+}
+
 fn https_upstream(upstream: &str, extra: &[&str]) -> Tollgate {
     Tollgate::start_upstream_url("domain: tls\nrules: []\n", upstream, extra)
 }
@@ -734,20 +747,17 @@ async fn curl_plain_h2(addr: std::net::SocketAddr) -> String {
 #[tokio::test]
 async fn an_upstream_that_picks_h2_gets_one_multiplexed_connection() {
     let pki = Pki::new();
-    let (cert, key) = pki.leaf("upstream", "localhost", Some(LOCAL));
     // NGINX speaking h2 over TLS, in front of the echoing test upstream, so
     // bodies and headers are seen to cross the HTTP/2 hop both ways.
     let echo = TestUpstream::start().await;
-    let port = free_port();
-    let extra = format!(
-        "server {{ listen 127.0.0.1:{port} ssl http2; ssl_certificate {}; ssl_certificate_key {}; \
-         location /proto {{ return 200 \"$server_protocol $http_host\"; }} \
-         location / {{ proxy_pass http://{}; proxy_http_version 1.1; }} }}",
-        cert.display(),
-        key.display(),
-        echo.addr
+    let (_nginx, port) = h2_nginx(
+        &pki,
+        &format!(
+            "location /proto {{ return 200 \"$server_protocol $http_host\"; }} \
+             location / {{ proxy_pass http://{}; proxy_http_version 1.1; }}",
+            echo.addr
+        ),
     );
-    let _nginx = Nginx::start(&extra, "location / { return 204; }");
     let ca = pki.ca();
     let tg = https_upstream(
         &format!("https://localhost:{port}"),
@@ -825,15 +835,10 @@ async fn an_h2_upstream_ending_its_connections_loses_no_request() {
     // (keepalive_requests counts HTTP/2 streams too): a request racing it
     // goes out on a new connection instead of failing.
     let pki = Pki::new();
-    let (cert, key) = pki.leaf("upstream", "localhost", Some(LOCAL));
-    let port = free_port();
-    let extra = format!(
-        "server {{ listen 127.0.0.1:{port} ssl http2; keepalive_requests 3; ssl_certificate {}; \
-         ssl_certificate_key {}; location / {{ return 200 \"$server_protocol\"; }} }}",
-        cert.display(),
-        key.display()
+    let (_nginx, port) = h2_nginx(
+        &pki,
+        "keepalive_requests 3; location / { return 200 \"$server_protocol\"; }",
     );
-    let _nginx = Nginx::start(&extra, "location / { return 204; }");
     let ca = pki.ca();
     let tg = https_upstream(
         &format!("https://localhost:{port}"),
@@ -878,6 +883,73 @@ async fn an_h2_upstream_ending_its_connections_loses_no_request() {
             assert_eq!(status, 200, "round {round}: {body:?}\n{}", tg.log_text());
         }
     }
+}
+
+#[tokio::test]
+async fn an_h2_upstream_ending_its_connections_loses_no_post_with_a_body() {
+    // An HTTP/2 upstream taking two streams at a time and ending each
+    // connection after three requests (NGINX's keepalive_requests): of many
+    // POSTs at once, those still waiting for a stream, or above the last
+    // one its GOAWAY says it processed, were never processed. They go out
+    // again on a new connection, body and all, as NGINX proxying to an
+    // HTTP/1.1 upstream loses none. Before, 25-45 % of them were 502s
+    // and 1 % 400 "request body could not be read".
+    let pki = Pki::new();
+    let up = TestUpstream::start().await;
+    let (_nginx, port) = h2_nginx(
+        &pki,
+        &format!(
+            "keepalive_requests 3; http2_max_concurrent_streams 2; client_max_body_size 1m; \
+             location / {{ proxy_pass http://{}; }}",
+            up.addr
+        ),
+    );
+    let ca = pki.ca();
+    let tg = https_upstream(
+        &format!("https://localhost:{port}"),
+        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
+    );
+    let c = client();
+    for round in 0..8 {
+        let calls = (0..16).map(|i| {
+            let (c, url) = (c.clone(), tg.url(&format!("/post?round={round}&i={i}")));
+            // Up to the 64 KB read whole before it is sent.
+            let body = pattern(1 + i * 4000 + round * 97);
+            async move { (send(&c, http::Method::POST, &url, &[], body.clone()).await, body) }
+        });
+        for (answer, body) in futures_join_all(calls).await {
+            assert_eq!(
+                answer.status,
+                200,
+                "round {round}: {:?}\n{}",
+                answer.body,
+                tg.log_text()
+            );
+            assert!(
+                answer.body.as_ref() == body.as_slice(),
+                "round {round}: the body came back changed"
+            );
+        }
+    }
+    // A longer body streams, so one the upstream leaves unprocessed cannot
+    // go again: a 502, as the upstream's fault, never a 400 blaming the
+    // client's body.
+    let calls = (0..32).map(|i| {
+        let (c, url) = (c.clone(), tg.url(&format!("/long?i={i}")));
+        async move { send(&c, http::Method::POST, &url, &[], pattern(200_000)).await }
+    });
+    let mut statuses = Vec::new();
+    for answer in futures_join_all(calls).await {
+        assert!(
+            answer.status == 200 || answer.status == 502,
+            "{} {:?}\n{}",
+            answer.status,
+            answer.body,
+            tg.log_text()
+        );
+        statuses.push(answer.status.as_u16());
+    }
+    assert!(!tg.logged("request body failed"), "{statuses:?}\n{}", tg.log_text());
 }
 
 #[tokio::test]

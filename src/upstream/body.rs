@@ -127,10 +127,21 @@ impl BodyProgress {
     }
 }
 
+/// A request body read whole ahead of sending, so that the request can go
+/// out again when an HTTP/2 upstream leaves it unprocessed.
+#[derive(Clone, Default)]
+pub struct Held {
+    data: Bytes,
+    trailers: Option<http::HeaderMap>,
+}
+
 /// The client's request body on its way upstream.
 pub struct ClientBody {
-    /// `None`: no body (a request sent again, whose body was empty).
+    /// `None`: the body is in `held`, or there is none.
     body: Option<Incoming>,
+    /// What is left to send of a body read ahead (boxed: rare, and the
+    /// request moves through every send).
+    held: Option<Box<Held>>,
     timer: IdleTimer,
     /// Told once the whole body has been read, or it failed.
     sent: Option<oneshot::Sender<bool>>,
@@ -145,6 +156,7 @@ impl ClientBody {
         let asked = (!body.is_end_stream()).then(Arc::default);
         let mut body = ClientBody {
             body: Some(body),
+            held: None,
             timer: IdleTimer::new(idle),
             sent: Some(tx),
             asked: asked.clone(),
@@ -156,14 +168,43 @@ impl ClientBody {
         (body, BodyProgress { done: rx, asked })
     }
 
-    /// No body at all: for a body-less request sent again.
-    pub fn empty(idle: Duration) -> Self {
+    /// A body read ahead, for a request sent again.
+    pub fn again(held: Held, idle: Duration) -> Self {
         ClientBody {
             body: None,
+            held: Some(Box::new(held)),
             timer: IdleTimer::new(idle),
             sent: None,
             asked: None,
         }
+    }
+
+    /// The whole body, read ahead if it is at most `limit` bytes long by
+    /// its declared length, so the request can be sent again; `None` for a
+    /// longer one or one of unknown length (streamed: it cannot be). Each
+    /// piece is waited for under the body timeout, as when streamed.
+    pub async fn hold(&mut self, limit: u64) -> Result<Option<Held>, BodyError> {
+        if self.held.is_some() || self.body.as_ref().is_none_or(|b| b.is_end_stream()) {
+            return Ok(Some(self.held.as_deref().cloned().unwrap_or_default()));
+        }
+        if self.size_hint().exact().is_none_or(|len| len > limit) {
+            return Ok(None);
+        }
+        let mut data = bytes::BytesMut::new();
+        let mut trailers = None;
+        while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut *self).poll_frame(cx)).await {
+            match frame?.into_data() {
+                Ok(piece) => data.extend_from_slice(&piece),
+                Err(frame) => trailers = frame.into_trailers().ok(),
+            }
+        }
+        let held = Held {
+            data: data.freeze(),
+            trailers,
+        };
+        self.body = None;
+        self.held = Some(Box::new(held.clone()));
+        Ok(Some(held))
     }
 
     fn finished(&mut self, whole: bool) {
@@ -180,7 +221,13 @@ impl Body for ClientBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
         let Some(body) = this.body.as_mut() else {
-            return Poll::Ready(None);
+            let Some(held) = this.held.as_mut() else {
+                return Poll::Ready(None);
+            };
+            if !held.data.is_empty() {
+                return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut held.data)))));
+            }
+            return Poll::Ready(held.trailers.take().map(|t| Ok(Frame::trailers(t))));
         };
         let frame = this.timer.poll(Pin::new(body), cx);
         if let Some(asked) = &this.asked {
@@ -201,11 +248,19 @@ impl Body for ClientBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.as_ref().is_none_or(|b| b.is_end_stream())
+        match (&self.body, &self.held) {
+            (Some(body), _) => body.is_end_stream(),
+            (None, Some(held)) => held.data.is_empty() && held.trailers.is_none(),
+            (None, None) => true,
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.as_ref().map_or_else(|| SizeHint::with_exact(0), |b| b.size_hint())
+        match (&self.body, &self.held) {
+            (Some(body), _) => body.size_hint(),
+            (None, Some(held)) => SizeHint::with_exact(held.data.len() as u64),
+            (None, None) => SizeHint::with_exact(0),
+        }
     }
 }
 

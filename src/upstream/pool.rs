@@ -29,7 +29,7 @@ use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::body::{BodyError, ClientBody, IdleTimer, poll_upstream};
+use super::body::{BodyError, ClientBody, Held, IdleTimer, Stalled, poll_upstream};
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
@@ -60,7 +60,7 @@ pub enum SendError {
         source: io::Error,
     },
     /// The HTTP exchange failed (connection reset, malformed response...).
-    #[error("upstream exchange failed: {0}")]
+    #[error("upstream exchange failed: {0}{causes}", causes = Causes(.0))]
     Http(#[from] hyper::Error),
     /// A protocol switch (WebSocket) asked of an upstream speaking HTTP/2.
     #[error("the upstream speaks HTTP/2: a WebSocket upgrade needs an HTTP/1.1 upstream")]
@@ -68,6 +68,9 @@ pub enum SendError {
     /// A new HTTP/2 connection closed before the request went out.
     #[error("the upstream's new HTTP/2 connection closed before the request was sent")]
     Unsent,
+    /// The client's body failed while it was read ahead (a stall, a reset).
+    #[error("the client's request body failed: {0}")]
+    ClientBody(BodyError),
     /// The request's target cannot be written as HTTP/2's `:authority` and `:path`.
     #[error("request target cannot be sent over HTTP/2: {0}")]
     Target(#[from] http::uri::InvalidUriParts),
@@ -77,9 +80,35 @@ impl SendError {
     /// The client's own request body failed while it was being sent on
     /// (a malformed chunk, a reset): the client's fault, not the upstream's.
     pub fn is_client_body(&self) -> bool {
-        // hyper's other "user" errors (its dispatch task gone when the
-        // connection died, say) carry no cause: they are not the body's.
-        matches!(self, SendError::Http(e) if e.is_user() && std::error::Error::source(e).is_some())
+        match self {
+            SendError::Http(e) => body_failed(e),
+            SendError::ClientBody(_) => true,
+            _ => false,
+        }
+    }
+}
+
+/// Whether hyper's `e` is the client body's own failure: a "user" error
+/// whose cause is what [`ClientBody`] fails with. hyper's other user
+/// errors are not the body's, though one carries a cause too: its dispatch
+/// task gone, when an HTTP/2 connection ended with requests still waiting
+/// for a stream (NGINX's GOAWAY after `keepalive_requests`).
+fn body_failed(e: &hyper::Error) -> bool {
+    e.is_user() && std::error::Error::source(e).is_some_and(|c| c.is::<Stalled>() || c.is::<hyper::Error>())
+}
+
+/// An error's causes, each after `": "`, for a log line that says what
+/// hyper only sums up ("http2 error" over "stream error received: refused").
+struct Causes<'a>(&'a hyper::Error);
+
+impl std::fmt::Display for Causes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut source = std::error::Error::source(self.0);
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
     }
 }
 
@@ -144,6 +173,19 @@ fn cause<T: std::error::Error + 'static>(e: &hyper::Error) -> Option<&T> {
         source = err.source();
     }
     None
+}
+
+/// Longest request body read whole before it is sent to an HTTP/2
+/// upstream, so it can be sent again (NGINX reads every body first, into
+/// 16 KB of memory and then a file; Envoy keeps up to 1 MB for retries).
+/// A longer one, or one of unknown length (a gRPC stream), streams.
+const HOLD_AT_MOST: u64 = 64 * 1024;
+
+/// What an attempt on the shared HTTP/2 connection came to.
+enum Attempt {
+    Answered(Response<UpstreamBody>),
+    /// Left unprocessed: to go out on a new connection.
+    Again(Request<ClientBody>),
 }
 
 /// How long an upstream connection stays idle before it is parked.
@@ -236,24 +278,10 @@ impl UpstreamPool {
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
         let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
         if let Some(h2) = self.shared_h2(h2c) {
-            // A body-less request can be sent again as it was if the
-            // upstream refuses it unprocessed.
-            let again = req.body().is_end_stream().then(|| Replay::of(&req));
-            match Box::pin(self.send_h2(h2, req)).await {
-                Ok(Ok(response)) => return Ok(response),
-                // The connection was going away (NGINX ends one with GOAWAY
-                // after keepalive_requests): nothing went out, so a new
-                // connection may carry it.
-                Ok(Err(unsent)) => req = unsent,
-                // It went out on a connection that was going away, and the
-                // upstream says it did not process it (RFC 9113 §8.7).
-                Err(SendError::Http(e)) if again.as_ref().is_some_and(|r| r.may_resend(&e)) => {
-                    let Some(again) = again else { return Err(SendError::Http(e)) };
-                    req = again.request(self.inner.body_timeout);
-                }
-                Err(e) => return Err(e),
+            match Box::pin(self.send_shared_h2(h2, req)).await? {
+                Attempt::Answered(response) => return Ok(response),
+                Attempt::Again(unsent) => req = unsent,
             }
-            *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = None;
         }
         // A protocol switch gets a connection of its own, which hyper hands
         // to the tunnel on a 101: a parkable one would not be handed over.
@@ -296,7 +324,7 @@ impl UpstreamPool {
                 && idle >= MAY_BE_CLOSING_AFTER
                 && req.method().is_idempotent()
                 && req.body().is_end_stream())
-            .then(|| Replay::of(&req));
+            .then(|| Replay::of(&req, Held::default()));
             match sender.send.try_send_request(req).await {
                 Ok(response) => return Ok(self.lease(sender, response)),
                 Err(mut e) => match e.take_message() {
@@ -318,6 +346,38 @@ impl UpstreamPool {
                 },
             }
         }
+    }
+
+    /// Sends `req` on the thread's HTTP/2 connection. A short body is read
+    /// whole first, as NGINX reads every body before it connects upstream
+    /// and Envoy keeps one for its retries: when the upstream ends the
+    /// connection with the request unprocessed (GOAWAY above it, or
+    /// REFUSED_STREAM: an upstream's `keepalive_requests` or max connection
+    /// age), it goes out again on a new connection, body and all.
+    async fn send_shared_h2(
+        &self,
+        h2: http2::SendRequest<ClientBody>,
+        mut req: Request<ClientBody>,
+    ) -> Result<Attempt, SendError> {
+        let held = req.body_mut().hold(HOLD_AT_MOST).await.map_err(SendError::ClientBody)?;
+        let again = held.map(|body| Replay::of(&req, body));
+        let attempt = match self.send_h2(h2, req).await {
+            Ok(Ok(response)) => return Ok(Attempt::Answered(response)),
+            // The connection was going away: nothing went out.
+            Ok(Err(unsent)) => Attempt::Again(unsent),
+            // It went out, and the upstream says it did not process it
+            // (RFC 9113 §8.7).
+            Err(SendError::Http(e)) => match again {
+                Some(again) if again.may_resend(&e) => {
+                    tracing::debug!(error = %SendError::Http(e), "the upstream's HTTP/2 connection left a request unprocessed; sending it again on a new one");
+                    Attempt::Again(again.request(self.inner.body_timeout))
+                }
+                _ => return Err(SendError::Http(e)),
+            },
+            Err(e) => return Err(e),
+        };
+        *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        Ok(attempt)
     }
 
     /// The thread's HTTP/2 connection, while it is open.
@@ -632,14 +692,16 @@ struct Replay {
     method: http::Method,
     uri: Uri,
     headers: http::HeaderMap,
+    body: Held,
 }
 
 impl Replay {
-    fn of(req: &Request<ClientBody>) -> Replay {
+    fn of(req: &Request<ClientBody>, body: Held) -> Replay {
         Replay {
             method: req.method().clone(),
             uri: req.uri().clone(),
             headers: req.headers().clone(),
+            body,
         }
     }
 
@@ -650,7 +712,7 @@ impl Replay {
     /// RFC 9113 §8.7); or the connection went away with an error and the
     /// method is idempotent, so sending it twice is allowed (RFC 9110 §9.2.2).
     fn may_resend(&self, e: &hyper::Error) -> bool {
-        if e.is_canceled() || (e.is_user() && std::error::Error::source(e).is_none()) {
+        if e.is_canceled() || (e.is_user() && !body_failed(e)) {
             return true;
         }
         cause::<h2::Error>(e).is_some_and(|h2| {
@@ -662,7 +724,7 @@ impl Replay {
     }
 
     fn request(self, body_timeout: Duration) -> Request<ClientBody> {
-        let mut req = Request::new(ClientBody::empty(body_timeout));
+        let mut req = Request::new(ClientBody::again(self.body, body_timeout));
         *req.method_mut() = self.method;
         *req.uri_mut() = self.uri;
         *req.headers_mut() = self.headers;
