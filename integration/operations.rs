@@ -241,6 +241,79 @@ async fn a_stalled_upstream_body_is_cut_off_not_held_forever() {
 }
 
 #[tokio::test]
+async fn a_client_that_never_reads_its_response_is_cut_off_after_the_send_timeout() {
+    // A client that asks for a large response and never reads it held its
+    // connection, and the upstream connection streaming to it, for good.
+    // As NGINX's send_timeout: past --send-timeout without the client
+    // taking a byte, the connection closes; a slow reader that keeps
+    // reading is not cut.
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &["--send-timeout", "1s"]);
+    // 50 MB: more than the kernel's buffers on both sides hold.
+    let mut stalled = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    stalled
+        .write_all(b"GET /bytes/50000000 HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    // The slow reader: 20 MB at 256 KB every 50 ms, ~4 s, each of its
+    // waits shorter than the timeout, all of them together longer.
+    let slow = tokio::spawn({
+        let addr = tg.addr;
+        async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+            s.write_all(b"GET /bytes/20000000 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let (mut got, mut buf) = (Vec::new(), vec![0u8; 256 * 1024]);
+            loop {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            got
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (mut got, mut buf) = (0usize, vec![0u8; 1 << 16]);
+    let ended = tokio::time::timeout(Duration::from_secs(20), async {
+        while let Ok(n) = stalled.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+    })
+    .await;
+    assert!(
+        ended.is_ok(),
+        "the connection of a client that never read was held open"
+    );
+    assert!(
+        got < 50_000_000,
+        "it was cut off, short of the whole response ({got} bytes)"
+    );
+    assert!(tg.logged("within --send-timeout"), "{}", tg.log_text());
+    let slow = slow.await.unwrap();
+    let head_end = slow.windows(4).position(|w| w == b"\r\n\r\n").expect("a response head") + 4;
+    assert!(slow.starts_with(b"HTTP/1.1 200"));
+    assert!(
+        slow[head_end..] == pattern(20_000_000)[..],
+        "the slow reader got all of it ({} bytes)",
+        slow.len() - head_end
+    );
+    // Nothing of the cut exchange is left: the upstream connection that
+    // streamed to it is closed, not held.
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&tg, "tollgate_upstream_connections").await > 1 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(metric(&tg, "tollgate_upstream_connections").await <= 1);
+}
+
+#[tokio::test]
 async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let up = TestUpstream::start().await;

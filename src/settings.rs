@@ -223,6 +223,11 @@ pub struct Settings {
     /// keep-alive, as NGINX's keepalive_timeout 0).
     #[arg(long, env = "TOLLGATE_KEEPALIVE_TIMEOUT", default_value = "75s", value_parser = humantime::parse_duration)]
     pub keepalive_timeout: Duration,
+    /// How long a write to a client may wait for it to read before its
+    /// connection is closed (as NGINX's send_timeout: between two writes,
+    /// not for the whole response).
+    #[arg(long, env = "TOLLGATE_SEND_TIMEOUT", default_value = "60s", value_parser = humantime::parse_duration)]
+    pub send_timeout: Duration,
     /// How long in-flight requests may finish after SIGTERM.
     #[arg(long, env = "TOLLGATE_SHUTDOWN_TIMEOUT", default_value = "10s", value_parser = humantime::parse_duration)]
     pub shutdown_timeout: Duration,

@@ -268,6 +268,43 @@ struct ClientIo {
     stream: ClientStream,
     replay: Bytes,
     activity: Arc<Activity>,
+    /// Runs while a write waits for the client to read (made on first need).
+    send_wait: SendWait,
+}
+
+/// The wait of a write for its client to read: past the send timeout the
+/// write fails and hyper closes the connection, as NGINX's `send_timeout`
+/// does. A client that never reads its response would otherwise hold its
+/// connection, and the upstream connection streaming to it, for good.
+#[derive(Default)]
+struct SendWait {
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether the last write waited (the timer runs from its start).
+    waiting: bool,
+}
+
+impl SendWait {
+    /// Passes on a write's (or flush's) outcome: a wait past `limit`
+    /// becomes a `TimedOut` error; anything done ends the wait.
+    fn check<T>(&mut self, outcome: Poll<io::Result<T>>, cx: &mut Context<'_>, limit: Duration, peer: SocketAddr) -> Poll<io::Result<T>> {
+        if outcome.is_ready() {
+            self.waiting = false;
+            return outcome;
+        }
+        let now = tokio::time::Instant::now();
+        let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+        if !self.waiting {
+            self.waiting = true;
+            // Past any time an operator can write: no deadline.
+            let Some(deadline) = now.checked_add(limit) else { return Poll::Pending };
+            sleep.as_mut().reset(deadline);
+        }
+        if sleep.as_mut().poll(cx).is_ready() {
+            tracing::info!(%peer, timeout = ?limit, "client connection closed: the client read none of its response within --send-timeout");
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client did not read within --send-timeout")));
+        }
+        Poll::Pending
+    }
 }
 
 impl AsyncRead for ClientIo {
@@ -293,7 +330,9 @@ impl AsyncRead for ClientIo {
 
 impl AsyncWrite for ClientIo {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
+        let this = &mut *self;
+        let outcome = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn poll_write_vectored(
@@ -301,7 +340,9 @@ impl AsyncWrite for ClientIo {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write_vectored(cx, bufs)
+        let this = &mut *self;
+        let outcome = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -309,7 +350,9 @@ impl AsyncWrite for ClientIo {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
+        let this = &mut *self;
+        let outcome = Pin::new(&mut this.stream).poll_flush(cx);
+        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -496,6 +539,7 @@ where
             stream: ClientStream::Plain(stream),
             replay: Bytes::new(),
             activity: resume_activity,
+            send_wait: SendWait::default(),
         };
         let idle = Parked {
             io,
@@ -557,6 +601,7 @@ where
             stream,
             replay: Bytes::new(),
             activity: activity.clone(),
+            send_wait: SendWait::default(),
         };
         // ALPN named the protocol, but the connection is silent until its
         // first bytes come, as a plain one is until the sniff has them: a

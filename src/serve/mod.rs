@@ -56,6 +56,8 @@ pub struct ConnLimits {
     /// How long a connection that has served a request may sit without
     /// beginning another; zero turns HTTP/1 keep-alive off.
     pub keepalive_timeout: Duration,
+    /// How long a write to the client may wait for it to read.
+    pub send_timeout: Duration,
 }
 
 impl ConnLimits {
@@ -89,6 +91,8 @@ impl Default for ConnLimits {
             max_header_bytes: 64 * 1024,
             // NGINX's `keepalive_timeout` default.
             keepalive_timeout: Duration::from_secs(75),
+            // NGINX's `send_timeout` default.
+            send_timeout: Duration::from_secs(60),
         }
     }
 }

@@ -161,6 +161,7 @@ impl Server {
                 header_read_timeout: settings.header_read_timeout,
                 shutdown_grace: settings.shutdown_timeout,
                 keepalive_timeout: settings.keepalive_timeout,
+                send_timeout: settings.send_timeout,
                 ..ConnLimits::default()
             },
             proxy_gate: Gate::new("proxy", crate::serve::max_connections(settings.max_connections)),
