@@ -72,14 +72,16 @@ impl ConnLimits {
     /// their size as HTTP/1 writes them: `name: value\r\n`); past them a
     /// request is answered 431.
     pub fn admits(&self, headers: &http::HeaderMap) -> bool {
-        let bytes = || {
-            headers
-                .iter()
-                .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
-                .fold(0, usize::saturating_add)
-        };
-        headers.len() <= self.max_headers && bytes() <= self.max_header_bytes
+        headers.len() <= self.max_headers && head_bytes(headers) <= self.max_header_bytes
     }
+}
+
+/// The size of header fields as HTTP/1 writes them (`name: value\r\n`).
+pub fn head_bytes(headers: &http::HeaderMap) -> usize {
+    headers
+        .iter()
+        .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
+        .fold(0, usize::saturating_add)
 }
 
 impl Default for ConnLimits {

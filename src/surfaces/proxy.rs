@@ -318,6 +318,12 @@ impl Proxy {
         };
         metrics::get().upstream(class, sent.elapsed());
         match answer {
+            // hyper bounds an HTTP/1 head only by its read buffer, which a
+            // single read can overrun (a ~400 KB head got through).
+            Ok(Ok(r)) if crate::serve::head_bytes(r.headers()) > MAX_RESPONSE_HEAD => {
+                tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
+                Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
+            }
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
@@ -397,6 +403,11 @@ impl Proxy {
         Ok((Request::from_parts(parts, body), sent))
     }
 }
+
+/// Largest response head passed on: a larger one is answered `502`, as
+/// NGINX does past `proxy_buffer_size` ("upstream sent too big header") and
+/// Envoy past `max_response_headers_kb` (60); the bound of a client's head.
+const MAX_RESPONSE_HEAD: usize = 64 * 1024;
 
 fn status_class(status: StatusCode) -> &'static str {
     match status.as_u16() {

@@ -25,6 +25,21 @@ use tokio::time::{Instant, Sleep};
 /// What a body reports when it stalls or fails.
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
+/// An error's causes, each after `": "`, for a log line that says what
+/// hyper only sums up ("http2 error" over "stream error received: refused").
+pub struct Causes<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Causes<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut source = self.0.source();
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
 /// The body timeout ran out between two frames.
 #[derive(Debug, thiserror::Error)]
 #[error("no body data for {0:?}")]
@@ -276,7 +291,7 @@ pub fn poll_upstream(
             crate::metrics::get().body_stalled(true);
             tracing::warn!(error = %e, "upstream response body stalled; ending the response");
         } else {
-            tracing::warn!(error = %e, "upstream response body failed midway; ending the response");
+            tracing::warn!(error = %format_args!("{e}{}", Causes(&**e)), "upstream response body failed midway; ending the response");
         }
     }
     frame

@@ -29,7 +29,7 @@ use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::body::{BodyError, ClientBody, Held, IdleTimer, Stalled, poll_upstream};
+use super::body::{BodyError, Causes, ClientBody, Held, IdleTimer, Stalled, poll_upstream};
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
@@ -97,20 +97,6 @@ fn body_failed(e: &hyper::Error) -> bool {
     e.is_user() && std::error::Error::source(e).is_some_and(|c| c.is::<Stalled>() || c.is::<hyper::Error>())
 }
 
-/// An error's causes, each after `": "`, for a log line that says what
-/// hyper only sums up ("http2 error" over "stream error received: refused").
-struct Causes<'a>(&'a hyper::Error);
-
-impl std::fmt::Display for Causes<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let mut source = std::error::Error::source(self.0);
-        while let Some(cause) = source {
-            write!(f, ": {cause}")?;
-            source = cause.source();
-        }
-        Ok(())
-    }
-}
 
 /// A per-thread pool of connections to one upstream.
 #[derive(Clone)]
@@ -620,6 +606,18 @@ impl UpstreamPool {
     }
 }
 
+/// The read buffer's bound on an HTTP/1.1 upstream connection (hyper's is
+/// ~400 KB): a response head that does not fit fails there, though one
+/// read may bring in more (the proxy checks the head's size too).
+const MAX_READ_BUFFER: usize = 64 * 1024;
+
+/// How HTTP/1.1 is spoken to the upstream.
+fn http1_client() -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder.max_buf_size(MAX_READ_BUFFER);
+    builder
+}
+
 /// Begins HTTP/1.1 on a new connection that is never parked; the
 /// connection runs on its own task (counted in the gauge of upstream
 /// connections) until it closes or a protocol switch takes it over.
@@ -627,7 +625,7 @@ async fn start_connection<T>(io: T) -> Result<Sender, SendError>
 where
     T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (send, conn) = http1::Builder::new().handshake(TokioIo::new(io)).await?;
+    let (send, conn) = http1_client().handshake(TokioIo::new(io)).await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
     tokio::spawn(async move {
         // Counted until the task ends, however it ends.
@@ -648,7 +646,7 @@ async fn start_parkable(
     pool: Weak<PoolInner>,
     open: crate::metrics::Held,
 ) -> Result<Sender, SendError> {
-    let (send, conn) = http1::Builder::new().handshake(TokioIo::new(stream)).await?;
+    let (send, conn) = http1_client().handshake(TokioIo::new(stream)).await?;
     let park = Arc::new(AtomicBool::new(false));
     let parking = park.clone();
     tokio::spawn(async move {
