@@ -584,6 +584,16 @@ fn h2_nginx(pki: &Pki, server: &str) -> (Nginx, u16) {
     (Nginx::start(&extra, "location / { return 204; }"), port)
 }
 
+/// tollgate with one proxy thread (so one HTTP/2 connection) in front of
+/// `https://localhost:{port}`, trusting `pki`'s CA.
+fn one_thread_to(pki: &Pki, port: u16) -> Tollgate {
+    let ca = pki.ca();
+    https_upstream(
+        &format!("https://localhost:{port}"),
+        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
+    )
+}
+
 fn https_upstream(upstream: &str, extra: &[&str]) -> Tollgate {
     Tollgate::start_upstream_url("domain: tls\nrules: []\n", upstream, extra)
 }
@@ -758,11 +768,7 @@ async fn an_upstream_that_picks_h2_gets_one_multiplexed_connection() {
             echo.addr
         ),
     );
-    let ca = pki.ca();
-    let tg = https_upstream(
-        &format!("https://localhost:{port}"),
-        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
-    );
+    let tg = one_thread_to(&pki, port);
     let answer = send(
         &client(),
         http::Method::GET,
@@ -839,11 +845,7 @@ async fn an_h2_upstream_ending_its_connections_loses_no_request() {
         &pki,
         "keepalive_requests 3; location / { return 200 \"$server_protocol\"; }",
     );
-    let ca = pki.ca();
-    let tg = https_upstream(
-        &format!("https://localhost:{port}"),
-        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
-    );
+    let tg = one_thread_to(&pki, port);
     let c = client();
     for round in 0..10 {
         let calls = (0..4).map(|_| {
@@ -904,11 +906,7 @@ async fn an_h2_upstream_ending_its_connections_loses_no_post_with_a_body() {
             up.addr
         ),
     );
-    let ca = pki.ca();
-    let tg = https_upstream(
-        &format!("https://localhost:{port}"),
-        &["--upstream-ca", ca.to_str().unwrap(), "--proxy-threads", "1"],
-    );
+    let tg = one_thread_to(&pki, port);
     let c = client();
     for round in 0..8 {
         let calls = (0..16).map(|i| {
@@ -950,6 +948,77 @@ async fn an_h2_upstream_ending_its_connections_loses_no_post_with_a_body() {
         statuses.push(answer.status.as_u16());
     }
     assert!(!tg.logged("request body failed"), "{statuses:?}\n{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn one_request_does_not_end_the_h2_upstream_connection_every_client_shares() {
+    // Every client's requests share a thread's HTTP/2 connection to the
+    // upstream: what one request brings must not end it for all. Request
+    // trailers (NGINX drops the connection: "client sent HEADERS frame with
+    // incorrect identifier") are not sent on; a response head over hyper's
+    // 16 KB header list ended the connection (its HPACK state lost): heads
+    // up to 64 KB pass, a larger one is a 502 for its own stream. Before,
+    // each cost hundreds of other clients a 502, most of them for POSTs the
+    // upstream had processed.
+    let pki = Pki::new();
+    let up = TestUpstream::start().await;
+    let field = "a".repeat(4000);
+    let fields = |n: usize| {
+        (0..n)
+            .map(|i| format!("add_header x-big-{i} {field};"))
+            .collect::<String>()
+    };
+    let (nginx, port) = h2_nginx(
+        &pki,
+        &format!(
+            "location /head20k {{ {} return 200 ok; }} location /head72k {{ {} return 200 ok; }} \
+             location / {{ proxy_pass http://{}; }}",
+            fields(5),
+            fields(18),
+            up.addr
+        ),
+    );
+    let tg = one_thread_to(&pki, port);
+    let c = client();
+    let innocent: Vec<_> = (0..200)
+        .map(|i| {
+            let (c, url) = (c.clone(), tg.url(&format!("/echo?i={i}")));
+            async move { send(&c, http::Method::POST, &url, &[], pattern(20_000)).await }
+        })
+        .collect();
+    let innocent = tokio::spawn(futures_join_all(innocent));
+    let with_trailers = (0..20).map(|_| {
+        let addr = tg.addr;
+        async move {
+            raw(
+                addr,
+                b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTrailer: x-trailer\r\n\
+                  Connection: close\r\n\r\n5\r\nhello\r\n0\r\nx-trailer: 1\r\n\r\n",
+                Duration::from_secs(10),
+            )
+            .await
+        }
+    });
+    for answer in futures_join_all(with_trailers).await {
+        assert!(
+            answer.starts_with("HTTP/1.1 200") && answer.contains("hello"),
+            "{answer}"
+        );
+    }
+    for _ in 0..10 {
+        let big = get(&c, &tg.url("/head20k"), &[]).await;
+        assert_eq!(big.status, 200, "a 20 KB head passes: {:?}", big.body);
+        assert!(big.header("x-big-4").is_some_and(|v| v.len() == 4000));
+        let huge = get(&c, &tg.url("/head72k"), &[]).await;
+        assert_eq!(huge.status, 502, "a 72 KB head is refused");
+    }
+    for answer in innocent.await.unwrap() {
+        assert_eq!(answer.status, 200, "{:?}\n{}", answer.body, tg.log_text());
+        assert!(answer.body.as_ref() == pattern(20_000).as_slice());
+    }
+    assert!(tg.logged("larger than 64 KB"), "{}", tg.log_text());
+    let errors = nginx.error_log();
+    assert!(!errors.contains("incorrect identifier"), "{errors}");
 }
 
 #[tokio::test]

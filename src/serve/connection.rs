@@ -272,36 +272,62 @@ struct ClientIo {
     send_wait: SendWait,
 }
 
-/// The wait of a write for its client to read: past the send timeout the
-/// write fails and hyper closes the connection, as NGINX's `send_timeout`
-/// does. A client that never reads its response would otherwise hold its
-/// connection, and the upstream connection streaming to it, for good.
+/// The wait of a write for its client to read: past the send timeout with
+/// nothing taken the write fails and hyper closes the connection, as NGINX's
+/// `send_timeout` does. A client that never reads its response would
+/// otherwise hold its connection, and the upstream connection streaming to
+/// it, for good.
 #[derive(Default)]
 struct SendWait {
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
     /// Whether the last write waited (the timer runs from its start).
     waiting: bool,
+    /// Bytes the client had not taken when the wait began (or was last
+    /// found moving).
+    unsent: Option<u32>,
 }
 
 impl SendWait {
-    /// Passes on a write's (or flush's) outcome: a wait past `limit`
-    /// becomes a `TimedOut` error; anything done ends the wait.
-    fn check<T>(&mut self, outcome: Poll<io::Result<T>>, cx: &mut Context<'_>, limit: Duration, peer: SocketAddr) -> Poll<io::Result<T>> {
+    /// Passes on a write's (or flush's) outcome: a wait past `limit` in
+    /// which the client took nothing becomes a `TimedOut` error; anything
+    /// written ends the wait.
+    fn check<T>(
+        &mut self,
+        outcome: Poll<io::Result<T>>,
+        cx: &mut Context<'_>,
+        stream: &ClientStream,
+        limit: Duration,
+        peer: SocketAddr,
+    ) -> Poll<io::Result<T>> {
         if outcome.is_ready() {
             self.waiting = false;
             return outcome;
         }
         let now = tokio::time::Instant::now();
+        // Past any time an operator can write: no deadline.
+        let Some(deadline) = now.checked_add(limit) else { return Poll::Pending };
         let sleep = self.sleep.get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
         if !self.waiting {
             self.waiting = true;
-            // Past any time an operator can write: no deadline.
-            let Some(deadline) = now.checked_add(limit) else { return Poll::Pending };
+            self.unsent = stream.unsent();
             sleep.as_mut().reset(deadline);
         }
-        if sleep.as_mut().poll(cx).is_ready() {
-            tracing::info!(%peer, timeout = ?limit, "client connection closed: the client read none of its response within --send-timeout");
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, "the client did not read within --send-timeout")));
+        while sleep.as_mut().poll(cx).is_ready() {
+            // The kernel says a socket is writable again only once a third
+            // of its buffer is free: a client reading slower than that (a
+            // few MB per send timeout) would be cut mid-read. One that took
+            // bytes since the wait began gets the timeout again.
+            let unsent = stream.unsent();
+            if unsent.zip(self.unsent).is_some_and(|(now, before)| now < before) {
+                self.unsent = unsent;
+                sleep.as_mut().reset(deadline);
+                continue;
+            }
+            tracing::info!(%peer, timeout = ?limit, "client connection closed: the client took none of its response for --send-timeout");
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took nothing within --send-timeout",
+            )));
         }
         Poll::Pending
     }
@@ -332,7 +358,8 @@ impl AsyncWrite for ClientIo {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         let outcome = Pin::new(&mut this.stream).poll_write(cx, buf);
-        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
+        this.send_wait
+            .check(outcome, cx, &this.stream, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn poll_write_vectored(
@@ -342,7 +369,8 @@ impl AsyncWrite for ClientIo {
     ) -> Poll<io::Result<usize>> {
         let this = &mut *self;
         let outcome = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
+        this.send_wait
+            .check(outcome, cx, &this.stream, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -352,7 +380,8 @@ impl AsyncWrite for ClientIo {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let outcome = Pin::new(&mut this.stream).poll_flush(cx);
-        this.send_wait.check(outcome, cx, this.activity.listener.limits.send_timeout, this.activity.peer)
+        this.send_wait
+            .check(outcome, cx, &this.stream, this.activity.listener.limits.send_timeout, this.activity.peer)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {

@@ -127,6 +127,13 @@ impl Proxy {
 
     /// Handles one client request: decide, then forward or refuse.
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        // hyper takes `gzip, chunked` and decodes only the chunks: passed on,
+        // the upstream would read gzip bytes as the body. NGINX answers 501
+        // to any coding but chunked.
+        if req.headers().contains_key(header::TRANSFER_ENCODING) && !only_chunked(req.headers()) {
+            metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
+            return plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported");
+        }
         // A gRPC caller's deadline counts from here: tollgate never makes it
         // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
         let grpc = render::is_grpc(req.headers());
@@ -318,9 +325,9 @@ impl Proxy {
         };
         metrics::get().upstream(class, sent.elapsed());
         match answer {
-            // hyper bounds an HTTP/1 head only by its read buffer, which a
-            // single read can overrun (a ~400 KB head got through).
-            Ok(Ok(r)) if crate::serve::head_bytes(r.headers()) > MAX_RESPONSE_HEAD => {
+            // hyper bounds an HTTP/1 head; an HTTP/2 one, up to the header
+            // list size the connection advertises, is bounded here.
+            Ok(Ok(r)) if crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD => {
                 tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
@@ -404,11 +411,6 @@ impl Proxy {
     }
 }
 
-/// Largest response head passed on: a larger one is answered `502`, as
-/// NGINX does past `proxy_buffer_size` ("upstream sent too big header") and
-/// Envoy past `max_response_headers_kb` (60); the bound of a client's head.
-const MAX_RESPONSE_HEAD: usize = 64 * 1024;
-
 fn status_class(status: StatusCode) -> &'static str {
     match status.as_u16() {
         100..=199 => "1xx",
@@ -419,18 +421,28 @@ fn status_class(status: StatusCode) -> &'static str {
     }
 }
 
+/// Whether the request's transfer codings are `chunked` alone.
+fn only_chunked(headers: &HeaderMap) -> bool {
+    only_token(headers, &header::TRANSFER_ENCODING, b"chunked")
+}
+
+/// Whether the comma-separated tokens of every `name` header are `token`
+/// alone (in any case).
+fn only_token(headers: &HeaderMap, name: &HeaderName, token: &[u8]) -> bool {
+    let mut tokens = headers
+        .get_all(name)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii);
+    tokens.next().is_some_and(|t| t.eq_ignore_ascii_case(token)) && tokens.next().is_none()
+}
+
 /// Only a WebSocket handshake is joined end to end. Any other upgrade (h2c
 /// above all) would open a tunnel whose requests tollgate never sees, so
 /// its headers are dropped and the request goes up as plain HTTP/1.1, as
 /// NGINX and Envoy do by default.
 fn wants_upgrade(headers: &HeaderMap) -> bool {
-    let mut tokens = headers
-        .get_all(header::UPGRADE)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii);
-    let websocket = tokens.next().is_some_and(|t| t.eq_ignore_ascii_case(b"websocket")) && tokens.next().is_none();
-    websocket && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
+    only_token(headers, &header::UPGRADE, b"websocket") && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
 }
 
 /// The comma-separated tokens of every `Connection` header, as bytes so that
@@ -584,6 +596,24 @@ fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_the_chunked_coding_alone_is_passed_on() {
+        let te = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(header::TRANSFER_ENCODING, HeaderValue::from_str(v).unwrap());
+            }
+            only_chunked(&h)
+        };
+        assert!(te(&["chunked"]));
+        assert!(te(&["Chunked "]));
+        assert!(!te(&["gzip, chunked"]));
+        assert!(!te(&["gzip", "chunked"]));
+        assert!(!te(&["chunked, chunked"]));
+        assert!(!te(&["identity"]));
+        assert!(!te(&[""]));
+    }
 
     fn headers(pairs: &[(&str, &[u8])]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -19,6 +19,24 @@ pub enum ClientStream {
     Tls(Box<TlsStream<TcpStream>>),
 }
 
+impl ClientStream {
+    /// Bytes written to the socket that the client has not yet taken
+    /// (Linux's `SIOCOUTQ`: sent and not acknowledged, or not yet sent);
+    /// `None` where that cannot be read.
+    pub fn unsent(&self) -> Option<u32> {
+        use std::os::fd::AsRawFd;
+        let fd = match self {
+            ClientStream::Plain(s) => s.as_raw_fd(),
+            ClientStream::Tls(s) => s.get_ref().0.as_raw_fd(),
+        };
+        let mut n: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ writes one int through the pointer, which points
+        // at `n`; the descriptor is the live socket this stream owns.
+        let done = unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut n) };
+        (done == 0).then(|| u32::try_from(n).ok()).flatten()
+    }
+}
+
 impl AsyncRead for ClientStream {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {

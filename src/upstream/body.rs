@@ -147,7 +147,6 @@ impl BodyProgress {
 #[derive(Clone, Default)]
 pub struct Held {
     data: Bytes,
-    trailers: Option<http::HeaderMap>,
 }
 
 /// The client's request body on its way upstream.
@@ -206,17 +205,12 @@ impl ClientBody {
             return Ok(None);
         }
         let mut data = bytes::BytesMut::new();
-        let mut trailers = None;
         while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut *self).poll_frame(cx)).await {
-            match frame?.into_data() {
-                Ok(piece) => data.extend_from_slice(&piece),
-                Err(frame) => trailers = frame.into_trailers().ok(),
+            if let Ok(piece) = frame?.into_data() {
+                data.extend_from_slice(&piece);
             }
         }
-        let held = Held {
-            data: data.freeze(),
-            trailers,
-        };
+        let held = Held { data: data.freeze() };
         self.body = None;
         self.held = Some(Box::new(held.clone()));
         Ok(Some(held))
@@ -239,12 +233,18 @@ impl Body for ClientBody {
             let Some(held) = this.held.as_mut() else {
                 return Poll::Ready(None);
             };
-            if !held.data.is_empty() {
-                return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut held.data)))));
+            if held.data.is_empty() {
+                return Poll::Ready(None);
             }
-            return Poll::Ready(held.trailers.take().map(|t| Ok(Frame::trailers(t))));
+            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut held.data)))));
         };
-        let frame = this.timer.poll(Pin::new(body), cx);
+        let mut frame = this.timer.poll(Pin::new(body), cx);
+        // Request trailers end the body here, as NGINX ends a body it reads
+        // whole: an HTTP/2 upstream may not take them (NGINX's drops the
+        // whole connection, every client's streams on it with it).
+        if matches!(&frame, Poll::Ready(Some(Ok(f))) if f.is_trailers()) {
+            frame = Poll::Ready(None);
+        }
         if let Some(asked) = &this.asked {
             asked.times.fetch_add(1, Ordering::Relaxed);
             asked.waiting_for_client.store(frame.is_pending(), Ordering::Relaxed);
@@ -265,7 +265,7 @@ impl Body for ClientBody {
     fn is_end_stream(&self) -> bool {
         match (&self.body, &self.held) {
             (Some(body), _) => body.is_end_stream(),
-            (None, Some(held)) => held.data.is_empty() && held.trailers.is_none(),
+            (None, Some(held)) => held.data.is_empty(),
             (None, None) => true,
         }
     }

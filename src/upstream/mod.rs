@@ -8,7 +8,7 @@ request_path! {
 }
 
 pub use body::{BodyProgress, ClientBody};
-pub use pool::{UpstreamBody, UpstreamPool};
+pub use pool::{MAX_RESPONSE_HEAD, UpstreamBody, UpstreamPool};
 
 use std::path::Path;
 

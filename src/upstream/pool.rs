@@ -606,15 +606,21 @@ impl UpstreamPool {
     }
 }
 
-/// The read buffer's bound on an HTTP/1.1 upstream connection (hyper's is
-/// ~400 KB): a response head that does not fit fails there, though one
-/// read may bring in more (the proxy checks the head's size too).
-const MAX_READ_BUFFER: usize = 64 * 1024;
+/// Largest response head (and trailers) an upstream may send: a larger one
+/// fails the exchange, `502`, as NGINX answers one past `proxy_buffer_size`
+/// ("upstream sent too big header") and Envoy one past
+/// `max_response_headers_kb` (60). The bound of a client's head too.
+pub const MAX_RESPONSE_HEAD: usize = 64 * 1024;
+
+/// The HTTP/2 header block size advertised to the upstream: HTTP/2 counts
+/// 32 bytes more per field than HTTP/1 writes, so a head the proxy takes
+/// always fits, and one past it is refused by the proxy for its stream only.
+const H2_HEADER_LIST: u32 = 256 * 1024;
 
 /// How HTTP/1.1 is spoken to the upstream.
 fn http1_client() -> http1::Builder {
     let mut builder = http1::Builder::new();
-    builder.max_buf_size(MAX_READ_BUFFER);
+    builder.max_header_size(MAX_RESPONSE_HEAD);
     builder
 }
 
@@ -768,6 +774,10 @@ where
         // every call). Each stalled stream holds at most 1 MB here.
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
+        // A header block past this ends the whole connection (its HPACK
+        // state is lost): hyper's 16 KB failed every stream on it for one
+        // 17 KB head. Past MAX_RESPONSE_HEAD the proxy answers 502 itself.
+        .max_header_list_size(H2_HEADER_LIST)
         .handshake(TokioIo::new(io))
         .await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
