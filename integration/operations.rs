@@ -3,6 +3,8 @@
 //! watcher that costs nothing at rest, and an admin listener that only its
 //! operator can use. Each case was broken once (issue 22).
 
+use bytes::Bytes;
+use http_body_util::BodyExt;
 use std::time::Duration;
 
 use http::StatusCode;
@@ -372,6 +374,81 @@ async fn a_client_that_never_reads_its_response_is_cut_off_after_the_send_timeou
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(metric(&tg, "tollgate_upstream_connections").await <= 1);
+}
+
+#[tokio::test]
+async fn an_http2_stream_whose_client_never_opens_its_window_is_reset_after_the_send_timeout() {
+    // An HTTP/2 client that does not read a stream (its window shut, the
+    // connection alive) left hyper waiting for window space with nothing
+    // of ours running: the stream, and the upstream connection streaming
+    // to it, were held until the client left. Now the stream is reset
+    // after --send-timeout, as NGINX's send_timeout and Envoy's
+    // stream_idle_timeout end such a stream; the connection's other
+    // streams go on.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &["--send-timeout", "1s"]);
+    let h2 = h2_sender(tg.addr).await;
+    let get = |path: &str| {
+        let mut h2 = h2.clone();
+        let req = http::Request::get(tg.url(path))
+            .body(http_body_util::Full::new(Bytes::new()))
+            .unwrap();
+        async move { h2.send_request(req).await.unwrap() }
+    };
+    // 40 streams whose bodies are never read: hyper's client opens a
+    // stream's window only as its body is read.
+    let mut unread = Vec::new();
+    for _ in 0..40 {
+        unread.push(get("/bytes/10000000").await);
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for response in unread {
+        let ended = tokio::time::timeout(Duration::from_secs(5), response.into_body().collect()).await;
+        let body = ended.expect("the stream ends");
+        assert!(body.is_err(), "reset, short of its 10 MB");
+    }
+    // The connection goes on: a stream read as it comes gets all of it.
+    let read = get("/bytes/3000000")
+        .await
+        .into_body()
+        .collect()
+        .await
+        .unwrap()
+        .to_bytes();
+    assert!(read.as_ref() == pattern(3_000_000).as_slice());
+    assert!(tg.logged("HTTP/2 stream reset"), "{}", tg.log_text());
+    let until = std::time::Instant::now() + Duration::from_secs(5);
+    while metric(&tg, "tollgate_upstream_connections").await > 2 && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        metric(&tg, "tollgate_upstream_connections").await <= 2,
+        "their upstream connections are let go"
+    );
+}
+
+#[tokio::test]
+async fn an_http2_stream_waiting_on_its_upstream_is_not_the_clients_stall() {
+    // A response whose upstream goes quiet (a long poll, an event stream)
+    // waits under --upstream-body-timeout, however short --send-timeout is.
+    let up = stalling_upstream("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"0123456789").await;
+    let tg = Tollgate::start(
+        "domain: d\nrules: []\n",
+        up,
+        &["--send-timeout", "1s", "--upstream-body-timeout", "3s"],
+    );
+    let mut h2 = h2_sender(tg.addr).await;
+    let req = http::Request::get(tg.url("/"))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let started = std::time::Instant::now();
+    let response = h2.send_request(req).await.unwrap();
+    let body = response.into_body().collect().await;
+    assert!(body.is_err(), "cut when the upstream stalled");
+    let took = started.elapsed();
+    assert!(took >= Duration::from_millis(2500), "not at the send timeout: {took:?}");
+    assert!(tg.logged("upstream response body stalled"), "{}", tg.log_text());
+    assert!(!tg.logged("HTTP/2 stream reset"), "{}", tg.log_text());
 }
 
 #[tokio::test]

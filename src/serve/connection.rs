@@ -34,11 +34,11 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::{BodyExt, Either, Empty};
+use http_body_util::{Either, Empty};
 use hyper::body::{Body, Incoming};
 use hyper::server::conn::{http1, http2};
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
@@ -50,6 +50,7 @@ use tokio::sync::watch;
 use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, stopped};
 use crate::metrics::Held;
 use super::parking::{Lot, Resume};
+use super::streams::{Progress, StreamExecutor};
 use crate::tls::{ClientStream, ClientTls};
 
 /// How long an HTTP/1 connection sits idle before hyper's state for it is
@@ -65,7 +66,7 @@ const H2_PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 #[derive(Clone)]
 pub(super) struct Protocols {
     pub http1: http1::Builder,
-    pub http2: http2::Builder<TokioExecutor>,
+    pub http2: http2::Builder<StreamExecutor>,
     /// TLS on this listener: the handshake comes first and ALPN picks the protocol.
     pub tls: Option<TlsAcceptor>,
 }
@@ -505,7 +506,7 @@ pub(super) async fn serve<F, Fut, B>(
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
@@ -807,7 +808,7 @@ const GOAWAY_ANSWER_WITHIN: Duration = Duration::from_secs(2);
 
 /// Watches an HTTP/2 connection until it closes.
 async fn watch_http2<S: Handler>(
-    conn: http2::Connection<TokioIo<ClientIo>, S, TokioExecutor>,
+    conn: http2::Connection<TokioIo<ClientIo>, S, StreamExecutor>,
     activity: &Activity,
     peer: SocketAddr,
     limits: &ConnLimits,
@@ -889,12 +890,7 @@ fn never_parks(req: &Request<Incoming>) -> bool {
 /// Envoy's ext_authz client: an error, which `failure_mode_allow` turns
 /// into an admission). Headers stay as they are. No response: the request
 /// had too many header fields (431, no body).
-#[allow(clippy::type_complexity)]
-fn until_sent<B: Body>(
-    response: Option<Response<B>>,
-    head: bool,
-    busy: Busy,
-) -> Response<Either<http_body_util::combinators::MapFrame<B, impl FnMut(hyper::body::Frame<B::Data>) -> hyper::body::Frame<B::Data>>, Empty<B::Data>>> {
+fn until_sent<B: Body>(response: Option<Response<B>>, head: bool, busy: Busy) -> Response<Either<UntilSent<B>, Empty<B::Data>>> {
     let Some(response) = response else {
         let mut refused = Response::new(Either::Right(Empty::new()));
         *refused.status_mut() = http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
@@ -904,12 +900,46 @@ fn until_sent<B: Body>(
         if head {
             Either::Right(Empty::new())
         } else {
-            // The closure owns the guard: it ends with the body.
-            Either::Left(body.map_frame(move |frame| {
-                let _ = &busy;
-                frame
-            }))
+            let stream = Progress::current();
+            if let Some(stream) = &stream {
+                stream.handed();
+            }
+            Either::Left(UntilSent {
+                body,
+                _busy: busy,
+                stream,
+            })
         }
     })
 }
 
+/// A response body on its way to the client.
+struct UntilSent<B> {
+    body: B,
+    /// Ends with the body.
+    _busy: Busy,
+    /// On HTTP/2, how its stream takes it (see `streams`).
+    stream: Option<Arc<Progress>>,
+}
+
+impl<B: Body + Unpin> Body for UntilSent<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<hyper::body::Frame<B::Data>, B::Error>>> {
+        let this = &mut *self;
+        let frame = Pin::new(&mut this.body).poll_frame(cx);
+        if let Some(stream) = &this.stream {
+            stream.asked(matches!(frame, Poll::Ready(Some(Ok(_)))));
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}

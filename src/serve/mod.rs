@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use http::{Request, Response};
 use hyper::body::{Body, Incoming};
-use hyper_util::rt::{TokioExecutor, TokioTimer};
+use hyper_util::rt::TokioTimer;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio::task::JoinSet;
@@ -30,6 +30,7 @@ use crate::tls::TlsListener;
 
 mod connection;
 mod parking;
+mod streams;
 
 /// How long a connection must have done nothing before a full listener
 /// closes it to make room: a client that just connected has its request on
@@ -205,7 +206,7 @@ pub async fn serve<F, Fut, B>(
 ) where
     F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + 'static,
+    B: Body + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
@@ -220,7 +221,9 @@ pub async fn serve<F, Fut, B>(
         .keep_alive(!limits.keepalive_timeout.is_zero())
         .max_headers(limits.max_headers)
         .max_buf_size(limits.max_header_bytes.max(8192));
-    let mut http2 = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
+    let mut http2 = hyper::server::conn::http2::Builder::new(streams::StreamExecutor {
+        limit: limits.send_timeout,
+    });
     http2
         .timer(TokioTimer::new())
         .max_header_list_size(u32::try_from(limits.max_header_bytes).unwrap_or(u32::MAX));
