@@ -16,7 +16,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
+use hyper::body::{Body as _, Incoming};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
@@ -130,7 +130,11 @@ impl Proxy {
         // hyper takes `gzip, chunked` and decodes only the chunks: passed on,
         // the upstream would read gzip bytes as the body. NGINX answers 501
         // to any coding but chunked.
-        if req.headers().contains_key(header::TRANSFER_ENCODING) && !only_chunked(req.headers()) {
+        // (Only a request with a body can carry one: most have none.)
+        if !req.body().is_end_stream()
+            && req.headers().contains_key(header::TRANSFER_ENCODING)
+            && !only_chunked(req.headers())
+        {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
             return plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported");
         }
@@ -327,7 +331,10 @@ impl Proxy {
         match answer {
             // hyper bounds an HTTP/1 head; an HTTP/2 one, up to the header
             // list size the connection advertises, is bounded here.
-            Ok(Ok(r)) if crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD => {
+            Ok(Ok(r))
+                if r.version() == Version::HTTP_2
+                    && crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD =>
+            {
                 tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
