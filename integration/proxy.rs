@@ -1,6 +1,8 @@
 //! The reverse proxy, end to end: real binary, real sockets, real Redis.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use http::{Method, StatusCode};
@@ -808,4 +810,100 @@ async fn admin_health_endpoints() {
         get(&c, &format!("http://{}/readyz", tg.admin), &[]).await.status,
         StatusCode::OK
     );
+}
+
+/// What a scripted HTTP/2 upstream does with the `n`th stream it is sent.
+#[derive(Clone, Copy)]
+enum H2Act {
+    Answer,
+    /// RST_STREAM(REFUSED_STREAM): not processed.
+    Refuse,
+    /// Closes the connection on the request's HEADERS, unanswered.
+    Drop,
+}
+
+/// A case of an HTTP/2 upstream's misbehaviour: its script, the request's
+/// method, the answer expected and the streams the upstream should see.
+type H2Case = (&'static str, fn(usize) -> H2Act, http::Method, u16, usize);
+
+/// An h2c upstream following `script`, with the count of streams it saw.
+async fn scripted_h2_upstream(script: fn(usize) -> H2Act) -> (SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let count = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    match script(count.fetch_add(1, Ordering::SeqCst)) {
+                        H2Act::Answer => {
+                            let _ = respond.send_response(http::Response::new(()), true);
+                        }
+                        H2Act::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
+                        H2Act::Drop => return,
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+#[tokio::test]
+async fn a_request_an_h2_upstream_left_unprocessed_goes_out_again() {
+    // The README's promise, from the eighth attack, which found each of these
+    // answered 502: a request refused on the first stream of a fresh
+    // connection; an idempotent one whose connection the upstream closed
+    // on its HEADERS. A POST on such a connection is not sent twice.
+    let cases: [H2Case; 4] = [
+        (
+            "refused on a fresh connection",
+            |n| if n == 0 { H2Act::Refuse } else { H2Act::Answer },
+            http::Method::GET,
+            200,
+            2,
+        ),
+        (
+            "closed on a GET's HEADERS",
+            |n| if n == 1 { H2Act::Drop } else { H2Act::Answer },
+            http::Method::GET,
+            200,
+            3,
+        ),
+        (
+            "closed on a PUT's HEADERS",
+            |n| if n == 1 { H2Act::Drop } else { H2Act::Answer },
+            http::Method::PUT,
+            200,
+            3,
+        ),
+        (
+            "closed on a POST's HEADERS",
+            |n| if n == 1 { H2Act::Drop } else { H2Act::Answer },
+            http::Method::POST,
+            502,
+            2,
+        ),
+    ];
+    for (case, script, method, status, streams) in cases {
+        let (up, seen) = scripted_h2_upstream(script).await;
+        let tg = Tollgate::start_upstream_url(
+            "domain: d\nrules: []\n",
+            &format!("h2c://{up}"),
+            &["--proxy-threads", "1"],
+        );
+        let c = client();
+        if streams == 3 || status == 502 {
+            // A first request warms the connection.
+            assert_eq!(get(&c, &tg.url("/warm"), &[]).await.status, 200, "{case}");
+        }
+        let answer = send(&c, method, &tg.url("/x"), &[], b"hello".to_vec()).await;
+        assert_eq!(answer.status, status, "{case}: {:?}\n{}", answer.body, tg.log_text());
+        assert_eq!(seen.load(Ordering::SeqCst), streams, "{case}: streams the upstream saw");
+    }
 }

@@ -294,8 +294,18 @@ impl UpstreamPool {
                     Connected::Http1(sender) => (sender, false, Duration::ZERO),
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
-                        // A fresh connection failing is final.
-                        return Box::pin(self.send_h2(h2, req)).await?.map_err(|_| SendError::Unsent);
+                        // One left unprocessed on a fresh connection too
+                        // (refused, or its GOAWAY at once) goes out once
+                        // more, on another; failing there is final.
+                        match Box::pin(self.send_shared_h2(h2, req)).await? {
+                            Attempt::Answered(response) => return Ok(response),
+                            Attempt::Again(_) if fresh_only => return Err(SendError::Unsent),
+                            Attempt::Again(unsent) => {
+                                req = unsent;
+                                fresh_only = true;
+                                continue;
+                            }
+                        }
                     }
                 },
             };
@@ -713,17 +723,22 @@ impl Replay {
     /// connection's task was gone, or it was canceled before dispatch); the
     /// upstream reset it with REFUSED_STREAM, or a graceful GOAWAY left it
     /// above the last stream the upstream would process (both unprocessed,
-    /// RFC 9113 §8.7); or the connection went away with an error and the
-    /// method is idempotent, so sending it twice is allowed (RFC 9110 §9.2.2).
+    /// RFC 9113 §8.7); or the connection went away with an error (a GOAWAY
+    /// with one, a reset, a close) and the method is idempotent, so sending
+    /// it twice is allowed (RFC 9110 §9.2.2).
     fn may_resend(&self, e: &hyper::Error) -> bool {
         if e.is_canceled() || (e.is_user() && !body_failed(e)) {
             return true;
         }
+        let idempotent = self.method.is_idempotent();
+        if idempotent && closed_unanswered(e) {
+            return true;
+        }
         cause::<h2::Error>(e).is_some_and(|h2| {
-            let gone = h2.is_go_away() && h2.is_remote();
+            let gone = (h2.is_go_away() && h2.is_remote()) || h2.is_io();
             h2.reason() == Some(h2::Reason::REFUSED_STREAM)
                 || (gone && h2.reason() == Some(h2::Reason::NO_ERROR))
-                || (gone && self.method.is_idempotent())
+                || (gone && idempotent)
         })
     }
 
