@@ -294,16 +294,16 @@ impl Proxy {
                     Some(told) => told,
                     None => {
                         let limit = self.options.body_timeout;
-                        let mut seen = body_sent.asked();
                         loop {
-                            if let Ok(told) = tokio::time::timeout(limit, body_sent.finished()).await {
+                            let wait = match body_sent.unasked_for() {
+                                Some(unasked) if unasked >= limit => return Waited::NotTaken(limit),
+                                Some(unasked) => limit.saturating_sub(unasked),
+                                // The client's turn: its body's own timer.
+                                None => limit,
+                            };
+                            if let Ok(told) = tokio::time::timeout(wait, body_sent.finished()).await {
                                 break told;
                             }
-                            let now = body_sent.asked();
-                            if now.is_some() && now == seen {
-                                return Waited::NotTaken(limit);
-                            }
-                            seen = now;
                         }
                     }
                 };

@@ -103,12 +103,23 @@ pub struct BodyProgress {
 }
 
 /// How the upstream connection has asked for the body.
-#[derive(Default)]
 struct Asked {
-    /// Times it asked for the next piece.
-    times: AtomicU64,
+    /// When the body was wrapped.
+    since: Instant,
+    /// Milliseconds after `since` when it last asked for a piece.
+    last_ms: AtomicU64,
     /// The last time, the client had not sent it yet.
     waiting_for_client: AtomicBool,
+}
+
+impl Asked {
+    fn new() -> Self {
+        Asked {
+            since: Instant::now(),
+            last_ms: AtomicU64::new(0),
+            waiting_for_client: AtomicBool::new(false),
+        }
+    }
 }
 
 impl BodyProgress {
@@ -133,12 +144,17 @@ impl BodyProgress {
         }
     }
 
-    /// Times the upstream connection asked for a piece of the body, or
-    /// `None` while it waits for the client to send one (the client's
-    /// stall, which the body's own timer ends).
-    pub fn asked(&self) -> Option<u64> {
+    /// How long since the upstream connection last asked for a piece of
+    /// the body (or since the body was wrapped, if never), or `None` while
+    /// it waits for the client to send one (the client's stall, which the
+    /// body's own timer ends).
+    pub fn unasked_for(&self) -> Option<Duration> {
         let asked = self.asked.as_ref()?;
-        (!asked.waiting_for_client.load(Ordering::Relaxed)).then(|| asked.times.load(Ordering::Relaxed))
+        if asked.waiting_for_client.load(Ordering::Relaxed) {
+            return None;
+        }
+        let last = Duration::from_millis(asked.last_ms.load(Ordering::Relaxed));
+        Some(asked.since.elapsed().saturating_sub(last))
     }
 }
 
@@ -167,7 +183,7 @@ impl ClientBody {
     pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
         let (tx, rx) = oneshot::channel();
         // Most requests have no body: no allocation for them.
-        let asked = (!body.is_end_stream()).then(Arc::default);
+        let asked = (!body.is_end_stream()).then(|| Arc::new(Asked::new()));
         let mut body = ClientBody {
             body: Some(body),
             held: None,
@@ -246,7 +262,8 @@ impl Body for ClientBody {
             frame = Poll::Ready(None);
         }
         if let Some(asked) = &this.asked {
-            asked.times.fetch_add(1, Ordering::Relaxed);
+            let ms = u64::try_from(asked.since.elapsed().as_millis()).unwrap_or(u64::MAX);
+            asked.last_ms.store(ms, Ordering::Relaxed);
             asked.waiting_for_client.store(frame.is_pending(), Ordering::Relaxed);
         }
         match &frame {
