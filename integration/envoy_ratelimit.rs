@@ -783,10 +783,17 @@ async fn a_config_directory_follows_its_files() {
     )
     .unwrap();
     wait_for("limits file added", 1);
-    assert_eq!(
-        remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()),
-        Some(7)
-    );
+    // `fs::write` truncates, then writes: the watcher may read the file
+    // half written first and again whole a moment later.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while remaining(rls.should_rate_limit(look("b")).await.unwrap().into_inner()) != Some(7) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "b.yaml's limit not loaded: {}",
+            tg.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     // A second file for domain a is refused while a.yaml holds it.
     std::fs::write(dir.path().join("c.yaml"), good).unwrap();
     wait_for("already declared by", 1);

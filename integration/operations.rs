@@ -428,6 +428,41 @@ async fn an_http2_stream_whose_client_never_opens_its_window_is_reset_after_the_
 }
 
 #[tokio::test]
+async fn an_http2_stream_read_slowly_through_a_small_window_is_not_reset() {
+    // From the ninth attack: a client reading 200 KB/s through a 64 KB
+    // window was reset at a 2 s send timeout, the upstream's frames (up to
+    // hundreds of KB) handed over whole, so hyper asked for the next only
+    // after the client had taken all of one. Handed on in 16 KB pieces, a
+    // stream that keeps taking them is not cut.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &["--send-timeout", "1s"]);
+    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .initial_stream_window_size(65_535)
+        .initial_connection_window_size(65_535)
+        .adaptive_window(false)
+        .handshake(hyper_util::rt::TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let req = http::Request::get(tg.url("/bytes/600000"))
+        .body(http_body_util::Full::new(Bytes::new()))
+        .unwrap();
+    let mut body = h2.send_request(req).await.unwrap().into_body();
+    let mut got = Vec::new();
+    // A frame (a few KB) every 50 ms: ~50 KB/s, some 12 s for the whole.
+    while let Some(frame) = body.frame().await {
+        let frame = frame.expect("not reset");
+        if let Ok(data) = frame.into_data() {
+            got.extend_from_slice(&data);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(got == pattern(600_000), "got {} bytes", got.len());
+    assert!(!tg.logged("HTTP/2 stream reset"), "{}", tg.log_text());
+}
+
+#[tokio::test]
 async fn an_http2_stream_waiting_on_its_upstream_is_not_the_clients_stall() {
     // A response whose upstream goes quiet (a long poll, an event stream)
     // waits under --upstream-body-timeout, however short --send-timeout is.

@@ -930,7 +930,9 @@ impl<B: Body + Unpin> Body for UntilSent<B> {
         let this = &mut *self;
         let frame = Pin::new(&mut this.body).poll_frame(cx);
         if let Some(stream) = &this.stream {
-            stream.asked(matches!(frame, Poll::Ready(Some(Ok(_)))));
+            // A frame, or the end: hyper has what it must send before the
+            // stream is done, and waits for the client's window for it.
+            stream.asked(matches!(frame, Poll::Ready(Some(Ok(_)) | None)));
         }
         frame
     }

@@ -194,6 +194,7 @@ impl Proxy {
         admitted: Admitted,
         call: Call,
     ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
+        let client_h2 = req.version() == Version::HTTP_2;
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
         let host = admitted.host.as_deref();
@@ -213,6 +214,11 @@ impl Proxy {
         parts.version = http::Version::HTTP_11;
         if self.options.ratelimit_headers {
             render::admission_headers(&admitted.decision, &mut parts.headers);
+        }
+        let mut body = body;
+        if client_h2 {
+            // HTTP/2's default frame size.
+            body.in_pieces(16 * 1024);
         }
         Ok(Response::from_parts(parts, Either::Left(body)))
     }

@@ -440,6 +440,8 @@ impl UpstreamPool {
             timer,
             lease: None,
             ended: false,
+            piece: 0,
+            rest: Bytes::new(),
         })))
     }
 
@@ -612,6 +614,8 @@ impl UpstreamPool {
             timer,
             lease,
             ended: false,
+            piece: 0,
+            rest: Bytes::new(),
         })
     }
 }
@@ -817,6 +821,25 @@ pub struct UpstreamBody {
     timer: IdleTimer,
     lease: Option<Lease>,
     ended: bool,
+    /// Largest piece handed on at a time (0: as the upstream's frames come).
+    piece: usize,
+    /// What is left of a frame cut into pieces.
+    rest: Bytes,
+}
+
+impl UpstreamBody {
+    /// Hands the body on in pieces of at most `at_most` bytes: an HTTP/2
+    /// client's stream takes a piece per window it opens, and how often it
+    /// asks for the next is how its progress shows (`serve::streams`); a
+    /// 256 KB frame would take a client reading 4 KB/s a minute.
+    pub fn in_pieces(&mut self, at_most: usize) {
+        self.piece = at_most;
+    }
+
+    fn next_piece(&mut self) -> Bytes {
+        let n = self.piece.min(self.rest.len());
+        self.rest.split_to(n)
+    }
 }
 
 impl Body for UpstreamBody {
@@ -825,19 +848,39 @@ impl Body for UpstreamBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
         let this = &mut *self;
+        if !this.rest.is_empty() {
+            return Poll::Ready(Some(Ok(Frame::data(this.next_piece()))));
+        }
         let frame = poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx);
-        if let Poll::Ready(None) = frame {
-            self.ended = true;
+        match frame {
+            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(Some(Ok(frame))) if this.piece > 0 => {
+                return match frame.into_data() {
+                    Ok(data) if data.len() > this.piece => {
+                        this.rest = data;
+                        Poll::Ready(Some(Ok(Frame::data(this.next_piece()))))
+                    }
+                    Ok(data) => Poll::Ready(Some(Ok(Frame::data(data)))),
+                    Err(frame) => Poll::Ready(Some(Ok(frame))),
+                };
+            }
+            _ => {}
         }
         frame
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.body.is_end_stream()
+        self.rest.is_empty() && (self.ended || self.body.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
+        let mut hint = self.body.size_hint();
+        let rest = self.rest.len() as u64;
+        hint.set_lower(hint.lower().saturating_add(rest));
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper.saturating_add(rest));
+        }
+        hint
     }
 }
 
