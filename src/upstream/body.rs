@@ -158,20 +158,14 @@ impl BodyProgress {
     }
 }
 
-/// A request body read whole ahead of sending, so that the request can go
-/// out again when an HTTP/2 upstream leaves it unprocessed.
-#[derive(Clone, Default)]
-pub struct Held {
-    data: Bytes,
-}
-
 /// The client's request body on its way upstream.
 pub struct ClientBody {
     /// `None`: the body is in `held`, or there is none.
     body: Option<Incoming>,
-    /// What is left to send of a body read ahead (boxed: rare, and the
-    /// request moves through every send).
-    held: Option<Box<Held>>,
+    /// What is left to send of a body read ahead, so that the request can
+    /// go out again when an HTTP/2 upstream leaves it unprocessed (boxed:
+    /// rare, and the request moves through every send).
+    held: Option<Box<Bytes>>,
     timer: IdleTimer,
     /// Told once the whole body has been read, or it failed.
     sent: Option<oneshot::Sender<bool>>,
@@ -199,7 +193,7 @@ impl ClientBody {
     }
 
     /// A body read ahead, for a request sent again.
-    pub fn again(held: Held, idle: Duration) -> Self {
+    pub fn again(held: Bytes, idle: Duration) -> Self {
         ClientBody {
             body: None,
             held: Some(Box::new(held)),
@@ -213,7 +207,7 @@ impl ClientBody {
     /// its declared length, so the request can be sent again; `None` for a
     /// longer one or one of unknown length (streamed: it cannot be). Each
     /// piece is waited for under the body timeout, as when streamed.
-    pub async fn hold(&mut self, limit: u64) -> Result<Option<Held>, BodyError> {
+    pub async fn hold(&mut self, limit: u64) -> Result<Option<Bytes>, BodyError> {
         if self.held.is_some() || self.body.as_ref().is_none_or(|b| b.is_end_stream()) {
             return Ok(Some(self.held.as_deref().cloned().unwrap_or_default()));
         }
@@ -226,7 +220,7 @@ impl ClientBody {
                 data.extend_from_slice(&piece);
             }
         }
-        let held = Held { data: data.freeze() };
+        let held = data.freeze();
         self.body = None;
         self.held = Some(Box::new(held.clone()));
         Ok(Some(held))
@@ -249,10 +243,10 @@ impl Body for ClientBody {
             let Some(held) = this.held.as_mut() else {
                 return Poll::Ready(None);
             };
-            if held.data.is_empty() {
+            if held.is_empty() {
                 return Poll::Ready(None);
             }
-            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut held.data)))));
+            return Poll::Ready(Some(Ok(Frame::data(std::mem::take(&mut **held)))));
         };
         let mut frame = this.timer.poll(Pin::new(body), cx);
         // Request trailers end the body here, as NGINX ends a body it reads
@@ -282,7 +276,7 @@ impl Body for ClientBody {
     fn is_end_stream(&self) -> bool {
         match (&self.body, &self.held) {
             (Some(body), _) => body.is_end_stream(),
-            (None, Some(held)) => held.data.is_empty(),
+            (None, Some(held)) => held.is_empty(),
             (None, None) => true,
         }
     }
@@ -290,7 +284,7 @@ impl Body for ClientBody {
     fn size_hint(&self) -> SizeHint {
         match (&self.body, &self.held) {
             (Some(body), _) => body.size_hint(),
-            (None, Some(held)) => SizeHint::with_exact(held.data.len() as u64),
+            (None, Some(held)) => SizeHint::with_exact(held.len() as u64),
             (None, None) => SizeHint::with_exact(0),
         }
     }

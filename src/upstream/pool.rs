@@ -29,7 +29,7 @@ use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::body::{BodyError, Causes, ClientBody, Held, IdleTimer, Stalled, poll_upstream};
+use super::body::{BodyError, Causes, ClientBody, IdleTimer, Stalled, poll_upstream};
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
@@ -320,7 +320,7 @@ impl UpstreamPool {
                 && idle >= MAY_BE_CLOSING_AFTER
                 && req.method().is_idempotent()
                 && req.body().is_end_stream())
-            .then(|| Replay::of(&req, Held::default()));
+            .then(|| Replay::of(&req, Bytes::new()));
             match sender.send.try_send_request(req).await {
                 Ok(response) => return Ok(self.lease(sender, response)),
                 Err(mut e) => match e.take_message() {
@@ -710,11 +710,11 @@ struct Replay {
     method: http::Method,
     uri: Uri,
     headers: http::HeaderMap,
-    body: Held,
+    body: Bytes,
 }
 
 impl Replay {
-    fn of(req: &Request<ClientBody>, body: Held) -> Replay {
+    fn of(req: &Request<ClientBody>, body: Bytes) -> Replay {
         Replay {
             method: req.method().clone(),
             uri: req.uri().clone(),
