@@ -199,6 +199,30 @@ for_each_store! {
         assert_eq!(s.decide(&three).await.verdict, Verdict::Allowed, "and at 15 s it fits");
     }
 
+    async fn a_cached_refusal_keeps_a_shadow_rules_window_the_cost_exceeds(s, clock: ManualClock = ManualClock::new(T0)) {
+        // Found by the model test: a request refused by an enforced rule is
+        // cached; a shadow rule of it whose 1 s window the cost exceeds
+        // whole lost that window from the cached answer once a second had
+        // passed, as if it had room: its RLS status then named its other
+        // window with a reset time, where a cost that never fits has none.
+        let mut h = costing(
+            hits(
+                "  - name: tight\n    limits: [{requests: 1, per: 10s}]\n  - name: trial\n    shadow: true\n    limits: [{requests: 2, per: 1s}, {requests: 6, per: 20s}]\n",
+            ),
+            1,
+        );
+        assert_eq!(s.decide(&h).await.verdict, Verdict::Allowed);
+        h[1].cost = 5;
+        for step in [0, 1_500] {
+            clock.advance(step);
+            let d = s.decide(&h).await;
+            assert_eq!(d.verdict, Verdict::Limited, "after {step} ms");
+            assert_eq!(d.retry_after_ms(), Some(10_000 - step), "after {step} ms");
+            let trial = d.rules[1].telling_window().expect("a window");
+            assert!(trial.never && trial.window.period_ms == 1_000, "after {step} ms: {trial:?}");
+        }
+    }
+
     async fn remaining_and_retry_follow_the_windows(s, clock: ManualClock = ManualClock::new(T0)) {
         let h = hits("  - name: r\n    limits: [{requests: 2, per: 10s}, {requests: 3, per: 60s}]\n");
         let d = s.decide(&h).await;

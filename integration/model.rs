@@ -390,7 +390,15 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
                             .duration_until_reset
                             .as_ref()
                             .map(|d| d.seconds as u64 * 1000 + d.nanos as u64 / 1_000_000);
-                        prop_assert_eq!(got_ms, want, "{:?} at {}", items, now - T0);
+                        prop_assert_eq!(
+                            got_ms,
+                            want,
+                            "{:?} at {} (redis {}, cache {})",
+                            items,
+                            now - T0,
+                            redis,
+                            cache
+                        );
                     }
                 } else {
                     // Unread: only where a cached refusal answered the request.

@@ -115,8 +115,11 @@ impl DenialCache {
             // after it emptied). A refusing window whose first units left
             // but not yet enough of them still refuses until its retry time,
             // which is exact; the refusal's retry time is that window's.
+            // One the cost exceeds whole refuses it for good (a shadow
+            // rule's: an enforced one's refusal is not cached).
             let passed = |ms: u64| ms <= elapsed;
             outcome.windows.retain(|w| match w.retry_ms {
+                _ if w.never => true,
                 Some(retry) => !passed(retry),
                 None => !passed(w.reset_ms),
             });
