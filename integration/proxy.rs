@@ -820,6 +820,11 @@ enum H2Act {
     Refuse,
     /// Closes the connection on the request's HEADERS, unanswered.
     Drop,
+    /// Sends 10 bytes (of 100 it declares, if `declared`), then, 50 ms
+    /// later, resets the stream with NO_ERROR.
+    CutShort {
+        declared: bool,
+    },
 }
 
 /// A case of an HTTP/2 upstream's misbehaviour: its script, the request's
@@ -846,12 +851,199 @@ async fn scripted_h2_upstream(script: fn(usize) -> H2Act) -> (SocketAddr, Arc<At
                         }
                         H2Act::Refuse => respond.send_reset(h2::Reason::REFUSED_STREAM),
                         H2Act::Drop => return,
+                        H2Act::CutShort { declared } => {
+                            let mut head = http::Response::new(());
+                            if declared {
+                                head.headers_mut()
+                                    .insert("content-length", http::HeaderValue::from_static("100"));
+                            }
+                            if let Ok(mut body) = respond.send_response(head, false) {
+                                let _ = body.send_data(bytes::Bytes::from_static(b"0123456789"), false);
+                                // Later, as a server failing midway does: the
+                                // head and the first bytes are on their way.
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(Duration::from_millis(50)).await;
+                                    body.send_reset(h2::Reason::NO_ERROR);
+                                });
+                            }
+                        }
                     }
                 }
             });
         }
     });
     (addr, seen)
+}
+
+/// A scripted upstream's script.
+type Script = fn(usize) -> H2Act;
+
+/// What the client of each HTTP version saw: status, and whether the body
+/// arrived whole (as its HTTP stack judges it).
+type Seen = [(u16, bool); 2];
+
+/// A POST of `body` through `tg` over HTTP/1.1 and over HTTP/2.
+async fn over_both_versions(tg: &Tollgate, body: &bytes::Bytes) -> Seen {
+    let post = || {
+        http::Request::post(tg.url("/x"))
+            .body(http_body_util::Full::new(body.clone()))
+            .unwrap()
+    };
+    let h1 = client()
+        .request(post())
+        .await
+        .unwrap_or_else(|e| panic!("{e:?}\n{}", tg.log_text()));
+    let h1_status = h1.status().as_u16();
+    let h1_whole = http_body_util::BodyExt::collect(h1.into_body()).await.is_ok();
+    let h2 = h2_sender(tg.addr).await.send_request(post()).await.unwrap();
+    let h2_status = h2.status().as_u16();
+    let h2_whole = http_body_util::BodyExt::collect(h2.into_body()).await.is_ok();
+    [(h1_status, h1_whole), (h2_status, h2_whole)]
+}
+
+#[tokio::test]
+async fn an_h2_upstream_answer_cut_short_or_failed_never_reaches_a_client_as_whole() {
+    // From the ninth attack: hyper reads a stream reset with NO_ERROR before
+    // the stream's end as the body's end, so a response the upstream cut
+    // after 10 bytes went to the client as a complete one (with no length
+    // declared nothing else tells); and a reset just after the head left an
+    // HTTP/1.1 client an empty reply (hyper had not written the head when
+    // the body failed), where nothing has been sent and 502 is the answer.
+    let cases: [(&str, Script, Seen); 2] = [
+        (
+            "cut at 10 bytes, no length declared",
+            |_| H2Act::CutShort { declared: false },
+            [(200, false), (200, false)],
+        ),
+        (
+            "cut at 10 of 100 bytes",
+            |_| H2Act::CutShort { declared: true },
+            [(200, false), (200, false)],
+        ),
+    ];
+    for (case, script, expected) in cases {
+        let (up, _) = scripted_h2_upstream(script).await;
+        let tg = Tollgate::start_upstream_url(
+            "domain: d\nrules: []\n",
+            &format!("h2c://{up}"),
+            &["--proxy-threads", "1"],
+        );
+        for round in 0..3 {
+            assert_eq!(
+                over_both_versions(&tg, &bytes::Bytes::from_static(b"hello")).await,
+                expected,
+                "{case}, round {round}\n{}",
+                tg.log_text()
+            );
+        }
+    }
+}
+
+/// An h2c upstream written frame by frame: to each request's HEADERS it
+/// answers, in one write, what `answer` makes for its stream id.
+async fn raw_h2_upstream(answer: fn(u32) -> Vec<u8>) -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut preface = [0u8; 24];
+                if socket.read_exact(&mut preface).await.is_err() {
+                    return;
+                }
+                let _ = socket.write_all(&h2_frame(0x4, 0, 0, &[])).await;
+                let mut header = [0u8; 9];
+                while socket.read_exact(&mut header).await.is_ok() {
+                    let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+                    let mut payload = vec![0u8; len];
+                    if socket.read_exact(&mut payload).await.is_err() {
+                        return;
+                    }
+                    let stream = u32::from_be_bytes([header[5], header[6], header[7], header[8]]) & 0x7fff_ffff;
+                    let reply = match header[3] {
+                        0x1 => answer(stream),
+                        0x4 if header[4] & 0x1 == 0 => h2_frame(0x4, 0x1, 0, &[]),
+                        _ => continue,
+                    };
+                    if socket.write_all(&reply).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// tollgate (one proxy thread) in front of [`raw_h2_upstream`].
+async fn before_raw_h2(answer: fn(u32) -> Vec<u8>) -> Tollgate {
+    let up = raw_h2_upstream(answer).await;
+    Tollgate::start_upstream_url(
+        "domain: d\nrules: []\n",
+        &format!("h2c://{up}"),
+        &["--proxy-threads", "1"],
+    )
+}
+
+/// A HEADERS frame (END_HEADERS and the other `flags`) of one HPACK
+/// static-table `status` byte, then RST_STREAM with error `code`.
+fn head_then_reset(stream: u32, flags: u8, status: u8, code: u8) -> Vec<u8> {
+    let mut reply = h2_frame(0x1, flags, stream, &[status]);
+    reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, code]));
+    reply
+}
+
+/// One HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut frame = vec![len[1], len[2], len[3], kind, flags];
+    frame.extend_from_slice(&stream.to_be_bytes());
+    frame.extend_from_slice(payload);
+    frame
+}
+
+#[tokio::test]
+async fn an_h2_upstream_failing_a_stream_with_its_head_is_answered_502() {
+    // From the ninth attack: HEADERS (":status 200") and RST_STREAM
+    // (INTERNAL_ERROR) in one write left an HTTP/1.1 client an empty reply,
+    // the connection closed with nothing sent (hyper had not written the
+    // head when the body failed); nothing has reached the client, so 502.
+    let tg = before_raw_h2(|stream| head_then_reset(stream, 0x4, 0x88, 2)).await;
+    for round in 0..3 {
+        assert_eq!(
+            over_both_versions(&tg, &bytes::Bytes::from_static(b"hello")).await,
+            [(502, true), (502, true)],
+            "round {round}\n{}",
+            tg.log_text()
+        );
+    }
+    assert!(tg.logged("failed right after its head"), "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn an_h2_upstream_answering_before_the_upload_ends_is_passed_on_whole() {
+    // RFC 9113 §8.1: a server may answer before it has read the request's
+    // body and then reset the stream with NO_ERROR to stop the upload. The
+    // answer is whole; tollgate reads any reset before a stream's end as a
+    // failure, and must not read this one so (the reset comes after END_STREAM).
+    // ":status 404" with END_STREAM, then the reset.
+    let tg = before_raw_h2(|stream| head_then_reset(stream, 0x5, 0x8d, 0)).await;
+    // Held whole before it goes out, and streamed (past 64 KB).
+    for body in [
+        bytes::Bytes::from_static(b"hello"),
+        bytes::Bytes::from(vec![b'x'; 300_000]),
+    ] {
+        for round in 0..3 {
+            assert_eq!(
+                over_both_versions(&tg, &body).await,
+                [(404, true), (404, true)],
+                "{} bytes, round {round}\n{}",
+                body.len(),
+                tg.log_text()
+            );
+        }
+    }
 }
 
 #[tokio::test]

@@ -74,6 +74,11 @@ pub enum SendError {
     /// The request's target cannot be written as HTTP/2's `:authority` and `:path`.
     #[error("request target cannot be sent over HTTP/2: {0}")]
     Target(#[from] http::uri::InvalidUriParts),
+    /// An HTTP/2 upstream failed the response's body as it sent the head
+    /// (a reset stream or a GOAWAY in the same read): nothing has reached
+    /// the client, which can still be told 502.
+    #[error("the upstream's HTTP/2 response failed right after its head: {0}{causes}", causes = Causes(&**.0))]
+    FailedAfterHead(BodyError),
 }
 
 impl SendError {
@@ -427,6 +432,7 @@ impl UpstreamPool {
                 value.set_sensitive(true);
             }
         }
+        let head_only = req.method() == http::Method::HEAD;
         let response = match h2.try_send_request(req).await {
             Ok(response) => response,
             Err(mut e) => match e.take_message() {
@@ -435,14 +441,23 @@ impl UpstreamPool {
             },
         };
         let timer = IdleTimer::new(self.inner.body_timeout);
-        Ok(Ok(response.map(|body| UpstreamBody {
+        // A HEAD's answer, a 204 or a 304 declares a length it has no body
+        // for; any other answer's body is checked against its length.
+        let declared = !head_only && !matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
+        let mut response = response.map(|body| UpstreamBody {
             body,
             timer,
             lease: None,
             ended: false,
             piece: 0,
             rest: Bytes::new(),
-        })))
+            trailers: None,
+            declared,
+        });
+        if let Some(e) = response.body_mut().failed_at_once() {
+            return Err(SendError::FailedAfterHead(e));
+        }
+        Ok(Ok(response))
     }
 
     /// The most recently returned connection that can take a request now,
@@ -616,6 +631,8 @@ impl UpstreamPool {
             ended: false,
             piece: 0,
             rest: Bytes::new(),
+            trailers: None,
+            declared: false,
         })
     }
 }
@@ -797,7 +814,7 @@ where
         // state is lost): hyper's 16 KB failed every stream on it for one
         // 17 KB head. Past MAX_RESPONSE_HEAD the proxy answers 502 itself.
         .max_header_list_size(H2_HEADER_LIST)
-        .handshake(TokioIo::new(io))
+        .handshake(TokioIo::new(super::resets::ResetsAsErrors::new(io)))
         .await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
     tokio::spawn(async move {
@@ -823,9 +840,23 @@ pub struct UpstreamBody {
     ended: bool,
     /// Largest piece handed on at a time (0: as the upstream's frames come).
     piece: usize,
-    /// What is left of a frame cut into pieces.
+    /// What is left of a frame cut into pieces, or of one read ahead.
     rest: Bytes,
+    /// Trailers read ahead (by [`UpstreamBody::failed_at_once`]).
+    trailers: Option<Box<http::HeaderMap>>,
+    /// Whether an end short of the declared `Content-Length` is an error
+    /// to be caught here: hyper catches it on HTTP/1.1, but over HTTP/2
+    /// it reads a stream reset (or a GOAWAY) with NO_ERROR before the
+    /// stream's end as the body's end (RFC 9113 §8.1 allows NO_ERROR only
+    /// after a complete response, which h2 tells apart), and the client
+    /// would take the truncated body for the whole one.
+    declared: bool,
 }
+
+/// An HTTP/2 upstream ended a body before its declared length.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream ended the response body {0} bytes short of its Content-Length (an HTTP/2 stream reset or GOAWAY with NO_ERROR)")]
+pub struct Truncated(u64);
 
 impl UpstreamBody {
     /// Hands the body on in pieces of at most `at_most` bytes: an HTTP/2
@@ -837,8 +868,44 @@ impl UpstreamBody {
     }
 
     fn next_piece(&mut self) -> Bytes {
-        let n = self.piece.min(self.rest.len());
+        let n = match self.piece {
+            0 => self.rest.len(),
+            piece => piece.min(self.rest.len()),
+        };
         self.rest.split_to(n)
+    }
+
+    /// How many bytes of its declared length the body lacks, if it is
+    /// checked and does.
+    fn short(&self) -> Option<u64> {
+        self.declared.then(|| self.body.size_hint().exact()).flatten().filter(|n| *n > 0)
+    }
+
+    /// The error the body has already failed with, looked at once without
+    /// waiting; a frame found instead is kept for the client.
+    fn failed_at_once(&mut self) -> Option<BodyError> {
+        if self.body.is_end_stream() {
+            return None;
+        }
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match Pin::new(&mut self.body).poll_frame(&mut cx) {
+            Poll::Ready(Some(Err(e))) => Some(e.into()),
+            Poll::Ready(Some(Ok(frame))) => {
+                match frame.into_data() {
+                    Ok(data) => self.rest = data,
+                    Err(frame) => self.trailers = frame.into_trailers().ok().map(Box::new),
+                }
+                None
+            }
+            Poll::Ready(None) => match self.short() {
+                Some(missing) => Some(Truncated(missing).into()),
+                None => {
+                    self.ended = true;
+                    None
+                }
+            },
+            Poll::Pending => None,
+        }
     }
 }
 
@@ -851,9 +918,19 @@ impl Body for UpstreamBody {
         if !this.rest.is_empty() {
             return Poll::Ready(Some(Ok(Frame::data(this.next_piece()))));
         }
+        if let Some(trailers) = this.trailers.take() {
+            return Poll::Ready(Some(Ok(Frame::trailers(*trailers))));
+        }
         let frame = poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx);
         match frame {
-            Poll::Ready(None) => this.ended = true,
+            Poll::Ready(None) => {
+                if let Some(missing) = this.short() {
+                    let e = Truncated(missing);
+                    tracing::warn!(error = %e, "upstream response body failed midway; ending the response");
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+                this.ended = true;
+            }
             Poll::Ready(Some(Ok(frame))) if this.piece > 0 => {
                 return match frame.into_data() {
                     Ok(data) if data.len() > this.piece => {
@@ -870,14 +947,21 @@ impl Body for UpstreamBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.rest.is_empty() && (self.ended || self.body.is_end_stream())
+        // A body cut short must still be polled, for its error: told it
+        // was at its end, hyper would end the client's stream cleanly.
+        self.rest.is_empty()
+            && self.trailers.is_none()
+            && (self.ended || (self.body.is_end_stream() && self.short().is_none()))
     }
 
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.body.size_hint();
+        let inner = self.body.size_hint();
         let rest = self.rest.len() as u64;
-        hint.set_lower(hint.lower().saturating_add(rest));
-        if let Some(upper) = hint.upper() {
+        // Built anew: raising an exact hint's lower bound first would
+        // pass its upper one, which `SizeHint` asserts against.
+        let mut hint = SizeHint::new();
+        hint.set_lower(inner.lower().saturating_add(rest));
+        if let Some(upper) = inner.upper() {
             hint.set_upper(upper.saturating_add(rest));
         }
         hint
