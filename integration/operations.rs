@@ -275,6 +275,33 @@ async fn an_upstream_response_head_past_64_kb_is_a_502_not_passed_on() {
 }
 
 #[tokio::test]
+async fn an_upstream_response_of_more_than_100_header_fields_is_a_502() {
+    // As README says (hyper's bound, Envoy's max_headers_count): 100 fields
+    // pass, 101 are refused whole rather than passed on in part.
+    for (fields, status) in [(100, "200"), (101, "502")] {
+        // With connection and content-length, `fields` in all.
+        let extra: String = (0..fields - 2).map(|i| format!("x-f{i}: v\r\n")).collect();
+        let head = format!("HTTP/1.1 200 OK\r\n{extra}connection: close\r\ncontent-length: 2\r\n\r\n");
+        let up = stalling_upstream(Box::leak(head.into_boxed_str()), b"ok").await;
+        let tg = Tollgate::start("domain: d\nrules: []\n", up, &[]);
+        let answer = raw(
+            tg.addr,
+            b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert!(
+            answer.starts_with(&format!("HTTP/1.1 {status}")),
+            "{fields} fields: {}",
+            &answer[..answer.len().min(200)]
+        );
+        if status == "200" {
+            assert!(answer.contains("x-f97: v") && answer.ends_with("ok"), "{answer}");
+        }
+    }
+}
+
+#[tokio::test]
 async fn a_stalled_upstream_body_is_cut_off_not_held_forever() {
     let up = stalling_upstream("HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n", b"0123456789").await;
     let tg = Tollgate::start("domain: d\nrules: []\n", up, &["--upstream-body-timeout", "1s"]);
