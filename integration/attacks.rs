@@ -895,3 +895,28 @@ async fn a_host_list_or_userinfo_cannot_dodge_a_host_rule() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_request_swallowed_as_trailers_never_reaches_the_upstream() {
+    // The tenth attack: a trailer line ending in a bare LF does not end
+    // there in hyper's parser, which reads trailers on to the next blank
+    // CRLF line, so the request pipelined behind it is taken for trailers
+    // (README says so). What must hold: nothing of that request goes
+    // upstream, and the one after it is answered as itself.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &[]);
+    let answer = raw(
+        tg.addr,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX: y\n\r\n\
+GET /status/201 HTTP/1.1\r\nHost: x\r\n\r\n\
+GET /status/202 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    let statuses: Vec<&str> = answer
+        .match_indices("HTTP/1.1 ")
+        .filter_map(|(i, _)| answer.get(i + 9..i + 12))
+        .collect();
+    assert_eq!(statuses, ["200", "202"], "{answer}");
+    assert_eq!(up.hits(), 2, "the swallowed request went nowhere");
+}
