@@ -33,7 +33,7 @@ pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1),
 /// and `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses.
-const HOP_BY_HOP: [HeaderName; 7] = [
+static HOP_BY_HOP: [HeaderName; 7] = [
     HeaderName::from_static("http2-settings"),
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
