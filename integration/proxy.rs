@@ -1022,6 +1022,61 @@ async fn an_h2_upstream_failing_a_stream_with_its_head_is_answered_502() {
 }
 
 #[tokio::test]
+async fn a_response_failing_with_its_first_bytes_reaches_the_client_cut_not_as_an_empty_reply() {
+    // From the eleventh attack: HEADERS, DATA and RST_STREAM in one write,
+    // or a head, some body and a close. hyper's HTTP/1 writer gave up on
+    // the body's error before flushing the head and the bytes it held, so
+    // the client got an empty reply, and curl sent its POST again on a new
+    // connection: the upstream processed it twice. Now the client gets the
+    // head and the bytes, then the close: a cut response, not resent.
+    let tg = before_raw_h2(|stream| {
+        let mut reply = h2_frame(0x1, 0x4, stream, &[0x88]);
+        reply.extend(h2_frame(0x0, 0, stream, b"0123456789"));
+        reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, 0]));
+        reply
+    })
+    .await;
+    for round in 0..3 {
+        assert_eq!(
+            over_both_versions(&tg, &bytes::Bytes::from_static(b"hello")).await,
+            [(200, false), (200, false)],
+            "round {round}\n{}",
+            tg.log_text()
+        );
+    }
+    // The same over HTTP/1.1, with and without a declared length.
+    for head in [
+        "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n0123456789",
+        "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\na\r\n0123456789\r\n",
+    ] {
+        let up = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = up.local_addr().unwrap();
+        tokio::spawn(async move {
+            use tokio::io::{AsyncReadExt, AsyncWriteExt};
+            while let Ok((mut s, _)) = up.accept().await {
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf).await;
+                let _ = s.write_all(head.as_bytes()).await;
+            }
+        });
+        let tg = Tollgate::start("domain: d\nrules: []\n", addr, &[]);
+        for round in 0..3 {
+            let answer = raw(
+                tg.addr,
+                b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nhello",
+                Duration::from_secs(5),
+            )
+            .await;
+            assert!(
+                answer.starts_with("HTTP/1.1 200")
+                    && (answer.ends_with("0123456789\r\n") || answer.ends_with("0123456789")),
+                "{head:?}, round {round}: {answer:?}"
+            );
+        }
+    }
+}
+
+#[tokio::test]
 async fn an_h2_upstream_answering_before_the_upload_ends_is_passed_on_whole() {
     // RFC 9113 §8.1: a server may answer before it has read the request's
     // body and then reset the stream with NO_ERROR to stop the upload. The

@@ -452,6 +452,7 @@ impl UpstreamPool {
             piece: 0,
             rest: Bytes::new(),
             trailers: None,
+            failed: None,
             declared,
         });
         if let Some(e) = response.body_mut().failed_at_once() {
@@ -632,6 +633,7 @@ impl UpstreamPool {
             piece: 0,
             rest: Bytes::new(),
             trailers: None,
+            failed: None,
             declared: false,
         })
     }
@@ -844,6 +846,8 @@ pub struct UpstreamBody {
     rest: Bytes,
     /// Trailers read ahead (by [`UpstreamBody::failed_at_once`]).
     trailers: Option<Box<http::HeaderMap>>,
+    /// The body's failure, told on the poll after the one that found it.
+    failed: Option<BodyError>,
     /// Whether an end short of the declared `Content-Length` is an error
     /// to be caught here: hyper catches it on HTTP/1.1, but over HTTP/2
     /// it reads a stream reset (or a GOAWAY) with NO_ERROR before the
@@ -921,15 +925,34 @@ impl Body for UpstreamBody {
         if let Some(trailers) = this.trailers.take() {
             return Poll::Ready(Some(Ok(Frame::trailers(*trailers))));
         }
-        let frame = poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx);
-        match frame {
-            Poll::Ready(None) => {
-                if let Some(missing) = this.short() {
+        if let Some(e) = this.failed.take() {
+            return Poll::Ready(Some(Err(e)));
+        }
+        let frame = match poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx) {
+            Poll::Ready(None) => match this.short() {
+                Some(missing) => {
                     let e = Truncated(missing);
                     tracing::warn!(error = %e, "upstream response body failed midway; ending the response");
-                    return Poll::Ready(Some(Err(e.into())));
+                    Poll::Ready(Some(Err(e.into())))
                 }
-                this.ended = true;
+                None => {
+                    this.ended = true;
+                    Poll::Ready(None)
+                }
+            },
+            frame => frame,
+        };
+        match frame {
+            Poll::Ready(Some(Err(e))) => {
+                // hyper's HTTP/1 writer gives up on a body's error at once,
+                // before flushing what it holds of the response (the head,
+                // the body so far): the client would get nothing, an empty
+                // reply, which clients send again, a POST too (curl). A
+                // turn later that has gone out, and the response reads as
+                // cut.
+                this.failed = Some(e);
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
             Poll::Ready(Some(Ok(frame))) if this.piece > 0 => {
                 return match frame.into_data() {
@@ -951,6 +974,7 @@ impl Body for UpstreamBody {
         // was at its end, hyper would end the client's stream cleanly.
         self.rest.is_empty()
             && self.trailers.is_none()
+            && self.failed.is_none()
             && (self.ended || (self.body.is_end_stream() && self.short().is_none()))
     }
 
