@@ -1076,6 +1076,189 @@ async fn a_response_failing_with_its_first_bytes_reaches_the_client_cut_not_as_a
     }
 }
 
+/// The HTTP/2 reset code that ended a body, if one did.
+fn reset_code(e: &(dyn std::error::Error + 'static)) -> Option<h2::Reason> {
+    let mut source = Some(e);
+    while let Some(err) = source {
+        if let Some(reason) = err.downcast_ref::<h2::Error>().and_then(h2::Error::reason) {
+            return Some(reason);
+        }
+        source = err.source();
+    }
+    None
+}
+
+#[tokio::test]
+async fn an_h2_clients_stream_cut_by_the_upstream_is_reset_with_internal_error_not_its_code() {
+    // From the eleventh attack: the upstream's own code reached the client,
+    // REFUSED_STREAM among them, which tells a client (RFC 9113 §8.7) that
+    // its request was not processed and may be sent again, a POST too,
+    // though its answer had begun. NGINX resets with INTERNAL_ERROR.
+    let tg = before_raw_h2(|stream| {
+        let mut reply = h2_frame(0x1, 0x4, stream, &[0x88]);
+        reply.extend(h2_frame(0x0, 0, stream, b"0123456789"));
+        reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, 7]));
+        reply
+    })
+    .await;
+    let mut h2 = h2_sender(tg.addr).await;
+    for round in 0..3 {
+        let post = http::Request::post(tg.url("/x"))
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(b"hello")))
+            .unwrap();
+        let answer = h2.send_request(post).await.unwrap();
+        assert_eq!(answer.status(), 200);
+        let e = http_body_util::BodyExt::collect(answer.into_body()).await.unwrap_err();
+        assert_eq!(reset_code(&e), Some(h2::Reason::INTERNAL_ERROR), "round {round}: {e:?}");
+    }
+}
+
+#[tokio::test]
+async fn a_204_or_304_from_an_h2_upstream_carries_no_body_and_a_204_no_length() {
+    // From the eleventh attack: a 204 or 304 the upstream sent DATA with
+    // (malformed, RFC 9113 §8.1.1) reached HTTP/2 clients with the bytes,
+    // which curl refuses (PROTOCOL_ERROR); and a 204's Content-Length went
+    // on to HTTP/1.1 clients (RFC 9110 §8.6 forbids one; NGINX drops it).
+    for status in [0x89u8, 0x8b] {
+        // ":status 204" or "304", "content-length: 5", then "hello".
+        let tg = before_raw_h2(match status {
+            0x89 => |stream| {
+                let mut reply = h2_frame(0x1, 0x4, stream, &[0x89, 0x0f, 0x0d, 0x01, b'5']);
+                reply.extend(h2_frame(0x0, 0x1, stream, b"hello"));
+                reply
+            },
+            _ => |stream| {
+                let mut reply = h2_frame(0x1, 0x4, stream, &[0x8b, 0x0f, 0x0d, 0x01, b'5']);
+                reply.extend(h2_frame(0x0, 0x1, stream, b"hello"));
+                reply
+            },
+        })
+        .await;
+        let code = if status == 0x89 { 204 } else { 304 };
+        assert_eq!(
+            over_both_versions(&tg, &bytes::Bytes::new()).await,
+            [(code, true), (code, true)]
+        );
+        let mut h2 = h2_sender(tg.addr).await;
+        let get = http::Request::get(tg.url("/x"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let body = http_body_util::BodyExt::collect(h2.send_request(get).await.unwrap().into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert!(body.is_empty(), "{code}: {body:?}");
+        let answer = raw(
+            tg.addr,
+            b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+            Duration::from_secs(5),
+        )
+        .await;
+        assert_eq!(answer.matches(&format!("HTTP/1.1 {code}")).count(), 2, "{answer}");
+        assert!(!answer.contains("hello"), "{answer}");
+        if code == 204 {
+            assert!(!answer.contains("content-length"), "{answer}");
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_burst_at_start_opens_one_h2_connection_not_one_per_request() {
+    // From the eleventh attack: 90 concurrent requests with no upstream
+    // connection yet (at start, or just after the upstream ended its last)
+    // opened 90 HTTP/2 connections, where README says each worker thread
+    // multiplexes its requests on one.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    let connections = Arc::new(AtomicUsize::new(0));
+    let count = connections.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            count.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        let _ = respond.send_response(http::Response::new(()), true);
+                    });
+                }
+            });
+        }
+    });
+    let tg = Tollgate::start_upstream_url(
+        "domain: d\nrules: []\n",
+        &format!("h2c://{up}"),
+        &["--proxy-threads", "1"],
+    );
+    let mut burst = tokio::task::JoinSet::new();
+    for _ in 0..40 {
+        let url = tg.url("/x");
+        burst.spawn(async move { get(&client(), &url, &[]).await.status });
+    }
+    while let Some(status) = burst.join_next().await {
+        assert_eq!(status.unwrap(), 200);
+    }
+    assert_eq!(connections.load(Ordering::SeqCst), 1, "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn h2_upstream_trailers_past_64_kb_cut_the_response() {
+    // From the eleventh attack: README bounds a response head and its
+    // trailers at 64 KB; a head past it was 502, trailers of 70 and 200 KB
+    // from an HTTP/2 upstream went through whole. Once the body has begun
+    // the response can only be cut.
+    for (kb, whole) in [(60usize, true), (70, false)] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let up = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((socket, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let Ok(mut conn) = h2::server::handshake(socket).await else {
+                        return;
+                    };
+                    while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                        let Ok(mut body) = respond.send_response(http::Response::new(()), false) else {
+                            continue;
+                        };
+                        let _ = body.send_data(bytes::Bytes::from_static(b"body"), false);
+                        let mut trailers = http::HeaderMap::new();
+                        for i in 0..kb {
+                            let name = http::HeaderName::try_from(format!("x-t{i}")).unwrap();
+                            trailers.insert(name, http::HeaderValue::from_str(&"v".repeat(1000)).unwrap());
+                        }
+                        let _ = body.send_trailers(trailers);
+                    }
+                });
+            }
+        });
+        let tg = Tollgate::start_upstream_url(
+            "domain: d\nrules: []\n",
+            &format!("h2c://{up}"),
+            &["--proxy-threads", "1"],
+        );
+        // A client taking header lists of up to 1 MB: the bound is tollgate's.
+        let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+        let (mut h2, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .max_header_list_size(1 << 20)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(conn);
+        let get = http::Request::get(tg.url("/x"))
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let answer = h2.send_request(get).await.unwrap();
+        let body = http_body_util::BodyExt::collect(answer.into_body()).await;
+        assert_eq!(body.is_ok(), whole, "{kb} KB of trailers: {:?}", body.as_ref().err());
+        if whole {
+            assert_eq!(body.unwrap().trailers().map(|t| t.len()), Some(kb));
+        }
+    }
+}
+
 #[tokio::test]
 async fn an_h2_upstream_answering_before_the_upload_ends_is_passed_on_whole() {
     // RFC 9113 §8.1: a server may answer before it has read the request's

@@ -208,6 +208,12 @@ impl Proxy {
         }
         let (mut parts, body) = response.into_parts();
         strip_hop_by_hop(&mut parts.headers, false);
+        // A 204 has no Content-Length (RFC 9110 §8.6), as NGINX sends it:
+        // hyper would pass an upstream's on, for a client that reads it to
+        // wait for bytes that never come, or take the next response's.
+        if parts.status == StatusCode::NO_CONTENT {
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
         // The client talks to us, not to the upstream: an HTTP/1.0 upstream
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
         // keep-alive connection after every response (NGINX answers 1.1).

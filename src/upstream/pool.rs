@@ -65,9 +65,9 @@ pub enum SendError {
     /// A protocol switch (WebSocket) asked of an upstream speaking HTTP/2.
     #[error("the upstream speaks HTTP/2: a WebSocket upgrade needs an HTTP/1.1 upstream")]
     UpgradeOverH2,
-    /// A new HTTP/2 connection closed before the request went out.
-    #[error("the upstream's new HTTP/2 connection closed before the request was sent")]
-    Unsent,
+    /// A request left unprocessed on a new HTTP/2 connection too.
+    #[error("the upstream left the request unprocessed on a new HTTP/2 connection too (closed it, refused the stream, or sent GOAWAY below it)")]
+    Unprocessed,
     /// The client's body failed while it was read ahead (a stall, a reset).
     #[error("the client's request body failed: {0}")]
     ClientBody(BodyError),
@@ -126,6 +126,27 @@ struct PoolInner {
     /// every request shares it (NGINX's `http2_max_concurrent_streams` and
     /// the like queue the excess on it).
     h2: Mutex<Option<http2::SendRequest<ClientBody>>>,
+    /// Whether a request of this thread is opening that connection: the
+    /// others wait for it rather than each opening one (a burst at start,
+    /// or when the upstream ended the last, opened 90 for 90 requests).
+    h2_opening: AtomicBool,
+    /// Told when that opening ends, opened or not.
+    h2_opened: tokio::sync::Notify,
+    /// Whether the last TLS connection's ALPN chose h2: the next is
+    /// expected to, so one opens it for all.
+    tls_chose_h2: AtomicBool,
+}
+
+/// The turn of a request to open the thread's HTTP/2 connection; when it
+/// ends (the connection stored, the attempt failed, or the request gone)
+/// the requests waiting look again.
+struct Opening(Arc<PoolInner>);
+
+impl Drop for Opening {
+    fn drop(&mut self) {
+        self.0.h2_opening.store(false, Ordering::Release);
+        self.0.h2_opened.notify_waiters();
+    }
 }
 
 /// A new connection, as the upstream chose to speak on it.
@@ -257,6 +278,9 @@ impl UpstreamPool {
                 max_idle,
                 sweeping: AtomicBool::new(false),
                 h2: Mutex::new(None),
+                h2_opening: AtomicBool::new(false),
+                h2_opened: tokio::sync::Notify::new(),
+                tls_chose_h2: AtomicBool::new(false),
             }),
         }
     }
@@ -268,15 +292,33 @@ impl UpstreamPool {
     /// servers speak no HTTP/1.1.
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
         let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
-        if let Some(h2) = self.shared_h2(h2c) {
-            match Box::pin(self.send_shared_h2(h2, req)).await? {
-                Attempt::Answered(response) => return Ok(response),
-                Attempt::Again(unsent) => req = unsent,
-            }
-        }
         // A protocol switch gets a connection of its own, which hyper hands
         // to the tunnel on a 101: a parkable one would not be handed over.
         let switching = req.headers().contains_key(http::header::UPGRADE);
+        let expect_h2 = !switching && (h2c || self.inner.tls_chose_h2.load(Ordering::Relaxed));
+        let mut opening = None;
+        let mut waited = false;
+        loop {
+            if let Some(h2) = self.shared_h2(h2c) {
+                match Box::pin(self.send_shared_h2(h2, req)).await? {
+                    Attempt::Answered(response) => return Ok(response),
+                    Attempt::Again(unsent) => req = unsent,
+                }
+                break;
+            }
+            // Once waited for, a connection that did not open is this
+            // request's to try: each in turn would wait out every failure.
+            if !expect_h2 || waited {
+                break;
+            }
+            match self.h2_turn().await {
+                Some(turn) => {
+                    opening = Some(turn);
+                    break;
+                }
+                None => waited = true,
+            }
+        }
         // Sent again once on a new connection: kept idle ones are not tried.
         let mut fresh_only = false;
         loop {
@@ -296,15 +338,19 @@ impl UpstreamPool {
                 // send's future, sized for its largest step, was copied
                 // whole into its box on every request (~8 KB).
                 None => match Box::pin(self.connect(h2c, !switching)).await? {
-                    Connected::Http1(sender) => (sender, false, Duration::ZERO),
+                    Connected::Http1(sender) => {
+                        drop(opening.take());
+                        (sender, false, Duration::ZERO)
+                    }
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
+                        drop(opening.take());
                         // One left unprocessed on a fresh connection too
                         // (refused, or its GOAWAY at once) goes out once
                         // more, on another; failing there is final.
                         match Box::pin(self.send_shared_h2(h2, req)).await? {
                             Attempt::Answered(response) => return Ok(response),
-                            Attempt::Again(_) if fresh_only => return Err(SendError::Unsent),
+                            Attempt::Again(_) if fresh_only => return Err(SendError::Unprocessed),
                             Attempt::Again(unsent) => {
                                 req = unsent;
                                 fresh_only = true;
@@ -381,6 +427,20 @@ impl UpstreamPool {
         Ok(attempt)
     }
 
+    /// This request's turn to open the thread's HTTP/2 connection, or
+    /// `None` once the request that had it is done (look again then).
+    async fn h2_turn(&self) -> Option<Opening> {
+        let opened = self.inner.h2_opened.notified();
+        tokio::pin!(opened);
+        // Told from here on, before the look: no end is missed.
+        opened.as_mut().enable();
+        if !self.inner.h2_opening.swap(true, Ordering::AcqRel) {
+            return Some(Opening(self.inner.clone()));
+        }
+        opened.await;
+        None
+    }
+
     /// The thread's HTTP/2 connection, while it is open.
     fn shared_h2(&self, h2c: bool) -> Option<http2::SendRequest<ClientBody>> {
         // A plain http:// upstream has one only for gRPC: no lock on the
@@ -441,9 +501,15 @@ impl UpstreamPool {
             },
         };
         let timer = IdleTimer::new(self.inner.body_timeout);
-        // A HEAD's answer, a 204 or a 304 declares a length it has no body
-        // for; any other answer's body is checked against its length.
-        let declared = !head_only && !matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
+        // A HEAD's answer, a 204 or a 304 has no body, whatever DATA the
+        // upstream sends (an HTTP/2 client would reset the stream for it:
+        // RFC 9113 §8.1.1) or length it declares; any other answer's body
+        // is checked against its length. hyper's HTTP/1 client does both.
+        let framing = if head_only || matches!(response.status(), StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED) {
+            Framing::Bodiless
+        } else {
+            Framing::Declared
+        };
         let mut response = response.map(|body| UpstreamBody {
             body,
             timer,
@@ -453,7 +519,7 @@ impl UpstreamPool {
             rest: Bytes::new(),
             trailers: None,
             failed: None,
-            declared,
+            framing,
         });
         if let Some(e) = response.body_mut().failed_at_once() {
             return Err(SendError::FailedAfterHead(e));
@@ -608,7 +674,9 @@ impl UpstreamPool {
                         authority: authority.clone(),
                         source,
                     })?;
-                if stream.get_ref().1.alpn_protocol() == Some(b"h2") {
+                let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                self.inner.tls_chose_h2.store(h2, Ordering::Relaxed);
+                if h2 {
                     start_h2(stream).await.map(Connected::Http2)
                 } else {
                     start_connection(stream).await.map(Connected::Http1)
@@ -634,7 +702,7 @@ impl UpstreamPool {
             rest: Bytes::new(),
             trailers: None,
             failed: None,
-            declared: false,
+            framing: Framing::Hyper,
         })
     }
 }
@@ -848,18 +916,42 @@ pub struct UpstreamBody {
     trailers: Option<Box<http::HeaderMap>>,
     /// The body's failure, told on the poll after the one that found it.
     failed: Option<BodyError>,
-    /// Whether an end short of the declared `Content-Length` is an error
-    /// to be caught here: hyper catches it on HTTP/1.1, but over HTTP/2
-    /// it reads a stream reset (or a GOAWAY) with NO_ERROR before the
-    /// stream's end as the body's end (RFC 9113 §8.1 allows NO_ERROR only
-    /// after a complete response, which h2 tells apart), and the client
-    /// would take the truncated body for the whole one.
-    declared: bool,
+    framing: Framing,
 }
+
+/// How much of an upstream body's framing is left to check here.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Framing {
+    /// hyper's HTTP/1 client checks all of it.
+    Hyper,
+    /// An HTTP/2 body ending short of its declared `Content-Length` is an
+    /// error: hyper reads a GOAWAY with NO_ERROR above the stream as the
+    /// body's end, and the client would take the truncated body for the
+    /// whole one.
+    Declared,
+    /// The answer to a HEAD, a 204 or a 304 over HTTP/2: no body is passed
+    /// on, whatever the upstream sends.
+    Bodiless,
+}
+
+/// An upstream body's failure as the client's side is given it: its
+/// message, causes and all, not the error, so that hyper's HTTP/2 server
+/// resets the client's stream with INTERNAL_ERROR (as NGINX does) rather
+/// than with the code the upstream reset its own with: REFUSED_STREAM
+/// would tell a client its processed POST may be sent again.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct UpstreamFailed(String);
+
+/// An HTTP/2 upstream's trailers were larger than [`MAX_RESPONSE_HEAD`]:
+/// the response is cut, as one whose head is that large is answered 502.
+#[derive(Debug, thiserror::Error)]
+#[error("the upstream sent trailers larger than 64 KB")]
+pub struct TrailersTooLarge;
 
 /// An HTTP/2 upstream ended a body before its declared length.
 #[derive(Debug, thiserror::Error)]
-#[error("the upstream ended the response body {0} bytes short of its Content-Length (an HTTP/2 stream reset or GOAWAY with NO_ERROR)")]
+#[error("the upstream ended the response body {0} bytes short of its Content-Length (its HTTP/2 stream ended early)")]
 pub struct Truncated(u64);
 
 impl UpstreamBody {
@@ -882,18 +974,31 @@ impl UpstreamBody {
     /// How many bytes of its declared length the body lacks, if it is
     /// checked and does.
     fn short(&self) -> Option<u64> {
-        self.declared.then(|| self.body.size_hint().exact()).flatten().filter(|n| *n > 0)
+        (self.framing == Framing::Declared)
+            .then(|| self.body.size_hint().exact())
+            .flatten()
+            .filter(|n| *n > 0)
+    }
+
+    /// Whether `frame` is trailers past the bound on a response head, from
+    /// an HTTP/2 upstream (hyper's HTTP/1 client bounds them itself).
+    fn oversized(&self, frame: &Frame<Bytes>) -> bool {
+        self.framing != Framing::Hyper
+            && frame
+                .trailers_ref()
+                .is_some_and(|t| crate::serve::head_bytes(t) > MAX_RESPONSE_HEAD)
     }
 
     /// The error the body has already failed with, looked at once without
     /// waiting; a frame found instead is kept for the client.
     fn failed_at_once(&mut self) -> Option<BodyError> {
-        if self.body.is_end_stream() {
+        if self.body.is_end_stream() || self.framing == Framing::Bodiless {
             return None;
         }
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match Pin::new(&mut self.body).poll_frame(&mut cx) {
             Poll::Ready(Some(Err(e))) => Some(e.into()),
+            Poll::Ready(Some(Ok(frame))) if self.oversized(&frame) => Some(TrailersTooLarge.into()),
             Poll::Ready(Some(Ok(frame))) => {
                 match frame.into_data() {
                     Ok(data) => self.rest = data,
@@ -928,6 +1033,10 @@ impl Body for UpstreamBody {
         if let Some(e) = this.failed.take() {
             return Poll::Ready(Some(Err(e)));
         }
+        if this.framing == Framing::Bodiless {
+            this.ended = true;
+            return Poll::Ready(None);
+        }
         let frame = match poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx) {
             Poll::Ready(None) => match this.short() {
                 Some(missing) => {
@@ -940,6 +1049,10 @@ impl Body for UpstreamBody {
                     Poll::Ready(None)
                 }
             },
+            Poll::Ready(Some(Ok(frame))) if this.oversized(&frame) => {
+                tracing::warn!(error = %TrailersTooLarge, "upstream response body failed midway; ending the response");
+                Poll::Ready(Some(Err(TrailersTooLarge.into())))
+            }
             frame => frame,
         };
         match frame {
@@ -950,7 +1063,7 @@ impl Body for UpstreamBody {
                 // reply, which clients send again, a POST too (curl). A
                 // turn later that has gone out, and the response reads as
                 // cut.
-                this.failed = Some(e);
+                this.failed = Some(Box::new(UpstreamFailed(format!("{e}{}", Causes(&*e)))));
                 cx.waker().wake_by_ref();
                 return Poll::Pending;
             }
@@ -975,10 +1088,13 @@ impl Body for UpstreamBody {
         self.rest.is_empty()
             && self.trailers.is_none()
             && self.failed.is_none()
-            && (self.ended || (self.body.is_end_stream() && self.short().is_none()))
+            && (self.ended || self.framing == Framing::Bodiless || (self.body.is_end_stream() && self.short().is_none()))
     }
 
     fn size_hint(&self) -> SizeHint {
+        if self.framing == Framing::Bodiless {
+            return SizeHint::with_exact(0);
+        }
         let inner = self.body.size_hint();
         let rest = self.rest.len() as u64;
         // Built anew: raising an exact hint's lower bound first would
