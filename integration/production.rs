@@ -603,3 +603,49 @@ async fn the_stage_histograms_show_where_a_slow_response_spent_its_time() {
     // The connection's first request came at once after it was accepted.
     assert_eq!(within("tollgate_first_request_seconds", proxy, 0.2), 1, "{m}");
 }
+
+#[tokio::test]
+async fn a_redis_connection_closed_while_quiet_fails_no_decision() {
+    // From the twelfth attack: a Redis that closes idle clients (its
+    // `timeout`, a managed service's or a proxy's idle timer), or restarts
+    // while tollgate is quiet, left each thread's connection dead; the next
+    // decision on it failed ("broken pipe"), so a rule failing closed
+    // answered 503 to healthy callers after every quiet spell, and one
+    // failing open admitted uncounted requests past its limit.
+    let mut redis = RedisServer::start_with(&["--timeout", "1"]);
+    let upstream = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: c\n    by: [header:x-key]\n    failure_mode: closed\n    limits: [{ requests: 5, per: 60s }]\n";
+    let tg = Tollgate::start(
+        limits,
+        upstream.addr,
+        &["--redis", &redis.url(), "--proxy-threads", "2"],
+    );
+    let mut key = 0;
+    for round in 0..3 {
+        // Every thread's connection used (a connection each: the threads
+        // share them out), then quiet past Redis's timeout.
+        for _ in 0..8 {
+            key += 1;
+            let k = key.to_string();
+            let answer = get(&client(), &tg.url("/"), &[("x-key", &k)]).await;
+            assert_eq!(answer.status, 200, "round {round}\n{}", tg.log_text());
+        }
+        tokio::time::sleep(Duration::from_millis(2_500)).await;
+    }
+    // Restarted while quiet: counting is exact at once.
+    redis.restart();
+    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    let mut admitted = 0;
+    for _ in 0..8 {
+        let answer = get(&client(), &tg.url("/"), &[("x-key", "after-restart")]).await;
+        assert!(
+            answer.status == 200 || answer.status == 429,
+            "{:?}\n{}",
+            answer.status,
+            tg.log_text()
+        );
+        admitted += usize::from(answer.status == 200);
+    }
+    assert_eq!(admitted, 5, "{}", tg.log_text());
+    assert!(!tg.logged("counter store unavailable"), "{}", tg.log_text());
+}

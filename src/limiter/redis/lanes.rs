@@ -4,6 +4,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
 use tokio::sync::{Semaphore, mpsc, oneshot};
@@ -33,10 +34,17 @@ pub(super) struct Lane {
     pub(super) slots: Arc<Semaphore>,
 }
 
+/// How long a connection may go without a call before the next call is
+/// preceded by a PING: Redis's `timeout` is whole seconds, so one quiet
+/// for less was not closed for being idle.
+const QUIET: Duration = Duration::from_secs(1);
+
 /// A lane's connection, made again when the node's client changes.
 pub(super) struct LaneLink {
     pub(super) node: Arc<NodeConn>,
     pub(super) conn: Mutex<Option<(u64, ConnectionManager)>>,
+    /// When the connection was last handed out for a call.
+    pub(super) last_call: Mutex<Option<Instant>>,
 }
 
 /// One decision waiting for a call.
@@ -46,7 +54,32 @@ pub(super) struct Pending {
 }
 
 impl LaneLink {
-    pub(super) fn get(&self) -> Result<ConnectionManager, StoreError> {
+    /// The connection, ready for a call. One that has been quiet for
+    /// [`QUIET`] or more is sent a PING first: a Redis that closed it in
+    /// the meantime (its `timeout`, a restart, a proxy's idle timer) is
+    /// found out by the PING, and the call then waits for the new
+    /// connection the manager makes, rather than failing a decision with
+    /// "broken pipe" (an uncounted admission, or a 503 for a rule that
+    /// fails closed) on every thread after every quiet spell. Under load
+    /// no PING is sent.
+    pub(super) async fn connection(&self) -> Result<ConnectionManager, StoreError> {
+        let mut conn = self.get()?;
+        let quiet = {
+            let mut last = self.last_call.lock().unwrap_or_else(|e| e.into_inner());
+            let now = Instant::now();
+            let quiet = last.is_some_and(|t| now.saturating_duration_since(t) >= QUIET);
+            *last = Some(now);
+            quiet
+        };
+        if quiet {
+            // Its failure only starts the manager's reconnection; the call
+            // that follows waits for it, and fails itself if it must.
+            let _: Result<redis::Value, _> = redis::cmd("PING").query_async(&mut conn).await;
+        }
+        Ok(conn)
+    }
+
+    fn get(&self) -> Result<ConnectionManager, StoreError> {
         let generation = self.node.generation.load(Ordering::Acquire);
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((g, manager)) = &*conn
@@ -73,6 +106,7 @@ impl Lane {
         let link = Arc::new(LaneLink {
             node,
             conn: Mutex::new(None),
+            last_call: Mutex::new(None),
         });
         let queued = Arc::new(AtomicUsize::new(0));
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
@@ -134,7 +168,7 @@ async fn send_batches(
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
-            let result = match link.get() {
+            let result = match link.connection().await {
                 Ok(mut conn) => script.call(&mut conn, &decisions).await,
                 Err(e) => Err(e),
             };

@@ -205,7 +205,7 @@ impl RedisStore {
         match &self.conn {
             Conn::Node(node) => {
                 let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
-                let mut conn = self.lane(node).link.get()?;
+                let mut conn = self.lane(node).link.connection().await?;
                 self.script.call(&mut conn, &decisions).await
             }
             Conn::Cluster(cluster) => {
@@ -310,7 +310,7 @@ impl CounterStore for RedisStore {
                 if lane.queued.load(Ordering::Acquire) == 0
                     && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
-                    let result = match lane.link.get() {
+                    let result = match lane.link.connection().await {
                         Ok(mut conn) => self.script.call(&mut conn, &[(&checks, false)])
                             .await
                             .and_then(single),
@@ -344,7 +344,7 @@ impl CounterStore for RedisStore {
         let checks = owned_checks(checks);
         match &self.conn {
             Conn::Node(node) => {
-                let mut conn = self.lane(node).link.get()?;
+                let mut conn = self.lane(node).link.connection().await?;
                 single(self.script.call(&mut conn, &[(&checks, true)]).await?)
             }
             Conn::Cluster(cluster) => self.peek_cluster(cluster, checks).await,
