@@ -210,3 +210,25 @@ fn check_reports_rules_that_can_never_match() {
         "{err}"
     );
 }
+
+#[test]
+fn a_decision_deadline_under_a_millisecond_is_refused() {
+    // From the twelfth attack: 0s was taken, and a healthy Redis then
+    // failed about half the decisions at random.
+    for deadline in ["0s", "1us"] {
+        let out = Command::new(binary())
+            .args([
+                "--redis-timeout",
+                deadline,
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{deadline}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("--redis-timeout") && err.contains("at least 1ms"), "{err}");
+    }
+}

@@ -155,7 +155,9 @@ impl Signals {
             tokio::select! {
                 _ = term.recv() => return,
                 _ = int.recv() => return,
-                _ = hup.recv() => server.reload("SIGHUP").await,
+                _ = hup.recv() => {
+                    tokio::spawn(server.reload("SIGHUP"));
+                }
             }
         }
     }

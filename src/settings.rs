@@ -184,7 +184,7 @@ pub struct Settings {
     #[arg(long, env = "TOLLGATE_REDIS_MASTER", default_value = "mymaster")]
     pub redis_master: String,
     /// Deadline of one decision; past it the rule's failure mode applies.
-    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_decision_deadline)]
     pub redis_timeout: Duration,
     /// Worker threads, each with its own proxy listening socket (SO_REUSEPORT),
     /// upstream pool and Redis connection, also serving the gRPC connections
@@ -242,6 +242,16 @@ pub struct Settings {
 /// A listener address, or `off`.
 #[derive(Clone, Copy, Debug)]
 pub struct Listen(pub Option<SocketAddr>);
+
+/// `--redis-timeout`: at least a millisecond, as no Redis answers sooner
+/// (0 made a healthy Redis fail about half the decisions, at random).
+fn parse_decision_deadline(text: &str) -> Result<Duration, String> {
+    let deadline = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if deadline < Duration::from_millis(1) {
+        return Err("must be at least 1ms (a Redis round trip)".into());
+    }
+    Ok(deadline)
+}
 
 /// Reads a listener address, or `off` (or empty) for none.
 pub fn parse_listen(text: &str) -> Result<Listen, String> {

@@ -46,9 +46,14 @@ pub fn read_limits(path: &Path) -> std::io::Result<String> {
             "not a regular file",
         ));
     }
-    std::fs::File::open(path)?
-        .take(limit.saturating_add(1))
-        .read_to_end(&mut bytes)?;
+    // Non-blocking: a file that says it is regular but blocks its reader
+    // (`/proc/kmsg`) would hold the reload thread, and every later reload,
+    // for good; it fails here instead. Real files ignore the flag.
+    let mut open = std::fs::OpenOptions::new();
+    open.read(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::custom_flags(&mut open, libc::O_NONBLOCK);
+    open.open(path)?.take(limit.saturating_add(1)).read_to_end(&mut bytes)?;
     if bytes.len() > MAX_FILE_BYTES {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
@@ -61,6 +66,10 @@ pub fn read_limits(path: &Path) -> std::io::Result<String> {
 /// Validates limits from text; `file` names it in errors and picks the format
 /// (`.json` is JSON, anything else YAML).
 pub fn parse_str(text: &str, file: &str) -> Result<Limits, ConfigError> {
+    // A byte-order mark (Windows Notepad, PowerShell's Out-File) is not
+    // content: YAML 1.2 allows one, and the parser read it as the start of
+    // a second document ("more than one document").
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     check_shape(text).map_err(|(line, reason)| ConfigError {
         file: file.to_string(),
         line,
@@ -242,6 +251,36 @@ rules:
         assert_eq!(api.cost, Cost::Header(HeaderName::from_static("x-cost")));
         assert_eq!(api.failure_mode, FailureMode::Open);
         assert_eq!(api.windows[0].period_ms, 90_000);
+    }
+
+    #[test]
+    fn a_byte_order_mark_is_not_content() {
+        // Windows Notepad and PowerShell's Out-File write one; the parser
+        // read it as a second document ("more than one document").
+        let with_bom = format!("\u{feff}{GOOD}");
+        assert_eq!(parse_str(&with_bom, "limits.yaml").unwrap().rules.len(), 2);
+        let json = "\u{feff}{\"domain\":\"api\",\"rules\":[]}";
+        assert_eq!(parse_str(json, "limits.json").unwrap().domain, "api");
+    }
+
+    #[test]
+    fn a_file_that_blocks_its_reader_is_refused_not_waited_for() {
+        // From the twelfth attack: /proc/kmsg says it is a regular file and
+        // blocks read(); the reload thread, and every later reload, waited
+        // on it for good. Only where this machine lets it be opened.
+        if std::fs::File::open("/proc/kmsg").is_err() {
+            eprintln!("/proc/kmsg cannot be opened here: nothing to show");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let link = dir.path().join("limits.yaml");
+        std::os::unix::fs::symlink("/proc/kmsg", &link).unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(read_limits(&link).map(|_| ()).map_err(|e| e.kind()));
+        });
+        let read = rx.recv_timeout(std::time::Duration::from_secs(5));
+        assert!(matches!(read, Ok(Err(_))), "{read:?}");
     }
 
     #[test]

@@ -202,12 +202,18 @@ impl Server {
     }
 
     /// Reloads every limits file and rescans every directory, and reads
-    /// the listeners' certificate again (SIGHUP).
-    pub async fn reload(&self, cause: &'static str) {
+    /// the listeners' certificate again (SIGHUP). The future owns what it
+    /// needs, so the caller can spawn it and go on listening for signals:
+    /// a reload stuck reading a file (a hung network mount) must not keep
+    /// SIGTERM from being heard.
+    pub fn reload(&self, cause: &'static str) -> impl Future<Output = ()> + Send + 'static {
         let files = self.files.clone();
-        crate::reload::in_background(move || files.reload_all(cause)).await;
-        if let Some(cert) = self.tls_cert.clone() {
-            let _ = tokio::task::spawn_blocking(move || cert.check(true)).await;
+        let cert = self.tls_cert.clone();
+        async move {
+            crate::reload::in_background(move || files.reload_all(cause)).await;
+            if let Some(cert) = cert {
+                let _ = tokio::task::spawn_blocking(move || cert.check(true)).await;
+            }
         }
     }
 
