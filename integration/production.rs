@@ -649,3 +649,46 @@ async fn a_redis_connection_closed_while_quiet_fails_no_decision() {
     assert_eq!(admitted, 5, "{}", tg.log_text());
     assert!(!tg.logged("counter store unavailable"), "{}", tg.log_text());
 }
+
+#[tokio::test]
+async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes() {
+    // From the twelfth attack: calls already written to a Redis that was
+    // stopped (SIGSTOP, CLIENT PAUSE during a failover) ran when it came
+    // back, after their callers had been told 503 ("retry in 1 s"): every
+    // one was charged, and the caller was locked out for the whole window.
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: c\n    by: [header:x-key]\n    failure_mode: closed\n    limits: [{ requests: 5, per: 60s }]\n";
+    let tg = Tollgate::start(
+        limits,
+        upstream.addr,
+        &[
+            "--redis",
+            &redis.url(),
+            "--redis-timeout",
+            "50ms",
+            "--proxy-threads",
+            "1",
+        ],
+    );
+    let c = client();
+    // Redis's clock learned from quick replies.
+    for i in 0..3 {
+        let k = format!("warm{i}");
+        assert_eq!(get(&c, &tg.url("/"), &[("x-key", &k)]).await.status, 200);
+    }
+    redis.signal("STOP");
+    for _ in 0..6 {
+        let answer = get(&c, &tg.url("/"), &[("x-key", "paused")]).await;
+        assert_eq!(answer.status, 503, "fails closed while Redis is stopped");
+    }
+    // A stall outlasts the deadline: the last caller gave up 100 ms ago.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(get(&c, &tg.url("/"), &[("x-key", "paused")]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+}

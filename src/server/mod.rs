@@ -293,7 +293,7 @@ fn open_store(settings: &Settings) -> Result<Store, StartError> {
             master: settings.redis_master.clone(),
         },
     };
-    let store = RedisStore::connect(&settings.redis, &mode, None)?;
+    let store = RedisStore::connect(&settings.redis, &mode, None)?.with_deadline(settings.redis_timeout);
     tracing::info!(servers = store.server(), mode = ?mode, "counters in redis");
     Ok(Store::Redis(store))
 }

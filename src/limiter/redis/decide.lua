@@ -42,6 +42,10 @@
 --          with the real costs but charge nothing), key count, and the
 --          check shape of each key
 -- then     the number of decisions, then each one's decision shape
+-- last     a time in ms on this server's clock after which the call is too
+--          late to charge (0: none): its callers have given up on it and
+--          applied their failure mode (a Redis paused or stopped ran it
+--          when it came back), so it decides but charges nothing
 -- Every argument costs Redis about as much as a few lines of this script,
 -- and the decisions of a batch are mostly alike: what they share is sent
 -- once per call, and a decision is its keys and one number.
@@ -50,7 +54,9 @@
 -- window: used (before this request, with what earlier keys of the same
 -- decision take from the same counter), reset_ms (until the oldest counted
 -- unit leaves), retry_ms (until this cost fits; -1 when it fits now, -2 when
--- it never will: it asks more than the window's whole limit).
+-- it never will: it asks more than the window's whole limit); last, the
+-- clock the call decided at (which the caller learns this server's clock
+-- from, for the bound above).
 --
 -- A bucketed window (a `precision`) is not kept in the counter's entries
 -- but in a ring of its own, key `<counter>|<period>/<precision>` (the same
@@ -647,6 +653,8 @@ end
 --   counter must outlive), window count, then limit, period, precision
 --   per window
 --   decision shape: dry run, then its keys' check shapes
+local not_after = num(ARGV[#ARGV])
+local late = not_after > 0 and now > not_after
 local a = 4
 local shapes = {}
 for i = 1, num(ARGV[3]) do
@@ -678,7 +686,7 @@ local r = 0
 local k = 0
 for d = 1, num(ARGV[a]) do
   local kind = kinds[num(ARGV[a + d])]
-  local dry = kind[1]
+  local dry = kind[1] or late
   local nkeys = #kind - 1
   local admitted = 1
   local quotas, quota_room = false, false
@@ -835,4 +843,5 @@ for _, key in ipairs(touched) do
   end
 end
 if ring_order then ring_flush() end
+reply[#reply + 1] = now
 return reply

@@ -188,6 +188,16 @@ impl RedisStore {
         })
     }
 
+    /// The decision deadline the limiter applies (`--redis-timeout`): a
+    /// call Redis runs only after it (a Redis paused, stopped or slow)
+    /// charges nothing, as its callers have already applied their failure
+    /// mode. Call before the first decision.
+    #[must_use]
+    pub fn with_deadline(mut self, deadline: Duration) -> Self {
+        self.script.deadline = Some(deadline);
+        self
+    }
+
     /// Keeps at most `entries` entries in a counter's compact form (0: every
     /// counter is a stream from its first request). For tests that cross
     /// the switch at every point; call before the first decision.

@@ -2,8 +2,9 @@
 //! reply read back into answers (the script itself is `decide.lua`).
 
 use std::ops::Range;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use redis::Script;
 use redis::aio::ConnectionLike;
@@ -35,7 +36,29 @@ pub(super) struct DecideScript {
     loaded: Arc<AtomicBool>,
     pinned_clock: Option<Arc<dyn Clock>>,
     pub(super) compact_entries: usize,
+    /// The decision deadline (`--redis-timeout`): a call Redis runs later
+    /// than its callers waited charges nothing.
+    pub(super) deadline: Option<Duration>,
+    /// The server's clock (ms) as a quick reply told it, and when that
+    /// call was sent: what the server's clock reads now, give or take the
+    /// round trip, in the late side's favour.
+    server_clock: Arc<Mutex<Option<(i64, Instant)>>>,
 }
+
+/// A reply slower than this does not set the server's clock: the bound
+/// would drift late by as much.
+const QUICK_REPLY: Duration = Duration::from_millis(10);
+
+/// A server clock learned longer ago than this is not relied on (clocks
+/// drift apart, up to NTP's 500 ppm slew: 1 ms in 2 s). Under load it is
+/// learned again with every quick reply.
+const CLOCK_LIFETIME: Duration = Duration::from_secs(2);
+
+/// Slack on the bound past the deadline, for drift. The learned clock can
+/// only read ahead of the server's (by the calibrating call's way there),
+/// so a call run in time is never past the bound; one run within this
+/// slack of its callers giving up is still charged.
+const LATE_MARGIN: Duration = Duration::from_millis(2);
 
 pub(super) fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
     checks
@@ -64,6 +87,35 @@ impl DecideScript {
             loaded: Arc::new(AtomicBool::new(false)),
             pinned_clock,
             compact_entries,
+            deadline: None,
+            server_clock: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The time on the server's clock after which a call sent at `sent`
+    /// is too late to charge, or 0 when it is not known (no deadline, a
+    /// pinned clock, nothing learned of the server's clock lately). Only
+    /// ever later than the truth: a call its callers still wait for is
+    /// never taken for late.
+    fn not_after(&self, sent: Instant) -> i64 {
+        let Some(deadline) = self.deadline.filter(|_| self.pinned_clock.is_none()) else {
+            return 0;
+        };
+        let Some((server_ms, at)) = *self.server_clock.lock().unwrap_or_else(|e| e.into_inner()) else {
+            return 0;
+        };
+        let age = sent.saturating_duration_since(at);
+        if age > CLOCK_LIFETIME {
+            return 0;
+        }
+        let ahead = age.saturating_add(deadline).saturating_add(LATE_MARGIN);
+        server_ms.saturating_add(i64::try_from(ahead.as_millis()).unwrap_or(i64::MAX))
+    }
+
+    /// Learns the server's clock from a reply to a call sent at `sent`.
+    fn learn_clock(&self, server_ms: i64, sent: Instant) {
+        if sent.elapsed() <= QUICK_REPLY {
+            *self.server_clock.lock().unwrap_or_else(|e| e.into_inner()) = Some((server_ms, sent));
         }
     }
 
@@ -79,6 +131,8 @@ impl DecideScript {
             self.loaded.store(true, Ordering::Relaxed);
         }
         let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
+        let sent = Instant::now();
+        let not_after = self.not_after(sent);
         let shapes = Shapes::of(decisions);
         let mut call = self.script.prepare_invoke();
         call.arg(pinned).arg(self.compact_entries).arg(shapes.checks.len());
@@ -107,7 +161,17 @@ impl DecideScript {
         for shape in &shapes.of_decision {
             call.arg(*shape);
         }
-        let reply: Vec<i64> = call.invoke_async(conn).await?;
+        call.arg(not_after);
+        let mut reply: Vec<i64> = call.invoke_async(conn).await?;
+        let decided_at = reply.pop().ok_or_else(|| super::bad_reply("empty reply"))?;
+        self.learn_clock(decided_at, sent);
+        if not_after > 0 && decided_at > not_after {
+            tracing::debug!(
+                late_ms = decided_at.saturating_sub(not_after),
+                decisions = decisions.len(),
+                "a decision call ran in Redis after its callers had given up on it: it charged nothing"
+            );
+        }
         parse_reply(&reply, decisions)
     }
 }
