@@ -191,10 +191,13 @@ impl RedisStore {
     /// The decision deadline the limiter applies (`--redis-timeout`): a
     /// call Redis runs only after it (a Redis paused, stopped or slow)
     /// charges nothing, as its callers have already applied their failure
-    /// mode. Call before the first decision.
+    /// mode. Not on Cluster: the bound is read on one server's clock, and
+    /// its nodes' clocks differ. Call before the first decision.
     #[must_use]
     pub fn with_deadline(mut self, deadline: Duration) -> Self {
-        self.script.deadline = Some(deadline);
+        if matches!(self.conn, Conn::Node(_)) {
+            self.script.deadline = Some(deadline);
+        }
         self
     }
 
