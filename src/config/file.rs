@@ -454,5 +454,12 @@ rules:
         assert!(parse_period("0s").is_err());
         assert!(parse_period("1us").is_err());
         assert!(parse_period("400d").is_err());
+        // From the twelfth attack: `1M` was a month (30.44 days) where a
+        // minute was meant, and `1y` 365.25 days.
+        for text in ["1M", "2 months", "1y", "1year", "1h 1M"] {
+            let e = parse_period(text).unwrap_err();
+            assert!(e.contains("not whole days"), "{text}: {e}");
+        }
+        assert_eq!(parse_period("1min"), Ok(60_000));
     }
 }

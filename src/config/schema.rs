@@ -427,6 +427,17 @@ impl<'de> Deserialize<'de> for WindowSpec {
 
 /// Parses a window length such as `3s`, `90s`, `1m`, `500ms`, `1h`, `1d`.
 pub(super) fn parse_period(text: &str) -> Result<u64, String> {
+    // Months and years are not whole days (humantime makes `1M` 30.44 days
+    // and `1y` 365.25), and `1M` is a minute mistyped as easily as not.
+    let units = text.split(|c: char| !c.is_ascii_alphabetic()).filter(|u| !u.is_empty());
+    if let Some(unit) = units
+        .into_iter()
+        .find(|u| matches!(*u, "M" | "month" | "months" | "y" | "year" | "years"))
+    {
+        return Err(format!(
+            "\"{text}\": \"{unit}\" is a month or a year, which are not whole days; write the days (30d, 365d), or m for minutes"
+        ));
+    }
     let d = humantime::parse_duration(text.trim())
         .map_err(|e| format!("\"{text}\" is not a duration ({e}); write e.g. 500ms, 3s, 1m, 1h"))?;
     if d.is_zero() || d.subsec_nanos() % 1_000_000 != 0 {
