@@ -691,4 +691,36 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
         statuses.push(get(&c, &tg.url("/"), &[("x-key", "paused")]).await.status.as_u16());
     }
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+    // A longer stall: the calls made seconds into it are late as well.
+    redis.signal("STOP");
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    for _ in 0..3 {
+        let answer = get(&c, &tg.url("/"), &[("x-key", "long")]).await;
+        assert_eq!(answer.status, 503);
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(get(&c, &tg.url("/"), &[("x-key", "long")]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn a_wrong_redis_password_is_reported_as_such_not_as_a_timeout() {
+    // From the twelfth attack: with the default 50 ms deadline, a wrong
+    // password or a missing database showed only as "no answer within
+    // 50ms", the connection's own error coming after the deadline.
+    let redis = RedisServer::start_with(&["--requirepass", "right"]);
+    let upstream = TestUpstream::start().await;
+    let url = redis.url().replace("redis://", "redis://:wrong@");
+    let tg = Tollgate::start("domain: d\nrules: []\n", upstream.addr, &["--redis", &url]);
+    let started = Instant::now();
+    while !tg.logged("refuses tollgate's connection") {
+        assert!(started.elapsed() < Duration::from_secs(5), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(tg.logged("AuthenticationFailed"), "{}", tg.log_text());
 }

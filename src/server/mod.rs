@@ -295,6 +295,7 @@ fn open_store(settings: &Settings) -> Result<Store, StartError> {
     };
     let store = RedisStore::connect(&settings.redis, &mode, None)?.with_deadline(settings.redis_timeout);
     tracing::info!(servers = store.server(), mode = ?mode, "counters in redis");
+    tokio::spawn(store.probe());
     Ok(Store::Redis(store))
 }
 

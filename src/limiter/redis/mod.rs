@@ -188,6 +188,33 @@ impl RedisStore {
         })
     }
 
+    /// Connects once, with time to spare, and sends a PING, logging a
+    /// failure that asking again will not mend: a wrong password or a
+    /// database that does not exist otherwise shows only as decisions
+    /// timing out ("no answer within 50ms"), the connection's own error
+    /// coming after the deadline. A Redis that is down is not reported
+    /// here (decisions say so). Not on Cluster.
+    pub fn probe(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let client = match &self.conn {
+            Conn::Node(node) => node.client.read().unwrap_or_else(|e| e.into_inner()).clone(),
+            Conn::Cluster(_) => None,
+        };
+        async move {
+            let Some(client) = client else { return };
+            let attempt = async {
+                let mut conn = client.get_multiplexed_async_connection().await?;
+                redis::cmd("PING").query_async::<redis::Value>(&mut conn).await
+            };
+            if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                let e = StoreError::from(e);
+                if let StoreError::Failed { transient: false, .. } = &e {
+                    tracing::error!(error = %e, "redis refuses tollgate's connection: every decision fails until this is fixed");
+                    crate::activity::get().store_failed(&e);
+                }
+            }
+        }
+    }
+
     /// The decision deadline the limiter applies (`--redis-timeout`): a
     /// call Redis runs only after it (a Redis paused, stopped or slow)
     /// charges nothing, as its callers have already applied their failure

@@ -49,16 +49,21 @@ pub(super) struct DecideScript {
 /// would drift late by as much.
 const QUICK_REPLY: Duration = Duration::from_millis(10);
 
-/// A server clock learned longer ago than this is not relied on (clocks
-/// drift apart, up to NTP's 500 ppm slew: 1 ms in 2 s). Under load it is
-/// learned again with every quick reply.
-const CLOCK_LIFETIME: Duration = Duration::from_secs(2);
+/// A server clock learned longer ago than this is not relied on. Under
+/// load it is learned again with every quick reply; a stall (no quick
+/// reply) keeps the last one, with the slack growing for drift.
+const CLOCK_LIFETIME: Duration = Duration::from_secs(600);
 
-/// Slack on the bound past the deadline, for drift. The learned clock can
-/// only read ahead of the server's (by the calibrating call's way there),
-/// so a call run in time is never past the bound; one run within this
+/// Slack on the bound past the deadline. The learned clock can only read
+/// ahead of the server's (by the calibrating call's way there), so a call
+/// run in time is never past the bound but for drift: this, plus
+/// [`DRIFT_DIVISOR`]'s share of the clock's age. A call run within the
 /// slack of its callers giving up is still charged.
 const LATE_MARGIN: Duration = Duration::from_millis(2);
+
+/// Two clocks drift apart by at most 1/2000 of the time (NTP slews at up
+/// to 500 ppm).
+const DRIFT_DIVISOR: u32 = 2000;
 
 pub(super) fn owned_checks(checks: &[Check<'_>]) -> Vec<OwnedCheck> {
     checks
@@ -108,7 +113,11 @@ impl DecideScript {
         if age > CLOCK_LIFETIME {
             return 0;
         }
-        let ahead = age.saturating_add(deadline).saturating_add(LATE_MARGIN);
+        let drift = age.checked_div(DRIFT_DIVISOR).unwrap_or_default();
+        let ahead = age
+            .saturating_add(deadline)
+            .saturating_add(LATE_MARGIN)
+            .saturating_add(drift);
         server_ms.saturating_add(i64::try_from(ahead.as_millis()).unwrap_or(i64::MAX))
     }
 
