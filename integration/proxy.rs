@@ -1337,3 +1337,54 @@ async fn a_request_an_h2_upstream_left_unprocessed_goes_out_again() {
         assert_eq!(seen.load(Ordering::SeqCst), streams, "{case}: streams the upstream saw");
     }
 }
+
+#[tokio::test]
+async fn a_silent_h2_upstream_connection_is_given_up_not_kept_for_every_request() {
+    // From the fourteenth attack: the thread's one HTTP/2 connection, its
+    // handshake never answered (or the upstream silent later, TCP still
+    // open: a NAT or balancer that dropped it), was kept for good, and
+    // every request of the thread was a 504 until a restart. A PING
+    // unanswered now ends it; the next request opens another.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        while let Ok((socket, _)) = listener.accept().await {
+            if std::mem::take(&mut first) {
+                // Reads everything, answers nothing.
+                tokio::spawn(async move {
+                    use tokio::io::AsyncReadExt;
+                    let mut socket = socket;
+                    let mut buf = [0u8; 4096];
+                    while matches!(socket.read(&mut buf).await, Ok(n) if n > 0) {}
+                });
+                continue;
+            }
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    return;
+                };
+                while let Some(Ok((_req, mut respond))) = conn.accept().await {
+                    let _ = respond.send_response(http::Response::new(()), true);
+                }
+            });
+        }
+    });
+    let tg = Tollgate::start_upstream_url(
+        "domain: d\nrules: []\n",
+        &format!("h2c://{up}"),
+        &["--proxy-threads", "1"],
+    );
+    let started = Instant::now();
+    let first = get(&client(), &tg.url("/x"), &[]).await;
+    assert_eq!(first.status, 502, "{}", tg.log_text());
+    assert!(started.elapsed() < Duration::from_secs(15), "{:?}", started.elapsed());
+    for _ in 0..3 {
+        assert_eq!(
+            get(&client(), &tg.url("/x"), &[]).await.status,
+            200,
+            "{}",
+            tg.log_text()
+        );
+    }
+}

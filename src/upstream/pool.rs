@@ -860,6 +860,11 @@ fn as_http1(mut req: Request<ClientBody>) -> Request<ClientBody> {
     req
 }
 
+/// How often an HTTP/2 upstream connection with streams open is sent a
+/// PING, and how long its answer may take: one that has gone silent is
+/// given up within twice this.
+const H2_PING_EVERY: Duration = Duration::from_secs(5);
+
 /// Most response bytes one HTTP/2 stream may have in flight to tollgate.
 const STREAM_WINDOW: u32 = 1 << 20;
 
@@ -884,6 +889,15 @@ where
         // state is lost): hyper's 16 KB failed every stream on it for one
         // 17 KB head. Past MAX_RESPONSE_HEAD the proxy answers 502 itself.
         .max_header_list_size(H2_HEADER_LIST)
+        // Every request of the thread shares this connection: one whose
+        // upstream stopped answering with the TCP connection still open (a
+        // handshake never answered, a NAT or balancer that dropped it
+        // without a FIN) would take every request to a 504 for good. While
+        // streams are open, a PING unanswered ends it, and the next
+        // request opens another (as NGINX drops an upstream connection
+        // past its read timeout).
+        .keep_alive_interval(H2_PING_EVERY)
+        .keep_alive_timeout(H2_PING_EVERY)
         .handshake(TokioIo::new(super::resets::ResetsAsErrors::new(io)))
         .await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
