@@ -861,9 +861,13 @@ fn as_http1(mut req: Request<ClientBody>) -> Request<ClientBody> {
 }
 
 /// How often an HTTP/2 upstream connection with streams open is sent a
-/// PING, and how long its answer may take: one that has gone silent is
-/// given up within twice this.
+/// PING when nothing else comes from it.
 const H2_PING_EVERY: Duration = Duration::from_secs(5);
+
+/// How long a PING's answer may take before the connection is given up: an
+/// upstream alive but busy answers PINGs in its HTTP/2 layer, long before
+/// this (hyper's own default is 20 s).
+const H2_PING_WAIT: Duration = Duration::from_secs(10);
 
 /// Most response bytes one HTTP/2 stream may have in flight to tollgate.
 const STREAM_WINDOW: u32 = 1 << 20;
@@ -897,7 +901,7 @@ where
         // request opens another (as NGINX drops an upstream connection
         // past its read timeout).
         .keep_alive_interval(H2_PING_EVERY)
-        .keep_alive_timeout(H2_PING_EVERY)
+        .keep_alive_timeout(H2_PING_WAIT)
         .handshake(TokioIo::new(super::resets::ResetsAsErrors::new(io)))
         .await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
