@@ -815,14 +815,14 @@ impl Replay {
     /// upstream reset it with REFUSED_STREAM, or a graceful GOAWAY left it
     /// above the last stream the upstream would process (both unprocessed,
     /// RFC 9113 §8.7); or the connection went away with an error (a GOAWAY
-    /// with one, a reset, a close) and the method is idempotent, so sending
-    /// it twice is allowed (RFC 9110 §9.2.2).
+    /// with one, a reset, a close, a PING gone unanswered) and the method
+    /// is idempotent, so sending it twice is allowed (RFC 9110 §9.2.2).
     fn may_resend(&self, e: &hyper::Error) -> bool {
         if e.is_canceled() || (e.is_user() && !body_failed(e)) {
             return true;
         }
         let idempotent = self.method.is_idempotent();
-        if idempotent && closed_unanswered(e) {
+        if idempotent && (closed_unanswered(e) || e.is_timeout()) {
             return true;
         }
         cause::<h2::Error>(e).is_some_and(|h2| {
