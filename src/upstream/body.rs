@@ -75,7 +75,7 @@ impl IdleTimer {
     }
 
     /// Polls `body`, failing it with [`Stalled`] when no frame came in time.
-    fn poll<B>(&mut self, body: Pin<&mut B>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>>
+    pub(super) fn poll<B>(&mut self, body: Pin<&mut B>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>>
     where
         B: Body<Data = Bytes>,
         B::Error: Into<BodyError>,
@@ -288,22 +288,4 @@ impl Body for ClientBody {
             (None, None) => SizeHint::with_exact(0),
         }
     }
-}
-
-/// Polls an upstream response body under `timer`, counting stalls.
-pub fn poll_upstream(
-    timer: &mut IdleTimer,
-    body: Pin<&mut Incoming>,
-    cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-    let frame = timer.poll(body, cx);
-    if let Poll::Ready(Some(Err(e))) = &frame {
-        if e.is::<Stalled>() {
-            crate::metrics::get().body_stalled(true);
-            tracing::warn!(error = %e, "upstream response body stalled; ending the response");
-        } else {
-            tracing::warn!(error = %format_args!("{e}{}", Causes(&**e)), "upstream response body failed midway; ending the response");
-        }
-    }
-    frame
 }

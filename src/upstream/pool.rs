@@ -29,7 +29,7 @@ use http::uri::Authority;
 use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::body::{BodyError, Causes, ClientBody, IdleTimer, Stalled, poll_upstream};
+use super::body::{BodyError, Causes, ClientBody, IdleTimer, Stalled};
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
@@ -311,7 +311,7 @@ impl UpstreamPool {
             if !expect_h2 || waited {
                 break;
             }
-            match self.h2_turn().await {
+            match Box::pin(self.h2_turn()).await {
                 Some(turn) => {
                     opening = Some(turn);
                     break;
@@ -998,13 +998,28 @@ impl UpstreamBody {
             .filter(|n| *n > 0)
     }
 
-    /// Whether `frame` is trailers past the bound on a response head, from
-    /// an HTTP/2 upstream (hyper's HTTP/1 client bounds them itself).
-    fn oversized(&self, frame: &Frame<Bytes>) -> bool {
-        self.framing != Framing::Hyper
-            && frame
-                .trailers_ref()
-                .is_some_and(|t| crate::serve::head_bytes(t) > MAX_RESPONSE_HEAD)
+    /// A frame of the upstream's body (or its end) checked for what hyper
+    /// leaves unchecked over HTTP/2: an end short of the declared length,
+    /// trailers past the bound on a response head.
+    fn check(&mut self, frame: Option<Result<Frame<Bytes>, BodyError>>) -> Option<Result<Frame<Bytes>, BodyError>> {
+        match frame {
+            None => match self.short() {
+                Some(missing) => Some(Err(Truncated(missing).into())),
+                None => {
+                    self.ended = true;
+                    None
+                }
+            },
+            Some(Ok(frame))
+                if self.framing != Framing::Hyper
+                    && frame
+                        .trailers_ref()
+                        .is_some_and(|t| crate::serve::head_bytes(t) > MAX_RESPONSE_HEAD) =>
+            {
+                Some(Err(TrailersTooLarge.into()))
+            }
+            frame => frame,
+        }
     }
 
     /// The error the body has already failed with, looked at once without
@@ -1014,24 +1029,18 @@ impl UpstreamBody {
             return None;
         }
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        match Pin::new(&mut self.body).poll_frame(&mut cx) {
-            Poll::Ready(Some(Err(e))) => Some(e.into()),
-            Poll::Ready(Some(Ok(frame))) if self.oversized(&frame) => Some(TrailersTooLarge.into()),
-            Poll::Ready(Some(Ok(frame))) => {
+        let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(&mut cx) else {
+            return None;
+        };
+        match self.check(frame.map(|f| f.map_err(Into::into)))? {
+            Err(e) => Some(e),
+            Ok(frame) => {
                 match frame.into_data() {
                     Ok(data) => self.rest = data,
                     Err(frame) => self.trailers = frame.into_trailers().ok().map(Box::new),
                 }
                 None
             }
-            Poll::Ready(None) => match self.short() {
-                Some(missing) => Some(Truncated(missing).into()),
-                None => {
-                    self.ended = true;
-                    None
-                }
-            },
-            Poll::Pending => None,
         }
     }
 }
@@ -1055,26 +1064,15 @@ impl Body for UpstreamBody {
             this.ended = true;
             return Poll::Ready(None);
         }
-        let frame = match poll_upstream(&mut this.timer, Pin::new(&mut this.body), cx) {
-            Poll::Ready(None) => match this.short() {
-                Some(missing) => {
-                    let e = Truncated(missing);
-                    tracing::warn!(error = %e, "upstream response body failed midway; ending the response");
-                    Poll::Ready(Some(Err(e.into())))
-                }
-                None => {
-                    this.ended = true;
-                    Poll::Ready(None)
-                }
-            },
-            Poll::Ready(Some(Ok(frame))) if this.oversized(&frame) => {
-                tracing::warn!(error = %TrailersTooLarge, "upstream response body failed midway; ending the response");
-                Poll::Ready(Some(Err(TrailersTooLarge.into())))
-            }
-            frame => frame,
-        };
+        let frame = this.timer.poll(Pin::new(&mut this.body), cx).map(|f| this.check(f));
         match frame {
             Poll::Ready(Some(Err(e))) => {
+                if e.is::<Stalled>() {
+                    crate::metrics::get().body_stalled(true);
+                    tracing::warn!(error = %e, "upstream response body stalled; ending the response");
+                } else {
+                    tracing::warn!(error = %format_args!("{e}{}", Causes(&*e)), "upstream response body failed midway; ending the response");
+                }
                 // hyper's HTTP/1 writer gives up on a body's error at once,
                 // before flushing what it holds of the response (the head,
                 // the body so far): the client would get nothing, an empty

@@ -2,8 +2,8 @@
 //! reply read back into answers (the script itself is `decide.lua`).
 
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::Script;
@@ -39,10 +39,35 @@ pub(super) struct DecideScript {
     /// The decision deadline (`--redis-timeout`): a call Redis runs later
     /// than its callers waited charges nothing.
     pub(super) deadline: Option<Duration>,
-    /// The server's clock (ms) as a quick reply told it, and when that
-    /// call was sent: what the server's clock reads now, give or take the
-    /// round trip, in the late side's favour.
-    server_clock: Arc<Mutex<Option<(i64, Instant)>>>,
+    /// The server's clock as quick replies tell it, shared by every
+    /// thread's calls without a lock.
+    server_clock: Arc<ServerClock>,
+}
+
+/// The server's clock as a quick reply told it: the clock minus tollgate's
+/// (ms since `base`) when that call was sent, and when that was. Read as
+/// now + offset it is ahead of the server's by at most the call's way
+/// there, never behind; two atomics, as a read that mixes two replies
+/// only misplaces the drift slack by the time between them.
+struct ServerClock {
+    base: Instant,
+    offset: AtomicI64,
+    /// Ms since `base` when `offset` was learned; `u64::MAX`: never.
+    learned: AtomicU64,
+}
+
+impl ServerClock {
+    fn new() -> Self {
+        ServerClock {
+            base: Instant::now(),
+            offset: AtomicI64::new(0),
+            learned: AtomicU64::new(u64::MAX),
+        }
+    }
+
+    fn ms(&self, at: Instant) -> u64 {
+        u64::try_from(at.saturating_duration_since(self.base).as_millis()).unwrap_or(u64::MAX)
+    }
 }
 
 /// A reply slower than this does not set the server's clock: the bound
@@ -93,7 +118,7 @@ impl DecideScript {
             pinned_clock,
             compact_entries,
             deadline: None,
-            server_clock: Arc::new(Mutex::new(None)),
+            server_clock: Arc::new(ServerClock::new()),
         }
     }
 
@@ -106,25 +131,31 @@ impl DecideScript {
         let Some(deadline) = self.deadline.filter(|_| self.pinned_clock.is_none()) else {
             return 0;
         };
-        let Some((server_ms, at)) = *self.server_clock.lock().unwrap_or_else(|e| e.into_inner()) else {
-            return 0;
-        };
-        let age = sent.saturating_duration_since(at);
-        if age > CLOCK_LIFETIME {
+        let clock = &self.server_clock;
+        let learned = clock.learned.load(Ordering::Acquire);
+        let now = clock.ms(sent);
+        let age = Duration::from_millis(now.saturating_sub(learned));
+        if learned == u64::MAX || age > CLOCK_LIFETIME {
             return 0;
         }
-        let drift = age.checked_div(DRIFT_DIVISOR).unwrap_or_default();
-        let ahead = age
-            .saturating_add(deadline)
+        let slack = deadline
             .saturating_add(LATE_MARGIN)
-            .saturating_add(drift);
-        server_ms.saturating_add(i64::try_from(ahead.as_millis()).unwrap_or(i64::MAX))
+            .saturating_add(age.checked_div(DRIFT_DIVISOR).unwrap_or_default());
+        let server_now = i64::try_from(now)
+            .unwrap_or(i64::MAX)
+            .saturating_add(clock.offset.load(Ordering::Relaxed));
+        server_now.saturating_add(i64::try_from(slack.as_millis()).unwrap_or(i64::MAX))
     }
 
     /// Learns the server's clock from a reply to a call sent at `sent`.
     fn learn_clock(&self, server_ms: i64, sent: Instant) {
         if sent.elapsed() <= QUICK_REPLY {
-            *self.server_clock.lock().unwrap_or_else(|e| e.into_inner()) = Some((server_ms, sent));
+            let clock = &self.server_clock;
+            let at = clock.ms(sent);
+            clock
+                .offset
+                .store(server_ms.saturating_sub(i64::try_from(at).unwrap_or(i64::MAX)), Ordering::Relaxed);
+            clock.learned.store(at, Ordering::Release);
         }
     }
 
