@@ -32,23 +32,17 @@ use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, Upstream
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1),
-/// and `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses.
-static HOP_BY_HOP: [HeaderName; 7] = [
-    HeaderName::from_static("http2-settings"),
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    header::TE,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::TRAILER,
-];
-
-/// `Proxy-*` (`Proxy-Connection`, `Proxy-Authorization`...: meant for a
-/// proxy, never passed on) and `Proxy` itself, which CGI-style servers
+/// `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses,
+/// and `Proxy-*` (`Proxy-Connection`, `Proxy-Authorization`...: meant for a
+/// proxy, never passed on) with `Proxy` itself, which CGI-style servers
 /// read as their `HTTP_PROXY` setting (httpoxy).
-fn is_proxy_header(name: &HeaderName) -> bool {
-    let name = name.as_str();
-    name == "proxy" || name.starts_with("proxy-")
+fn is_hop_by_hop(name: &str) -> bool {
+    // Matched as text (a length test, then one compare), where comparing
+    // `HeaderName`s took seven per header looked at (BENCHMARKS.md §46).
+    matches!(
+        name,
+        "connection" | "keep-alive" | "te" | "transfer-encoding" | "upgrade" | "trailer" | "http2-settings"
+    ) || name.strip_prefix("proxy").is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -59,17 +53,20 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// reads `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`,
 /// NGINX's real_ip `X-Real-IP`, Envoy's `X-Forwarded-Client-Cert`...):
 /// believed only from a trusted proxy, as `X-Forwarded-Proto` is.
-const SCHEME_CLAIMS: [&str; 9] = [
-    "x-real-ip",
-    "x-forwarded-client-cert",
-    "forwarded",
-    "x-forwarded-ssl",
-    "x-forwarded-scheme",
-    "x-forwarded-protocol",
-    "front-end-https",
-    "x-forwarded-port",
-    "x-url-scheme",
-];
+fn is_scheme_claim(name: &str) -> bool {
+    matches!(
+        name,
+        "x-real-ip"
+            | "x-forwarded-client-cert"
+            | "forwarded"
+            | "x-forwarded-ssl"
+            | "x-forwarded-scheme"
+            | "x-forwarded-protocol"
+            | "front-end-https"
+            | "x-forwarded-port"
+            | "x-url-scheme"
+    )
+}
 
 /// Settings of the proxy surface.
 #[derive(Debug, Clone)]
@@ -409,21 +406,24 @@ impl Proxy {
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        if !self.options.trusted.trusts(peer.ip()) {
+        let trusted = self.options.trusted.trusts(peer.ip());
+        if !trusted {
             strip_claims(headers);
         }
         append_forwarded_for(headers, peer);
-        if !headers.contains_key(&X_FORWARDED_PROTO) || !self.options.trusted.trusts(peer.ip()) {
+        if !trusted || !headers.contains_key(&X_FORWARDED_PROTO) {
             let proto = if tls { "https" } else { "http" };
             headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
         }
+        let mut has_host = headers.contains_key(header::HOST);
         if let Some(host) = host.and_then(|h| HeaderValue::from_str(h).ok()) {
-            if !headers.contains_key(header::HOST) {
+            if !has_host {
                 headers.insert(header::HOST, host.clone());
+                has_host = true;
             }
             headers.insert(X_FORWARDED_HOST, host);
         }
-        if !headers.contains_key(header::HOST) {
+        if !has_host {
             headers.insert(header::HOST, self.options.upstream.host().clone());
         }
         Ok((Request::from_parts(parts, body), sent))
@@ -475,22 +475,36 @@ fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
         .filter(|t| !t.is_empty())
 }
 
+/// Whether a `Connection` token names a hop-by-hop header (in any case),
+/// which is removed whether named or not. False for a token too long to
+/// look at on the stack: it is then removed by its name like any other.
+fn names_hop_by_hop(token: &[u8]) -> bool {
+    let mut lower = [0u8; 32];
+    let Some(lower) = lower.get_mut(..token.len()) else {
+        return false;
+    };
+    lower.copy_from_slice(token);
+    lower.make_ascii_lowercase();
+    std::str::from_utf8(lower).is_ok_and(is_hop_by_hop)
+}
+
 /// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
 /// the `Upgrade` header survives with `Connection: upgrade`.
 fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     // One pass over the few names present is cheaper than a hashed removal
     // per hop-by-hop name, and most messages carry one at most.
-    let mut doomed: Vec<HeaderName> = headers
-        .keys()
-        .filter(|n| HOP_BY_HOP.contains(n) || is_proxy_header(n))
-        .cloned()
-        .collect();
-    if !doomed.is_empty() {
-        doomed.extend(connection_tokens(headers).filter_map(|t| HeaderName::from_bytes(t).ok()));
-        for name in doomed {
-            if !(upgrade && name == header::UPGRADE) {
-                headers.remove(name);
-            }
+    let mut doomed: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop(n.as_str())).cloned().collect();
+    if doomed.contains(&header::CONNECTION) {
+        // `Connection: keep-alive` names a header already doomed: no name
+        // is made for it (most responses and many requests say so).
+        let named = connection_tokens(headers)
+            .filter(|t| !names_hop_by_hop(t))
+            .filter_map(|t| HeaderName::from_bytes(t).ok());
+        doomed.extend(named);
+    }
+    for name in doomed {
+        if !(upgrade && name == header::UPGRADE) {
+            headers.remove(name);
         }
     }
     if upgrade {
@@ -505,7 +519,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
 /// such names by default).
 fn strip_claims(headers: &mut HeaderMap) {
     let forwarding = |name: &str| {
-        SCHEME_CLAIMS.contains(&name)
+        is_scheme_claim(name)
             || name == X_FORWARDED_FOR.as_str()
             || name == X_FORWARDED_PROTO.as_str()
             || name == X_FORWARDED_HOST.as_str()
@@ -514,7 +528,7 @@ fn strip_claims(headers: &mut HeaderMap) {
         .keys()
         .filter(|name| {
             let name = name.as_str();
-            SCHEME_CLAIMS.contains(&name) || (name.contains('_') && forwarding(&name.replace('_', "-")))
+            is_scheme_claim(name) || (name.contains('_') && forwarding(&name.replace('_', "-")))
         })
         .cloned()
         .collect();
@@ -665,6 +679,32 @@ mod tests {
         assert!(!h.contains_key("proxy-foo") && !h.contains_key("proxy") && !h.contains_key("proxy-authorization"));
         assert!(h.contains_key("proxyish"));
         assert_eq!(h.get_all("set-cookie").iter().count(), 2);
+    }
+
+    #[test]
+    fn connection_tokens_name_headers_in_any_case() {
+        let long = "proxy-".to_string() + &"x".repeat(40);
+        let mut h = headers(&[
+            ("connection", format!("Keep-Alive, CLOSE, X-Gone, {}", long.to_uppercase()).as_bytes()),
+            ("keep-alive", b"timeout=5"),
+            ("close", b"1"),
+            ("x-gone", b"1"),
+            (&long, b"1"),
+            ("x-kept", b"1"),
+        ]);
+        strip_hop_by_hop(&mut h, false);
+        let left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(left, ["x-kept"]);
+        for name in ["connection", "keep-alive", "te", "transfer-encoding", "upgrade", "trailer", "http2-settings"] {
+            assert!(is_hop_by_hop(name) && names_hop_by_hop(name.to_uppercase().as_bytes()), "{name}");
+        }
+        for name in ["proxy", "proxy-", "proxy-connection"] {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in ["proxyish", "prox", "tes", "connections", "x-connection", ""] {
+            assert!(!is_hop_by_hop(name) && !names_hop_by_hop(name.as_bytes()), "{name}");
+        }
+        assert!(!names_hop_by_hop(long.as_bytes()), "too long to look at: removed by name instead");
     }
 
     #[test]
