@@ -282,6 +282,11 @@ struct Sentinel {
 
 impl Sentinel {
     fn start(master_port: u16) -> Sentinel {
+        Sentinel::start_with(master_port, "")
+    }
+
+    /// With more lines of sentinel.conf (`requirepass`, `sentinel auth-pass`).
+    fn start_with(master_port: u16, extra_conf: &str) -> Sentinel {
         let dir = tempfile::tempdir().unwrap();
         let port = free_port();
         let conf = dir.path().join("sentinel.conf");
@@ -289,7 +294,7 @@ impl Sentinel {
             &conf,
             format!(
                 "port {port}\nbind 127.0.0.1\ndir {}\nsentinel monitor mymaster 127.0.0.1 {master_port} 1\n\
-                 sentinel down-after-milliseconds mymaster 500\nsentinel failover-timeout mymaster 3000\n",
+                 sentinel down-after-milliseconds mymaster 500\nsentinel failover-timeout mymaster 3000\n{extra_conf}",
                 dir.path().display()
             ),
         )
@@ -308,6 +313,8 @@ impl Sentinel {
 
     fn master(&self) -> Option<u16> {
         let out = Command::new("redis-cli")
+            // A Sentinel with `requirepass` (the tests' is "spw") is asked with it.
+            .env("REDISCLI_AUTH", "spw")
             .args([
                 "-p",
                 &self.port.to_string(),
@@ -329,9 +336,8 @@ impl Drop for Sentinel {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sentinel_failover_is_survived() {
-    let mut master = RedisServer::start();
+/// A replica of `master` in sync, and a Sentinel watching both.
+fn replica_and_sentinel(master: &RedisServer) -> (RedisServer, Sentinel) {
     let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master.port.to_string()]);
     wait_until("replica in sync", Duration::from_secs(10), || {
         replica
@@ -346,6 +352,13 @@ async fn sentinel_failover_is_survived() {
             .unwrap();
         String::from_utf8_lossy(&out.stdout).contains(&replica.port.to_string())
     });
+    (replica, sentinel)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_is_survived() {
+    let mut master = RedisServer::start();
+    let (replica, sentinel) = replica_and_sentinel(&master);
 
     let limits = "domain: se\nrules:\n  - name: per-ip\n    by: [client_ip]\n    limits: [{ requests: 3, per: 60s }]\n";
     let upstream = TestUpstream::start().await;
@@ -400,4 +413,111 @@ async fn sentinel_failover_is_survived() {
         killed.elapsed()
     );
     assert!(tg.logged("redis master from sentinel"));
+}
+
+const SENTINEL_LIMITS: &str =
+    "domain: se\nrules:\n  - name: per-ip\n    by: [client_ip]\n    limits: [{ requests: 3, per: 60s }]\n";
+
+/// tollgate in front of `upstream`, its counters on the master the
+/// Sentinels at `url` name, with `extra` flags.
+fn with_sentinels(upstream: &TestUpstream, url: &str, extra: &[&str]) -> Tollgate {
+    let mut args = vec![
+        "--redis-mode",
+        "sentinel",
+        "--redis",
+        url,
+        "--trusted-proxies",
+        "127.0.0.1",
+    ];
+    args.extend_from_slice(extra);
+    Tollgate::start(SENTINEL_LIMITS, upstream.addr, &args)
+}
+
+/// Waits until a fresh caller gets exactly the limit, as the master keeps it.
+async fn exact_within(tg: &Tollgate, limit: Duration) {
+    let started = Instant::now();
+    while admitted(tg, "/", &[]).await != 3 {
+        assert!(
+            started.elapsed() < limit,
+            "not exact within {limit:?}:\n{}",
+            tg.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_logs_in_to_a_master_with_a_password_and_to_sentinels_with_their_own() {
+    let master = RedisServer::start_with(&["--requirepass", "pw"]);
+    let upstream = TestUpstream::start().await;
+    // The Sentinels take no password: the URL's login is the master's only.
+    let open = Sentinel::start_with(master.port, "sentinel auth-pass mymaster pw\n");
+    let tg = with_sentinels(&upstream, &format!("redis://:pw@127.0.0.1:{}", open.port), &[]);
+    exact_within(&tg, Duration::from_secs(5)).await;
+    drop(tg);
+    // Sentinels with a password of their own, as envoyproxy/ratelimit's
+    // variables give them: REDIS_AUTH the master's, REDIS_SENTINEL_AUTH theirs.
+    let guarded = Sentinel::start_with(master.port, "sentinel auth-pass mymaster pw\nrequirepass spw\n");
+    let tg = Tollgate::start_with_env(
+        SENTINEL_LIMITS,
+        upstream.addr,
+        &["--trusted-proxies", "127.0.0.1"],
+        &[
+            ("REDIS_TYPE", "SENTINEL"),
+            ("REDIS_URL", &format!("mymaster,127.0.0.1:{}", guarded.port)),
+            ("REDIS_AUTH", "pw"),
+            ("REDIS_SENTINEL_AUTH", "spw"),
+        ],
+    );
+    exact_within(&tg, Duration::from_secs(5)).await;
+    assert!(
+        !tg.log_text().contains("spw") && !tg.log_text().contains(":pw"),
+        "{}",
+        tg.log_text()
+    );
+    // Either password where the other belongs is refused, and said so.
+    drop(tg);
+    let tg = with_sentinels(
+        &upstream,
+        &format!("redis://:spw@127.0.0.1:{}", guarded.port),
+        &["--redis-sentinel-auth", "pw"],
+    );
+    assert_eq!(admitted(&tg, "/", &[]).await, 20, "fails open");
+    let started = Instant::now();
+    while !tg.logged("sentinel did not name a master") {
+        assert!(started.elapsed() < Duration::from_secs(5), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_leaves_a_frozen_master_for_the_one_it_promotes() {
+    let master = RedisServer::start();
+    let (replica, sentinel) = replica_and_sentinel(&master);
+    let upstream = TestUpstream::start().await;
+    let tg = with_sentinels(&upstream, &format!("redis://127.0.0.1:{}", sentinel.port), &[]);
+    exact_within(&tg, Duration::from_secs(5)).await;
+    // Frozen, not killed: its connections stay open and answer nothing.
+    master.signal("STOP");
+    let frozen = Instant::now();
+    let c = client();
+    while sentinel.master() != Some(replica.port) {
+        // Decisions meanwhile fail (open), and each asks Sentinel again.
+        let _ = get(&c, &tg.url("/"), &[("x-forwarded-for", "198.51.100.7")]).await;
+        assert!(
+            frozen.elapsed() < Duration::from_secs(20),
+            "sentinel never promoted the replica"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let promoted = frozen.elapsed();
+    // Exact on the new master while the old one is still frozen (before,
+    // every decision failed until the old master woke up).
+    exact_within(&tg, Duration::from_secs(5)).await;
+    eprintln!(
+        "frozen master: replica promoted {promoted:?} after the freeze, exact on it {:?} after",
+        frozen.elapsed()
+    );
+    assert!(tg.logged(&format!("127.0.0.1:{}", replica.port)), "{}", tg.log_text());
+    master.signal("CONT");
 }

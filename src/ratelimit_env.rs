@@ -47,6 +47,12 @@ pub fn flags(get: impl Fn(&str) -> Option<String>, argv: &[OsString]) -> Vec<Str
         "TOLLGATE_REDIS_MASTER",
         sentinel(&get).map(|(master, _)| master),
     );
+    // Its Sentinels' password, apart from REDIS_AUTH (the master's).
+    add(
+        "--redis-sentinel-auth",
+        "TOLLGATE_REDIS_SENTINEL_AUTH",
+        sentinel(&get).and(get("REDIS_SENTINEL_AUTH")).filter(|a| !a.is_empty()),
+    );
     add(
         "--grpc-listen",
         "TOLLGATE_GRPC_LISTEN",
@@ -245,6 +251,45 @@ mod tests {
                 "0.0.0.0:9090"
             ]
         );
+    }
+
+    #[test]
+    fn sentinel_passwords_stay_apart() {
+        let got = from(
+            &[
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", "mymaster,s1:26379,s2:26379"),
+                ("REDIS_AUTH", "master-pw"),
+                ("REDIS_SENTINEL_AUTH", "sentinel-pw"),
+            ],
+            &["tollgate"],
+        );
+        assert_eq!(
+            got,
+            [
+                "--redis",
+                "redis://:master-pw@s1:26379,redis://:master-pw@s2:26379",
+                "--redis-mode",
+                "sentinel",
+                "--redis-master",
+                "mymaster",
+                "--redis-sentinel-auth",
+                "sentinel-pw"
+            ]
+        );
+        // Only with Sentinel, and never over tollgate's own setting.
+        let plain = from(&[("REDIS_URL", "r:6379"), ("REDIS_SENTINEL_AUTH", "x")], &["tollgate"]);
+        assert!(!plain.contains(&"--redis-sentinel-auth".to_string()));
+        let own = from(
+            &[
+                ("REDIS_TYPE", "SENTINEL"),
+                ("REDIS_URL", "m,s:1"),
+                ("REDIS_SENTINEL_AUTH", "x"),
+                ("TOLLGATE_REDIS_SENTINEL_AUTH", "y"),
+            ],
+            &["tollgate"],
+        );
+        assert!(!own.contains(&"--redis-sentinel-auth".to_string()));
     }
 
     #[test]

@@ -183,6 +183,10 @@ pub struct Settings {
     /// With --redis-mode sentinel: the monitored master's name.
     #[arg(long, env = "TOLLGATE_REDIS_MASTER", default_value = "mymaster")]
     pub redis_master: String,
+    /// With --redis-mode sentinel: the Sentinels' own login (`password` or
+    /// `user:password`, their `requirepass`); the login in --redis is the master's.
+    #[arg(long, env = "TOLLGATE_REDIS_SENTINEL_AUTH", hide_env_values = true)]
+    pub redis_sentinel_auth: Option<String>,
     /// Deadline of one decision; past it the rule's failure mode applies.
     #[arg(long, env = "TOLLGATE_REDIS_TIMEOUT", default_value = "50ms", value_parser = parse_decision_deadline)]
     pub redis_timeout: Duration,

@@ -17,7 +17,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use decision::{Decision, Hit, RuleOutcome, Verdict, WindowOutcome};
 pub use store::{Check, CheckCount, CounterStore, Store, StoreAnswer, StoreError, WindowCount};
 pub use memory::{DEFAULT_MAX_COUNTERS, MemoryStore};
-pub use redis::{COMPACT_ENTRIES, RedisMode, RedisStore};
+pub use redis::{COMPACT_ENTRIES, RedisMode, RedisStore, SentinelAuth};
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

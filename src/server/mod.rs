@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, watch};
 
 use crate::admin::{Admin, AdminAccess};
 use crate::client_ip::{BadCidr, TrustedProxies};
-use crate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, Store, StoreError, SystemClock};
+use crate::limiter::{Limiter, MemoryStore, RedisMode, RedisStore, SentinelAuth, Store, StoreError, SystemClock};
 use crate::reload::{CatalogError, LiveFiles, WatchGuard};
 use crate::serve::{ConnLimits, Gate, serve};
 use crate::settings::{ClientAuthArg, Listen, RedisModeArg, Settings};
@@ -291,6 +291,7 @@ fn open_store(settings: &Settings) -> Result<Store, StartError> {
         RedisModeArg::Cluster => RedisMode::Cluster,
         RedisModeArg::Sentinel => RedisMode::Sentinel {
             master: settings.redis_master.clone(),
+            auth: settings.redis_sentinel_auth.as_deref().map(SentinelAuth::parse),
         },
     };
     let store = RedisStore::connect(&settings.redis, &mode, None)?.with_deadline(settings.redis_timeout);

@@ -169,7 +169,7 @@ async fn send_batches(
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
             let result = match link.connection().await {
-                Ok(mut conn) => script.call(&mut conn, &decisions).await,
+                Ok(mut conn) => super::bounded(script.call_limit(), script.call(&mut conn, &decisions)).await,
                 Err(e) => Err(e),
             };
             drop(decisions);

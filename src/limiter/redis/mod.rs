@@ -40,7 +40,7 @@ use redis::aio::ConnectionManagerConfig;
 use redis::cluster::ClusterClient;
 use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
-use redis::{Client, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo};
+use redis::{Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo, TlsMode};
 use thread_local::ThreadLocal;
 use tokio::sync::{OnceCell, oneshot};
 
@@ -64,7 +64,53 @@ pub enum RedisMode {
     Sentinel {
         /// The monitored master's name (`sentinel monitor <name> ...`).
         master: String,
+        /// How to log in to the Sentinels themselves (the login in the
+        /// URLs is the master's); `None`: they take no password.
+        auth: Option<SentinelAuth>,
     },
+}
+
+/// A login to Redis Sentinels (`requirepass` in sentinel.conf), kept apart
+/// from the master's as envoyproxy/ratelimit keeps `REDIS_SENTINEL_AUTH`
+/// apart from `REDIS_AUTH`. Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct SentinelAuth {
+    user: Option<String>,
+    password: String,
+}
+
+impl SentinelAuth {
+    /// From `password` or `user:password`.
+    pub fn parse(text: &str) -> SentinelAuth {
+        match text.split_once(':') {
+            Some((user, password)) if !user.is_empty() => SentinelAuth {
+                user: Some(user.to_string()),
+                password: password.to_string(),
+            },
+            Some(("", password)) => SentinelAuth {
+                user: None,
+                password: password.to_string(),
+            },
+            _ => SentinelAuth {
+                user: None,
+                password: text.to_string(),
+            },
+        }
+    }
+
+    fn login(&self) -> RedisConnectionInfo {
+        let login = quiet(RedisConnectionInfo::default()).set_password(&self.password);
+        match &self.user {
+            Some(user) => login.set_username(user),
+            None => login,
+        }
+    }
+}
+
+impl std::fmt::Debug for SentinelAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SentinelAuth(..)")
+    }
 }
 
 /// Most entries a counter keeps in its compact form (a string) before it
@@ -156,12 +202,9 @@ impl RedisStore {
                     sentinel: None,
                 }))
             }
-            RedisMode::Sentinel { master } => {
-                let nodes = SentinelNodeConnectionInfo::default()
-                    .set_tcp_settings(tcp_settings())
-                    .set_redis_connection_info(quiet(RedisConnectionInfo::default()));
-                let client =
-                    SentinelClient::build(urls.to_vec(), master.clone(), Some(nodes), SentinelServerType::Master)?;
+            RedisMode::Sentinel { master, auth } => {
+                let (sentinels, nodes) = sentinel_logins(urls, auth.as_ref())?;
+                let client = SentinelClient::build(sentinels, master.clone(), Some(nodes), SentinelServerType::Master)?;
                 let node = Arc::new(NodeConn {
                     client: RwLock::new(None),
                     generation: AtomicU64::new(0),
@@ -270,6 +313,41 @@ impl RedisStore {
     }
 }
 
+/// The Sentinels' connections (logged in with `auth`, or not at all) and
+/// the master's: the login, database and TLS of the URLs are the master's,
+/// the node the counters are on, as envoyproxy/ratelimit's `REDIS_AUTH` is;
+/// sent to a Sentinel without a password, a login is refused.
+fn sentinel_logins(
+    urls: &[String],
+    auth: Option<&SentinelAuth>,
+) -> Result<(Vec<ConnectionInfo>, SentinelNodeConnectionInfo), StoreError> {
+    let infos = urls.iter().map(|u| node_info(u)).collect::<Result<Vec<_>, _>>()?;
+    let Some(first) = infos.first() else {
+        return Err(StoreError::Config("sentinel mode takes the Sentinels' URLs in --redis".into()));
+    };
+    let master = first.redis_settings().clone();
+    let same = |i: &ConnectionInfo| {
+        let r = i.redis_settings();
+        r.username() == master.username() && r.password() == master.password() && r.db() == master.db()
+    };
+    if !infos.iter().all(same) {
+        return Err(StoreError::Config(
+            "the Sentinel URLs in --redis log in differently: the login and database in them are the master's, \
+             the same in each (--redis-sentinel-auth is the Sentinels' own)"
+                .into(),
+        ));
+    }
+    let mut nodes = SentinelNodeConnectionInfo::default()
+        .set_tcp_settings(tcp_settings())
+        .set_redis_connection_info(quiet(master));
+    if let ConnectionAddr::TcpTls { insecure, .. } = first.addr() {
+        nodes = nodes.set_tls_mode(if *insecure { TlsMode::Insecure } else { TlsMode::Secure });
+    }
+    let login = auth.map_or_else(|| quiet(RedisConnectionInfo::default()), SentinelAuth::login);
+    let sentinels = infos.into_iter().map(|i| i.set_redis_settings(login.clone())).collect();
+    Ok((sentinels, nodes))
+}
+
 impl NodeConn {
     /// After a failed call: with Sentinel, ask again where the master is.
     fn failed(self: Arc<Self>) {
@@ -304,6 +382,31 @@ impl NodeConn {
             }
         });
     }
+}
+
+/// Asks Sentinel where the master is when dropped armed: a decision its
+/// caller gave up on before Redis answered.
+struct Abandoned<'a>(Option<&'a Arc<NodeConn>>);
+
+impl Drop for Abandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(node) = self.0.take() {
+            node.clone().failed();
+        }
+    }
+}
+
+/// A script call bounded by `limit`: one Redis never answers (frozen, or
+/// cut off without a reset) would hold its lane's call slot for good, and
+/// with both slots held no decision of that thread could go out, to this
+/// master or to the one Sentinel names next.
+pub(super) async fn bounded<T>(
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, call)
+        .await
+        .unwrap_or_else(|_| Err(failed(format!("no answer within {limit:?}; the call was given up"))))
 }
 
 impl From<::redis::RedisError> for StoreError {
@@ -345,18 +448,24 @@ impl CounterStore for RedisStore {
         match &self.conn {
             Conn::Node(node) => {
                 let lane = self.lane(node);
+                // A decision given up on (its deadline passed) counts as a
+                // failed call: a master that stopped answering without
+                // closing (frozen, or cut off by the network) fails no call,
+                // and Sentinel would never be asked for the new one.
+                let mut abandoned = Abandoned(Some(node));
                 // Nothing waiting and a call slot free: go straight out and
                 // save the hand-off to the batching task.
                 if lane.queued.load(Ordering::Acquire) == 0
                     && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
                     let result = match lane.link.connection().await {
-                        Ok(mut conn) => self.script.call(&mut conn, &[(&checks, false)])
+                        Ok(mut conn) => bounded(self.script.call_limit(), self.script.call(&mut conn, &[(&checks, false)]))
                             .await
                             .and_then(single),
                         Err(e) => Err(e),
                     };
                     drop(slot);
+                    abandoned.0 = None;
                     if result.is_err() {
                         node.clone().failed();
                     }
@@ -372,9 +481,9 @@ impl CounterStore for RedisStore {
                     lane.queued.fetch_sub(1, Ordering::AcqRel);
                     return Err(failed("batching task stopped"));
                 }
-                answer
-                    .await
-                    .map_err(|_| failed("batching task stopped"))?
+                let answer = answer.await;
+                abandoned.0 = None;
+                answer.map_err(|_| failed("batching task stopped"))?
             }
             Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
         }
@@ -392,3 +501,27 @@ impl CounterStore for RedisStore {
     }
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sentinel_logins_are_the_masters_and_the_sentinels_own() {
+        let auth = SentinelAuth::parse("ops:s3cret");
+        assert_eq!(auth.user.as_deref(), Some("ops"));
+        assert_eq!(SentinelAuth::parse("s3cret").user, None);
+        assert_eq!(SentinelAuth::parse(":s3cret").password, "s3cret");
+        assert!(!format!("{auth:?}").contains("s3cret"));
+        let urls = ["redis://:pw@127.0.0.1:26379/2".to_string(), "redis://:pw@127.0.0.1:26380/2".to_string()];
+        let (sentinels, _) = sentinel_logins(&urls, Some(&auth)).unwrap();
+        for s in &sentinels {
+            let login = s.redis_settings();
+            assert_eq!((login.username(), login.password(), login.db()), (Some("ops"), Some("s3cret"), 0));
+        }
+        let (sentinels, _) = sentinel_logins(&urls, None).unwrap();
+        assert_eq!(sentinels[0].redis_settings().password(), None);
+        let mixed = ["redis://:pw@127.0.0.1:26379".to_string(), "redis://127.0.0.1:26380".to_string()];
+        assert!(matches!(sentinel_logins(&mixed, None), Err(StoreError::Config(_))));
+    }
+}

@@ -108,7 +108,17 @@ pub(super) fn single(mut answers: Vec<StoreAnswer>) -> Result<StoreAnswer, Store
     answers.pop().ok_or_else(|| super::bad_reply("empty reply"))
 }
 
+/// Longest a script call is waited for when no decision deadline is set
+/// (Cluster, tests), and the least otherwise.
+const CALL_LIMIT: Duration = Duration::from_secs(1);
+
 impl DecideScript {
+    /// How long a call may take before it is given up: twice the decision
+    /// deadline (its callers have long gone), at least [`CALL_LIMIT`].
+    pub(super) fn call_limit(&self) -> Duration {
+        self.deadline.map_or(CALL_LIMIT, |d| d.saturating_mul(2).max(CALL_LIMIT))
+    }
+
     /// The script, with Redis's clock (or `pinned_clock`, for tests) and
     /// counters compact up to `compact_entries` entries.
     pub(super) fn new(pinned_clock: Option<Arc<dyn Clock>>, compact_entries: usize) -> Self {
