@@ -73,6 +73,11 @@ rules:
     match: { path: /q }
     by: [client_ip]
     limits: [{ requests: 3, per: 1d, precision: 1m }, { requests: 10, per: 60s }]
+  - name: resharded
+    match: { path: /m }
+    by: [client_ip]
+    failure_mode: closed
+    limits: [{ requests: 3, per: 60s, precision: 1s }, { requests: 100, per: 10s }]
 ";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -235,6 +240,62 @@ async fn redis_cluster_of_three_masters() {
             "round {round}: only the admitted requests charged race-own"
         );
     }
+
+    // Resharding: a window with a precision is two keys (the counter and
+    // its ring), both declared to the script, so while its slot migrates
+    // Redis answers TRYAGAIN (the rule's failure mode) until both have
+    // moved. Before, the ring was not declared: with the counter moved
+    // first, the script ran on the new node without its ring and started a
+    // fresh one (3 more admitted in a full window), and the ring's own
+    // MIGRATE then failed (BUSYKEY), the resharding stuck.
+    let me = [("x-forwarded-for", "192.0.2.99")];
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/m"), &me).await.status, StatusCode::OK);
+    }
+    // (No refusal yet: a cached one would answer without Redis.)
+    let keys_on = |n: &RedisServer| -> Vec<String> {
+        let out = n.cli(&["KEYS", "*192.0.2.99*"]).unwrap();
+        out.lines().filter(|l| !l.is_empty()).map(str::to_string).collect()
+    };
+    let from = nodes.iter().position(|n| !keys_on(n).is_empty()).unwrap();
+    let to = (from + 1) % nodes.len();
+    let keys = keys_on(&nodes[from]);
+    assert_eq!(keys.len(), 2, "the counter and its ring: {keys:?}");
+    let slot = nodes[from]
+        .cli(&["CLUSTER", "KEYSLOT", &keys[0]])
+        .unwrap()
+        .trim()
+        .to_string();
+    let id = |n: &RedisServer| n.cli(&["CLUSTER", "MYID"]).unwrap().trim().to_string();
+    let (from_id, to_id) = (id(&nodes[from]), id(&nodes[to]));
+    nodes[to]
+        .cli(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id])
+        .unwrap();
+    nodes[from]
+        .cli(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id])
+        .unwrap();
+    let migrate = |key: &str| {
+        let to_port = nodes[to].port.to_string();
+        let out = nodes[from].cli(&["MIGRATE", "127.0.0.1", &to_port, "", "0", "5000", "KEYS", key]);
+        assert_eq!(out.as_deref().map(str::trim), Some("OK"), "MIGRATE {key}");
+    };
+    let counter = keys.iter().find(|k| !k.contains('/')).unwrap();
+    migrate(counter);
+    for _ in 0..3 {
+        let a = get(&c, &tg.url("/m"), &me).await;
+        assert_ne!(
+            a.status,
+            StatusCode::OK,
+            "a full window admits nothing mid-migration:\n{}",
+            tg.log_text()
+        );
+    }
+    migrate(keys.iter().find(|k| k.contains('/')).unwrap());
+    for n in &nodes {
+        n.cli(&["CLUSTER", "SETSLOT", &slot, "NODE", &to_id]).unwrap();
+    }
+    assert_eq!(keys_on(&nodes[to]).len(), 2);
+    assert_eq!(get(&c, &tg.url("/m"), &me).await.status, StatusCode::TOO_MANY_REQUESTS);
 
     // Quota mode is a rule about the whole request, and its counters sit in
     // different slots here: decided across the slots, not per slot.

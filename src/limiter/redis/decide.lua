@@ -30,7 +30,8 @@
 -- the last decision. A hot counter shared by a batch of decisions costs one
 -- XADD, one trim and one expiry per call, whatever the batch size.
 --
--- KEYS     every decision's counters, decision after decision
+-- KEYS     every decision's counters, decision after decision, then the rings
+--          of its bucketed windows (declared for Redis Cluster; found by name)
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the most entries a compact counter keeps (0: streams only)
 -- ARGV[3]  the number of check shapes, then each: cost, role (bit 1:

@@ -208,6 +208,13 @@ impl DecideScript {
                 call.key(&check.key);
             }
         }
+        // The rings of bucketed windows, after every counter (the script
+        // finds them by name): declared so that Redis Cluster, while their
+        // slot migrates, answers TRYAGAIN until counter and ring have both
+        // moved, rather than run the script where one of them is missing.
+        for ring in rings(decisions) {
+            call.key(ring);
+        }
         for shape in &shapes.of_decision {
             call.arg(*shape);
         }
@@ -224,6 +231,26 @@ impl DecideScript {
         }
         parse_reply(&reply, decisions)
     }
+}
+
+/// The ring keys of the bucketed windows of `decisions`, each once: the
+/// script names them `<counter>|<period>/<precision>` (decide.lua).
+fn rings(decisions: &[(&[OwnedCheck], bool)]) -> Vec<String> {
+    let mut rings: Vec<String> = decisions
+        .iter()
+        .flat_map(|(checks, _)| checks.iter())
+        .flat_map(|c| {
+            c.windows
+                .iter()
+                .filter(|w| w.precision_ms > 0)
+                .map(move |w| format!("{}|{}/{}", c.key, w.period_ms, w.precision_ms))
+        })
+        .collect();
+    if rings.len() > 1 {
+        rings.sort_unstable();
+        rings.dedup();
+    }
+    rings
 }
 
 /// What a call's decisions have in common, sent once: the shapes of their
