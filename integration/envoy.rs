@@ -558,3 +558,79 @@ async fn auth_request_answers_need_the_original_uri() {
     let ok = get(&c, &url, &[("x-original-uri", "/x?y=1"), ("x-original-method", "POST")]).await;
     assert_eq!(ok.status, StatusCode::NO_CONTENT);
 }
+
+/// A descriptor entry whose value may be any bytes, as Envoy may send a
+/// header value (prost's own types hold only UTF-8).
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawEntry {
+    #[prost(string, tag = "1")]
+    key: String,
+    #[prost(bytes = "vec", tag = "2")]
+    value: Vec<u8>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawDescriptor {
+    #[prost(message, repeated, tag = "1")]
+    entries: Vec<RawEntry>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct RawRequest {
+    #[prost(string, tag = "1")]
+    domain: String,
+    #[prost(message, repeated, tag = "2")]
+    descriptors: Vec<RawDescriptor>,
+}
+
+#[tokio::test]
+async fn a_value_that_is_not_utf8_is_limited_and_leaves_nothing_unchecked() {
+    let rls = start_rls(&[]).await;
+    let channel = Channel::from_shared(format!("http://{}", rls.tg.grpc.unwrap()))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut grpc = tonic::client::Grpc::new(channel);
+    let mut ask = async |descriptors: &[&[(&str, &[u8])]]| {
+        let req = RawRequest {
+            domain: "messaging".into(),
+            descriptors: descriptors
+                .iter()
+                .map(|d| RawDescriptor {
+                    entries: d
+                        .iter()
+                        .map(|(k, v)| RawEntry {
+                            key: k.to_string(),
+                            value: v.to_vec(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+        };
+        grpc.ready().await.unwrap();
+        let path = http::uri::PathAndQuery::from_static("/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit");
+        let codec = tonic_prost::ProstCodec::<RawRequest, RateLimitResponse>::default();
+        let answer = grpc.unary(tonic::Request::new(req), path, codec).await;
+        answer.map(|r| r.into_inner().overall_code)
+    };
+    let marketing = |to: &'static [u8]| -> [(&'static str, &'static [u8]); 2] {
+        [("message_type", b"marketing"), ("to_number", to)]
+    };
+    // A caller over its limit (5 a day)...
+    for _ in 0..5 {
+        assert_eq!(ask(&[&marketing(b"+15550001")]).await.unwrap(), Code::Ok as i32);
+    }
+    assert_eq!(ask(&[&marketing(b"+15550001")]).await.unwrap(), Code::OverLimit as i32);
+    // ...stays over it with a descriptor beside whose value is not UTF-8.
+    // (Before, prost refused the whole call, INTERNAL, and Envoy, failing
+    // open by default, let the request through unchecked.)
+    let with_bytes = ask(&[&marketing(b"+15550001"), &[("to_number", b"caf\x80")]]).await;
+    assert_eq!(with_bytes.unwrap(), Code::OverLimit as i32);
+    // Such a value has a counter of its own, as any value has.
+    for _ in 0..5 {
+        assert_eq!(ask(&[&marketing(b"\x80\x81")]).await.unwrap(), Code::Ok as i32);
+    }
+    assert_eq!(ask(&[&marketing(b"\x80\x81")]).await.unwrap(), Code::OverLimit as i32);
+    assert_eq!(ask(&[&marketing(b"\x80\x82")]).await.unwrap(), Code::Ok as i32);
+}

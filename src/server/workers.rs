@@ -7,7 +7,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitServiceServer;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -16,6 +15,7 @@ use super::StartError;
 use crate::serve::{ConnLimits, Gate, accept, serve};
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::Proxy;
+use crate::surfaces::rls_wire::RlsServer;
 use crate::tls::{ClientStream, TlsListener};
 
 /// What one worker thread serves.
@@ -209,7 +209,7 @@ async fn serve_grpc(
     ping_every: Duration,
 ) {
     let (reporter, health) = tonic_health::server::health_reporter();
-    reporter.set_serving::<RateLimitServiceServer<RlsService>>().await;
+    reporter.set_serving::<RlsServer>().await;
     // The service name envoyproxy/ratelimit reports health under.
     reporter
         .set_service_status("ratelimit", tonic_health::ServingStatus::Serving)
@@ -221,7 +221,7 @@ async fn serve_grpc(
         .http2_keepalive_interval(Some(ping_every))
         .http2_keepalive_timeout(Some(ping_every))
         .add_service(health)
-        .add_service(RateLimitServiceServer::new(rls))
+        .add_service(RlsServer::new(rls))
         .serve_with_incoming_shutdown(incoming, async move {
             let _ = stop.wait_for(|s| *s).await;
         })

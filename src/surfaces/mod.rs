@@ -6,4 +6,5 @@ request_path! {
     pub mod decision_http;
     pub mod envoy_rls;
     pub mod proxy;
+    pub mod rls_wire;
 }
