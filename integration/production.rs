@@ -724,3 +724,51 @@ async fn a_wrong_redis_password_is_reported_as_such_not_as_a_timeout() {
     }
     assert!(tg.logged("AuthenticationFailed"), "{}", tg.log_text());
 }
+
+/// The sum of `failures=N` over the log's outage lines.
+fn failures_logged(tg: &Tollgate) -> u64 {
+    tg.log_text()
+        .lines()
+        .filter(|l| l.contains("counter store"))
+        .filter_map(|l| {
+            l.split("failures=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn a_short_outage_is_told_whole() {
+    let redis = RedisServer::start();
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LIMITS,
+        upstream.addr,
+        &["--redis", &redis.url(), "--redis-timeout", "50ms"],
+    );
+    assert_eq!(probe(&tg).await, 3);
+    // Shorter than the log's second: before, the first failure was told
+    // and the rest of the outage never was.
+    redis.signal("STOP");
+    let c = client();
+    for _ in 0..8 {
+        assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::OK);
+    }
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(probe(&tg).await, 3);
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    let failed: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("tollgate_store_errors_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum();
+    assert!(failed >= 8, "{metrics}");
+    assert_eq!(failures_logged(&tg), failed, "{}", tg.log_text());
+    assert!(tg.logged("counter store answering again"), "{}", tg.log_text());
+}

@@ -179,6 +179,7 @@ impl Limiter {
             Ok(answer) => {
                 let took = asked.elapsed();
                 metrics::get().store_time(took);
+                self.failures.answered();
                 // The admin page shows Redis's round trips; memory has none.
                 if !self.store.in_process() {
                     crate::activity::get().store_answered(took);
@@ -299,34 +300,57 @@ fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleEve
 }
 
 /// Logs store failures at most once a second, with how many were folded in,
-/// so an outage is one readable line per second rather than one per request.
+/// so an outage is one readable line per second rather than one per request;
+/// the failures of an outage's last second are told by the first answer a
+/// second or more after the last line ("answering again").
 #[derive(Default)]
 struct FailureLog {
-    since_last: AtomicU64,
+    /// Failed decisions not told yet, by the verdict they got.
+    open: AtomicU64,
+    closed: AtomicU64,
     last_logged_ms: AtomicU64,
 }
 
 impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
+        let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
+        pending.fetch_add(1, Ordering::Relaxed);
+        if let Some((open, closed)) = self.take_if_due() {
+            let mode = match (open > 0, closed > 0) {
+                (true, true) => "failing open and closed",
+                (false, true) => "failing closed",
+                _ => "failing open",
+            };
+            tracing::warn!(%error, transient = error.is_transient(), failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store unavailable, {mode}");
+        }
+    }
+
+    /// The store answered: failures not told yet are, if a line is due.
+    fn answered(&self) {
+        // One load each while nothing failed: no write shared between threads.
+        if self.open.load(Ordering::Relaxed) == 0 && self.closed.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        if let Some((open, closed)) = self.take_if_due()
+            && open.saturating_add(closed) > 0
+        {
+            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store answering again; decisions failed since the last line");
+        }
+    }
+
+    /// The untold failures (open, closed), when a second has passed since
+    /// the last line; this caller then writes the next one.
+    fn take_if_due(&self) -> Option<(u64, u64)> {
         static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
         let elapsed = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX);
         let now = elapsed.saturating_add(1000);
-        let folded = self.since_last.fetch_add(1, Ordering::Relaxed);
         let last = self.last_logged_ms.load(Ordering::Relaxed);
-        if now.saturating_sub(last) >= 1000
+        let due = now.saturating_sub(last) >= 1000
             && self
                 .last_logged_ms
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.since_last.store(0, Ordering::Relaxed);
-            let mode = if verdict == Verdict::FailedClosed {
-                "failing closed"
-            } else {
-                "failing open"
-            };
-            tracing::warn!(%error, transient = error.is_transient(), failures = folded.saturating_add(1), "counter store unavailable, {mode}");
-        }
+                .is_ok();
+        due.then(|| (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed)))
     }
 }
 
