@@ -141,8 +141,9 @@ async fn redis_killed_and_restarted_under_load() {
     assert!(tg.logged("counter store unavailable"), "the outage was logged");
 }
 
-#[tokio::test]
-async fn redis_frozen_with_sigstop() {
+/// A Redis, an upstream and tollgate in front of it deciding on that Redis
+/// with a 50 ms deadline.
+async fn on_redis() -> (RedisServer, TestUpstream, Tollgate) {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(
@@ -150,6 +151,12 @@ async fn redis_frozen_with_sigstop() {
         upstream.addr,
         &["--redis", &redis.url(), "--redis-timeout", "50ms"],
     );
+    (redis, upstream, tg)
+}
+
+#[tokio::test]
+async fn redis_frozen_with_sigstop() {
+    let (redis, _upstream, tg) = on_redis().await;
     let load = Load::start(&tg, 4);
     tokio::time::sleep(Duration::from_millis(200)).await;
     redis.signal("STOP");
@@ -743,13 +750,7 @@ fn failures_logged(tg: &Tollgate) -> u64 {
 
 #[tokio::test]
 async fn a_short_outage_is_told_whole() {
-    let redis = RedisServer::start();
-    let upstream = TestUpstream::start().await;
-    let tg = Tollgate::start(
-        LIMITS,
-        upstream.addr,
-        &["--redis", &redis.url(), "--redis-timeout", "50ms"],
-    );
+    let (redis, _upstream, tg) = on_redis().await;
     assert_eq!(probe(&tg).await, 3);
     // Shorter than the log's second: before, the first failure was told
     // and the rest of the outage never was.
