@@ -582,3 +582,50 @@ async fn sentinel_leaves_a_frozen_master_for_the_one_it_promotes() {
     assert!(tg.logged(&format!("127.0.0.1:{}", replica.port)), "{}", tg.log_text());
     master.signal("CONT");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_refusing_the_login_is_reported_at_start() {
+    let bus = free_port().to_string();
+    let node = RedisServer::start_with(&[
+        "--cluster-enabled",
+        "yes",
+        "--cluster-port",
+        &bus,
+        "--requirepass",
+        "right",
+        "--masterauth",
+        "right",
+    ]);
+    node.cli(&["CLUSTER", "ADDSLOTSRANGE", "0", "16383"]).unwrap();
+    wait_until("cluster_state:ok", Duration::from_secs(10), || {
+        node.cli(&["CLUSTER", "INFO"])
+            .is_some_and(|i| i.contains("cluster_state:ok"))
+    });
+    let upstream = TestUpstream::start().await;
+    let start = |password: &str| {
+        let seed = format!("redis://:{password}@127.0.0.1:{}", node.port);
+        Tollgate::start(
+            SENTINEL_LIMITS,
+            upstream.addr,
+            &[
+                "--redis-mode",
+                "cluster",
+                "--redis",
+                &seed,
+                "--trusted-proxies",
+                "127.0.0.1",
+            ],
+        )
+    };
+    // Before, only a WARN marked transient said so, at the first decision.
+    let wrong = start("wrong");
+    let started = Instant::now();
+    while !wrong.logged("redis refuses tollgate's connection") {
+        assert!(started.elapsed() < Duration::from_secs(5), "{}", wrong.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(!wrong.log_text().contains("wrong@"), "{}", wrong.log_text());
+    let right = start("right");
+    exact_within(&right, Duration::from_secs(5)).await;
+    assert!(!right.logged("redis refuses"), "{}", right.log_text());
+}

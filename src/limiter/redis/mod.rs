@@ -236,21 +236,30 @@ impl RedisStore {
     /// database that does not exist otherwise shows only as decisions
     /// timing out ("no answer within 50ms"), the connection's own error
     /// coming after the deadline. A Redis that is down is not reported
-    /// here (decisions say so). Not on Cluster.
+    /// here (decisions say so). On Cluster, through its seed nodes; with
+    /// Sentinel, once a master is known.
     pub fn probe(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
-        let client = match &self.conn {
-            Conn::Node(node) => node.client.read().unwrap_or_else(|e| e.into_inner()).clone(),
-            Conn::Cluster(_) => None,
+        let (node, cluster) = match &self.conn {
+            Conn::Node(node) => (node.client.read().unwrap_or_else(|e| e.into_inner()).clone(), None),
+            Conn::Cluster(cluster) => (None, Some(cluster.client.clone())),
         };
         async move {
-            let Some(client) = client else { return };
             let attempt = async {
-                let mut conn = client.get_multiplexed_async_connection().await?;
-                redis::cmd("PING").query_async::<redis::Value>(&mut conn).await
+                let ping = redis::cmd("PING");
+                if let Some(client) = node {
+                    let mut conn = client.get_multiplexed_async_connection().await?;
+                    ping.query_async::<redis::Value>(&mut conn).await?;
+                }
+                if let Some(client) = cluster {
+                    let mut conn = client.get_async_connection().await?;
+                    ping.query_async::<redis::Value>(&mut conn).await?;
+                }
+                Ok::<_, redis::RedisError>(())
             };
             if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(5), attempt).await {
+                let refused = refused_login(&e);
                 let e = StoreError::from(e);
-                if let StoreError::Failed { transient: false, .. } = &e {
+                if refused || matches!(&e, StoreError::Failed { transient: false, .. }) {
                     tracing::error!(error = %e, "redis refuses tollgate's connection: every decision fails until this is fixed");
                     crate::activity::get().store_failed(&e);
                 }
@@ -407,6 +416,15 @@ pub(super) async fn bounded<T>(
     tokio::time::timeout(limit, call)
         .await
         .unwrap_or_else(|_| Err(failed(format!("no answer within {limit:?}; the call was given up"))))
+}
+
+/// Whether `e` is a login refused: the Cluster client reports a seed node's
+/// refusal only as text inside its own "initial connections" error.
+fn refused_login(e: &redis::RedisError) -> bool {
+    let text = e.to_string();
+    e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("WRONGPASS" | "NOAUTH" | "NOPERM"))
+        || ["AuthenticationFailed", "WRONGPASS", "NOAUTH"].iter().any(|w| text.contains(w))
 }
 
 impl From<::redis::RedisError> for StoreError {
