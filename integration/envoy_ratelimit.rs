@@ -726,8 +726,13 @@ async fn its_environment_runs_tollgate_unchanged() {
     assert_eq!((health.status, &health.body[..]), (http::StatusCode::OK, &b"OK"[..]));
     redis.signal("STOP");
     let health = get(&client(), &probe, &[]).await;
+    // Failing open, no limit is claimed: Envoy would tell clients that
+    // 0 remain (it answers with an error, so Envoy adds nothing).
+    let during = rls.should_rate_limit(req()).await.unwrap().into_inner();
     redis.signal("CONT");
     assert_eq!(health.status, http::StatusCode::OK);
+    assert_eq!(during.overall_code, Code::Ok as i32);
+    assert_eq!(during.statuses[0].current_limit, None);
 }
 
 /// A config directory, live: a bad file that appears is kept out with one

@@ -341,7 +341,13 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     } else {
         Code::Ok
     };
-    let current = window.map(|w| w.window).or_else(|| rule.windows.first().copied());
+    // Undecided (the store failed): no limit is claimed, so Envoy adds no
+    // `X-RateLimit-*` headers, rather than telling clients 0 remain.
+    let decided = !matches!(decision.verdict, Verdict::FailedOpen | Verdict::FailedClosed);
+    let current = window
+        .map(|w| w.window)
+        .or_else(|| rule.windows.first().copied())
+        .filter(|_| decided);
     DescriptorStatus {
         code: code as i32,
         current_limit: current.map(|w| RateLimit {
