@@ -80,9 +80,11 @@ rules:
     limits: [{ requests: 3, per: 60s, precision: 1s }, { requests: 100, per: 10s }]
 ";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_cluster_of_three_masters() {
-    let nodes: Vec<RedisServer> = (0..3)
+/// A Redis Cluster of `n` nodes made by `redis-cli --cluster create`, with
+/// `replicas` replicas per master, in a good state; and its node addresses.
+fn cluster(n: usize, replicas: usize, node_timeout_ms: u32) -> (Vec<RedisServer>, Vec<String>) {
+    let timeout = node_timeout_ms.to_string();
+    let nodes: Vec<RedisServer> = (0..n)
         .map(|_| {
             let bus = free_port().to_string();
             RedisServer::start_with(&[
@@ -91,7 +93,7 @@ async fn redis_cluster_of_three_masters() {
                 "--cluster-port",
                 &bus,
                 "--cluster-node-timeout",
-                "2000",
+                &timeout,
             ])
         })
         .collect();
@@ -99,7 +101,7 @@ async fn redis_cluster_of_three_masters() {
     let out = Command::new("redis-cli")
         .args(["--cluster", "create"])
         .args(&addrs)
-        .args(["--cluster-replicas", "0", "--cluster-yes"])
+        .args(["--cluster-replicas", &replicas.to_string(), "--cluster-yes"])
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stdout));
@@ -109,6 +111,12 @@ async fn redis_cluster_of_three_masters() {
                 .is_some_and(|i| i.contains("cluster_state:ok"))
         })
     });
+    (nodes, addrs)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_of_three_masters() {
+    let (nodes, addrs) = cluster(3, 0, 2000);
 
     let upstream = TestUpstream::start().await;
     let seeds = format!("redis://{},redis://{}", addrs[0], addrs[1]);
@@ -628,4 +636,68 @@ async fn a_cluster_refusing_the_login_is_reported_at_start() {
     let right = start("right");
     exact_within(&right, Duration::from_secs(5)).await;
     assert!(!right.logged("redis refuses"), "{}", right.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_cluster_master_is_left_for_the_replica_the_cluster_promotes() {
+    let (nodes, addrs) = cluster(6, 1, 1000);
+    wait_until("replicas in sync", Duration::from_secs(15), || {
+        nodes.iter().all(|n| {
+            n.cli(&["INFO", "replication"])
+                .is_some_and(|i| i.contains("role:master") || i.contains("master_link_status:up"))
+        })
+    });
+    let upstream = TestUpstream::start().await;
+    let seeds = addrs
+        .iter()
+        .map(|a| format!("redis://{a}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let tg = Tollgate::start(
+        SENTINEL_LIMITS,
+        upstream.addr,
+        &[
+            "--redis-mode",
+            "cluster",
+            "--redis",
+            &seeds,
+            "--trusted-proxies",
+            "127.0.0.1",
+        ],
+    );
+    exact_within(&tg, Duration::from_secs(5)).await;
+    // A caller at its limit, its counter on one master (and its replica).
+    let me = [("x-forwarded-for", "192.0.2.50")];
+    let c = client();
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/"), &me).await.status, StatusCode::OK);
+    }
+    let master = nodes
+        .iter()
+        .find(|n| {
+            n.cli(&["INFO", "replication"])
+                .is_some_and(|i| i.contains("role:master"))
+                && n.cli(&["KEYS", "*192.0.2.50*"]).is_some_and(|k| !k.trim().is_empty())
+        })
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Frozen, not killed: no MOVED comes, nothing closes.
+    master.signal("STOP");
+    let frozen = Instant::now();
+    // Failing open meanwhile; exact again once the replica is master (its
+    // copy of the counter refuses the caller), while the old master is
+    // still frozen. Before, every decision on its slots failed until it woke.
+    loop {
+        let a = get(&c, &tg.url("/"), &me).await;
+        if a.status == StatusCode::TOO_MANY_REQUESTS {
+            break;
+        }
+        assert!(frozen.elapsed() < Duration::from_secs(15), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "cluster master frozen: exact again on its replica {:?} after the freeze",
+        frozen.elapsed()
+    );
+    master.signal("CONT");
 }

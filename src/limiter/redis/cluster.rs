@@ -3,10 +3,13 @@
 //! above for what that leaves open).
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
+use arc_swap::ArcSwapOption;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use tokio::sync::OnceCell;
+use tokio::sync::Notify;
 
 use super::RedisStore;
 use super::script::{OwnedCheck, single};
@@ -15,22 +18,92 @@ use crate::limiter::{CheckCount, StoreAnswer, StoreError};
 /// The Cluster client and its one multiplexed connection.
 pub(super) struct ClusterConn {
     pub(super) client: ClusterClient,
-    pub(super) conn: OnceCell<ClusterConnection>,
+    /// The connection, made on first use and again after a failed call.
+    conn: ArcSwapOption<ClusterConnection>,
+    /// Whether a task is making one.
+    making: Mutex<bool>,
+    /// Told when that task ends, with the connection made or not.
+    made: Notify,
+    /// Why the last making failed.
+    failure: Mutex<Option<String>>,
+    /// When the connection was last let go for a failed call.
+    renewed: Mutex<Option<Instant>>,
 }
 
+/// Least time between two renewals of the connection.
+const RENEW_EVERY: Duration = Duration::from_secs(1);
+
 impl ClusterConn {
-    async fn get(&self) -> Result<ClusterConnection, StoreError> {
-        Ok(self
-            .conn
-            .get_or_try_init(|| self.client.get_async_connection())
-            .await?
-            .clone())
+    pub(super) fn new(client: ClusterClient) -> Self {
+        ClusterConn {
+            client,
+            conn: ArcSwapOption::empty(),
+            making: Mutex::new(false),
+            made: Notify::new(),
+            failure: Mutex::new(None),
+            renewed: Mutex::new(None),
+        }
+    }
+
+    /// The connection. One is made on a task of its own: a node that does
+    /// not answer holds its connection attempt for a second, longer than a
+    /// decision waits, and a making cut short with every decision would
+    /// never end.
+    async fn get(self: &Arc<Self>) -> Result<ClusterConnection, StoreError> {
+        if let Some(conn) = self.conn.load_full() {
+            return Ok((*conn).clone());
+        }
+        let made = self.made.notified();
+        tokio::pin!(made);
+        made.as_mut().enable();
+        {
+            let mut making = self.making.lock().unwrap_or_else(|e| e.into_inner());
+            if !*making {
+                *making = true;
+                tokio::spawn(self.clone().make());
+            }
+        }
+        // Made between the first look and the wait's registration.
+        if let Some(conn) = self.conn.load_full() {
+            return Ok((*conn).clone());
+        }
+        made.await;
+        match self.conn.load_full() {
+            Some(conn) => Ok((*conn).clone()),
+            None => {
+                let failure = self.failure.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                Err(super::failed(failure.unwrap_or_else(|| "no Cluster connection".into())))
+            }
+        }
+    }
+
+    async fn make(self: Arc<Self>) {
+        match self.client.get_async_connection().await {
+            Ok(conn) => self.conn.store(Some(Arc::new(conn))),
+            Err(e) => *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string()),
+        }
+        *self.making.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        self.made.notify_waiters();
+    }
+
+    /// After a failed call: a master that stopped answering without closing
+    /// (frozen, or cut off by the network) sends no MOVED, so the client
+    /// would ask it for good, after the cluster promoted its replica. The
+    /// next call makes the connection anew, reading the slots as the cluster
+    /// has them now; at most once a second.
+    pub(super) fn renew(&self) {
+        let mut renewed = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
+        if renewed.is_some_and(|t| t.elapsed() < RENEW_EVERY) {
+            return;
+        }
+        *renewed = Some(Instant::now());
+        self.conn.store(None);
     }
 }
 
 impl RedisStore {
     /// Decides one request's checks over the slots they fall in.
-    pub(super) async fn decide_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
+    pub(super) async fn decide_cluster(&self, cluster: &Arc<ClusterConn>, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
         let mut conn = cluster.get().await?;
         let groups = tag_groups(&checks);
         if groups.len() == 1 {
@@ -71,7 +144,7 @@ impl RedisStore {
     }
 
     /// What `checks` would get, charging nothing, over the slots they fall in.
-    pub(super) async fn peek_cluster(&self, cluster: &ClusterConn, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
+    pub(super) async fn peek_cluster(&self, cluster: &Arc<ClusterConn>, checks: Vec<OwnedCheck>) -> Result<StoreAnswer, StoreError> {
         let mut conn = cluster.get().await?;
         let groups = tag_groups(&checks);
         let parts = parts(&groups, &checks);

@@ -42,13 +42,17 @@ use redis::io::tcp::TcpSettings;
 use redis::sentinel::{SentinelClient, SentinelNodeConnectionInfo, SentinelServerType};
 use redis::{Client, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, RedisConnectionInfo, TlsMode};
 use thread_local::ThreadLocal;
-use tokio::sync::{OnceCell, oneshot};
+use tokio::sync::oneshot;
 
 use super::{Check, Clock, CounterStore, StoreAnswer, StoreError};
 use cluster::ClusterConn;
 use lanes::{Lane, Pending};
 
 use script::{DecideScript, OwnedCheck, owned_checks, single};
+
+/// Longest wait for one Cluster node's answer: past any decision deadline
+/// an operator sets, so it only cuts a node that stopped answering.
+const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Least time between two Sentinel look-ups of the master.
 const RESOLVE_EVERY: Duration = Duration::from_millis(250);
@@ -216,12 +220,14 @@ impl RedisStore {
                 node.clone().failed();
                 Conn::Node(node)
             }
-            RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn {
-                client: ClusterClient::builder(urls.iter().map(|u| node_info(u)).collect::<Result<Vec<_>, _>>()?)
+            RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn::new(
+                ClusterClient::builder(urls.iter().map(|u| node_info(u)).collect::<Result<Vec<_>, _>>()?)
                     .tcp_settings(tcp_settings())
+                    // A node that stopped answering (frozen) must not hold
+                    // the reading of the slots for good (`ClusterConn::renew`).
+                    .response_timeout(CLUSTER_RESPONSE_TIMEOUT)
                     .build()?,
-                conn: OnceCell::new(),
-            })),
+            ))),
         };
         Ok(RedisStore {
             conn,
@@ -405,6 +411,18 @@ impl Drop for Abandoned<'_> {
     }
 }
 
+/// Makes the Cluster connection anew when dropped armed: a decision that
+/// failed, or that its caller gave up on before Redis answered.
+struct RenewIfAbandoned<'a>(Option<&'a Arc<ClusterConn>>);
+
+impl Drop for RenewIfAbandoned<'_> {
+    fn drop(&mut self) {
+        if let Some(cluster) = self.0.take() {
+            cluster.renew();
+        }
+    }
+}
+
 /// A script call bounded by `limit`: one Redis never answers (frozen, or
 /// cut off without a reset) would hold its lane's call slot for good, and
 /// with both slots held no decision of that thread could go out, to this
@@ -503,7 +521,15 @@ impl CounterStore for RedisStore {
                 abandoned.0 = None;
                 answer.map_err(|_| failed("batching task stopped"))?
             }
-            Conn::Cluster(cluster) => self.decide_cluster(cluster, checks).await,
+            Conn::Cluster(cluster) => {
+                // Given up on (its deadline) or failed: see `ClusterConn::renew`.
+                let mut abandoned = RenewIfAbandoned(Some(cluster));
+                let answer = self.decide_cluster(cluster, checks).await;
+                if answer.is_ok() {
+                    abandoned.0 = None;
+                }
+                answer
+            }
         }
     }
 
