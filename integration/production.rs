@@ -144,12 +144,17 @@ async fn redis_killed_and_restarted_under_load() {
 /// A Redis, an upstream and tollgate in front of it deciding on that Redis
 /// with a 50 ms deadline.
 async fn on_redis() -> (RedisServer, TestUpstream, Tollgate) {
-    let redis = RedisServer::start();
+    on_redis_with(&[], "50ms").await
+}
+
+/// As [`on_redis`], Redis started with `redis_args`, the deadline `timeout`.
+async fn on_redis_with(redis_args: &[&str], timeout: &str) -> (RedisServer, TestUpstream, Tollgate) {
+    let redis = RedisServer::start_with(redis_args);
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(
         LIMITS,
         upstream.addr,
-        &["--redis", &redis.url(), "--redis-timeout", "50ms"],
+        &["--redis", &redis.url(), "--redis-timeout", timeout],
     );
     (redis, upstream, tg)
 }
@@ -772,4 +777,30 @@ async fn a_short_outage_is_told_whole() {
     assert!(failed >= 8, "{metrics}");
     assert_eq!(failures_logged(&tg), failed, "{}", tg.log_text());
     assert!(tg.logged("counter store answering again"), "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn a_redis_timeout_past_half_a_second_is_waited_for_whole() {
+    let (redis, _upstream, tg) = on_redis_with(&["--enable-debug-command", "yes"], "3s").await;
+    assert_eq!(probe(&tg).await, 3);
+    // Redis busy for 0.8 s (a long script, a large key's deletion): the
+    // decision waits for it, as --redis-timeout says. Before, the Redis
+    // client's own 500 ms response timeout failed it first.
+    let port = redis.port.to_string();
+    let busy = std::thread::spawn(move || {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &port, "DEBUG", "SLEEP", "0.8"])
+            .output()
+            .unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let started = Instant::now();
+    assert_eq!(probe(&tg).await, 3, "{}", tg.log_text());
+    busy.join().unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(500),
+        "it did wait: {:?}",
+        started.elapsed()
+    );
+    assert!(!tg.logged("counter store unavailable"), "{}", tg.log_text());
 }

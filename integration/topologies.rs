@@ -566,13 +566,25 @@ async fn sentinel_leaves_a_frozen_master_for_the_one_it_promotes() {
     let upstream = TestUpstream::start().await;
     let tg = with_sentinels(&upstream, &format!("redis://127.0.0.1:{}", sentinel.port), &[]);
     exact_within(&tg, Duration::from_secs(5)).await;
+    // Quiet for over a second: the next call on a connection is preceded by
+    // a PING, which a frozen master never answers either.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
     // Frozen, not killed: its connections stay open and answer nothing.
     master.signal("STOP");
     let frozen = Instant::now();
-    let c = client();
     while sentinel.master() != Some(replica.port) {
         // Decisions meanwhile fail (open), and each asks Sentinel again.
-        let _ = get(&c, &tg.url("/"), &[("x-forwarded-for", "198.51.100.7")]).await;
+        // Several at once: they wait for the thread's calls in flight, and
+        // calls that never end (or their PINGs) held those for good.
+        let burst: Vec<_> = (0..8)
+            .map(|_| {
+                let url = tg.url("/");
+                tokio::spawn(async move { get(&client(), &url, &[("x-forwarded-for", "198.51.100.7")]).await })
+            })
+            .collect();
+        for call in burst {
+            let _ = call.await;
+        }
         assert!(
             frozen.elapsed() < Duration::from_secs(20),
             "sentinel never promoted the replica"

@@ -45,6 +45,8 @@ pub(super) struct LaneLink {
     pub(super) conn: Mutex<Option<(u64, ConnectionManager)>>,
     /// When the connection was last handed out for a call.
     pub(super) last_call: Mutex<Option<Instant>>,
+    /// How long a call is waited for (the script's call limit).
+    pub(super) call_limit: Duration,
 }
 
 /// One decision waiting for a call.
@@ -79,6 +81,22 @@ impl LaneLink {
         Ok(conn)
     }
 
+    /// One script call of `decisions` on the connection, the PING a quiet
+    /// one is sent first included, given up past the script's call limit:
+    /// a Redis that stopped answering would otherwise hold the call's slot,
+    /// and with both held, every later decision of the thread would wait.
+    pub(super) async fn call(
+        &self,
+        script: &DecideScript,
+        decisions: &[(&[OwnedCheck], bool)],
+    ) -> Result<Vec<StoreAnswer>, StoreError> {
+        super::bounded(script.call_limit(), async {
+            let mut conn = self.connection().await?;
+            script.call(&mut conn, decisions).await
+        })
+        .await
+    }
+
     fn get(&self) -> Result<ConnectionManager, StoreError> {
         let generation = self.node.generation.load(Ordering::Acquire);
         let mut conn = self.conn.lock().unwrap_or_else(|e| e.into_inner());
@@ -95,7 +113,7 @@ impl LaneLink {
             .clone()
             .ok_or_else(|| super::failed("no master known yet (asking Sentinel)"))?;
         // Lazy: connects on first use, on this lane's runtime.
-        let manager = ConnectionManager::new_lazy_with_config(client, manager_config())?;
+        let manager = ConnectionManager::new_lazy_with_config(client, manager_config(self.call_limit))?;
         *conn = Some((generation, manager.clone()));
         Ok(manager)
     }
@@ -107,6 +125,7 @@ impl Lane {
             node,
             conn: Mutex::new(None),
             last_call: Mutex::new(None),
+            call_limit: script.call_limit(),
         });
         let queued = Arc::new(AtomicUsize::new(0));
         let slots = Arc::new(Semaphore::new(MAX_IN_FLIGHT));
@@ -168,10 +187,7 @@ async fn send_batches(
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
-            let result = match link.connection().await {
-                Ok(mut conn) => super::bounded(script.call_limit(), script.call(&mut conn, &decisions)).await,
-                Err(e) => Err(e),
-            };
+            let result = link.call(&script, &decisions).await;
             drop(decisions);
             match result {
                 Ok(answers) => {

@@ -169,9 +169,13 @@ fn node_info(url: &str) -> redis::RedisResult<ConnectionInfo> {
     Ok(info.set_redis_settings(redis).set_tcp_settings(tcp_settings()))
 }
 
-fn manager_config() -> ConnectionManagerConfig {
+/// A lane's connection, whose calls are given up after `response_timeout`
+/// (redis-rs's own default, 500 ms, failed every decision slower than that
+/// whatever `--redis-timeout` said).
+fn manager_config(response_timeout: Duration) -> ConnectionManagerConfig {
     ConnectionManagerConfig::new()
         .set_connection_timeout(Some(Duration::from_secs(1)))
+        .set_response_timeout(Some(response_timeout))
         .set_number_of_retries(2)
         .set_max_delay(Duration::from_millis(200))
 }
@@ -494,12 +498,7 @@ impl CounterStore for RedisStore {
                 if lane.queued.load(Ordering::Acquire) == 0
                     && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
-                    let result = match lane.link.connection().await {
-                        Ok(mut conn) => bounded(self.script.call_limit(), self.script.call(&mut conn, &[(&checks, false)]))
-                            .await
-                            .and_then(single),
-                        Err(e) => Err(e),
-                    };
+                    let result = lane.link.call(&self.script, &[(&checks, false)]).await.and_then(single);
                     drop(slot);
                     abandoned.0 = None;
                     if result.is_err() {
