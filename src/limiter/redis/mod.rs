@@ -32,7 +32,7 @@ mod cluster;
 mod lanes;
 mod script;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -54,7 +54,10 @@ use script::{DecideScript, OwnedCheck, owned_checks, single};
 /// an operator sets, so it only cuts a node that stopped answering.
 const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Least time between two Sentinel look-ups of the master.
+/// How often the Sentinels are asked where the master is, failures or not.
+const WATCH_EVERY: Duration = Duration::from_secs(1);
+
+/// Least time between two Sentinel look-ups of the master after failures.
 const RESOLVE_EVERY: Duration = Duration::from_millis(250);
 
 /// How tollgate finds Redis.
@@ -150,6 +153,8 @@ struct NodeConn {
 struct SentinelResolver {
     client: tokio::sync::Mutex<SentinelClient>,
     last: Mutex<Option<Instant>>,
+    /// Whether a refused login was logged (once, until a lookup succeeds).
+    refusal_told: AtomicBool,
 }
 
 /// Small pipelined writes must never wait for a delayed ACK (Nagle).
@@ -219,9 +224,11 @@ impl RedisStore {
                     sentinel: Some(SentinelResolver {
                         client: tokio::sync::Mutex::new(client),
                         last: Mutex::new(None),
+                        refusal_told: AtomicBool::new(false),
                     }),
                 });
                 node.clone().failed();
+                node.watch();
                 Conn::Node(node)
             }
             RedisMode::Cluster => Conn::Cluster(Arc::new(ClusterConn::new(
@@ -378,28 +385,64 @@ impl NodeConn {
             }
             *last = Some(Instant::now());
         }
+        tokio::spawn(self.resolve(false));
+    }
+
+    /// With Sentinel, asks where the master is every [`WATCH_EVERY`] while
+    /// the store lives, failures or not: a master frozen for less than a
+    /// failover takes wakes answering as a master after its Sentinels have
+    /// promoted its replica, and until they make it a replica (seconds
+    /// later) nothing fails, while every count written to it is lost.
+    fn watch(self: &Arc<Self>) {
+        if self.sentinel.is_none() {
+            return;
+        }
+        let node = Arc::downgrade(self);
         tokio::spawn(async move {
-            let Some(sentinel) = &self.sentinel else { return };
-            let client = sentinel.client.lock().await.async_get_client().await;
-            match client {
-                Ok(c) => {
-                    let addr = c.get_connection_info().addr().to_string();
-                    let mut current = self.client.write().unwrap_or_else(|e| e.into_inner());
-                    // Same master (Redis was only slow, or a script failed):
-                    // keep every lane's connection instead of reconnecting them all.
-                    if current
-                        .as_ref()
-                        .is_some_and(|old| old.get_connection_info().addr().to_string() == addr)
-                    {
-                        return;
-                    }
-                    tracing::info!(master = %addr, "redis master from sentinel");
-                    *current = Some(c);
-                    self.generation.fetch_add(1, Ordering::AcqRel);
-                }
-                Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
+            let mut every = tokio::time::interval(WATCH_EVERY);
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            every.tick().await;
+            loop {
+                every.tick().await;
+                let Some(node) = node.upgrade() else { return };
+                node.resolve(true).await;
             }
         });
+    }
+
+    /// Asks the Sentinels where the master is and points every lane there
+    /// if it moved. `quiet`: a failure to ask is not a warning (the watch
+    /// asks every second; the decisions' failures say so).
+    async fn resolve(self: Arc<Self>, quiet: bool) {
+        let Some(sentinel) = &self.sentinel else { return };
+        let client = sentinel.client.lock().await.async_get_client().await;
+        match client {
+            Ok(c) => {
+                sentinel.refusal_told.store(false, Ordering::Relaxed);
+                let addr = c.get_connection_info().addr().to_string();
+                let mut current = self.client.write().unwrap_or_else(|e| e.into_inner());
+                // Same master (Redis was only slow, or a script failed):
+                // keep every lane's connection instead of reconnecting them all.
+                if current
+                    .as_ref()
+                    .is_some_and(|old| old.get_connection_info().addr().to_string() == addr)
+                {
+                    return;
+                }
+                tracing::info!(master = %addr, "redis master from sentinel");
+                *current = Some(c);
+                self.generation.fetch_add(1, Ordering::AcqRel);
+            }
+            Err(e) if refused_login(&e) => {
+                if !sentinel.refusal_told.swap(true, Ordering::Relaxed) {
+                    let e = StoreError::from(e);
+                    tracing::error!(error = %e, "the Sentinels, or the master they name, refuse tollgate's login: every decision fails until this is fixed (--redis-sentinel-auth is the Sentinels' login, the one in --redis the master's)");
+                    crate::activity::get().store_failed(&e);
+                }
+            }
+            Err(e) if quiet => tracing::debug!(error = %e, "sentinel did not name a master"),
+            Err(e) => tracing::warn!(error = %e, "sentinel did not name a master"),
+        }
     }
 }
 
