@@ -54,6 +54,9 @@ use script::{DecideScript, OwnedCheck, owned_checks, single};
 /// an operator sets, so it only cuts a node that stopped answering.
 const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// Longest a Sentinel lookup (the Sentinels' answer, the master's role) is waited for.
+const LOOKUP_LIMIT: Duration = Duration::from_secs(2);
+
 /// How often the Sentinels are asked where the master is, failures or not.
 const WATCH_EVERY: Duration = Duration::from_secs(1);
 
@@ -415,7 +418,13 @@ impl NodeConn {
     /// asks every second; the decisions' failures say so).
     async fn resolve(self: Arc<Self>, quiet: bool) {
         let Some(sentinel) = &self.sentinel else { return };
-        let client = sentinel.client.lock().await.async_get_client().await;
+        // Bounded: the lookup checks the named master's role on a
+        // connection of its own, and a frozen master would hold it, and
+        // the lookups after it, for good.
+        let lookup = async { sentinel.client.lock().await.async_get_client().await };
+        let client = tokio::time::timeout(LOOKUP_LIMIT, lookup)
+            .await
+            .unwrap_or_else(|_| Err(redis::RedisError::from((redis::ErrorKind::Io, "no answer from the Sentinels or the master they name", format!("{LOOKUP_LIMIT:?}")))));
         match client {
             Ok(c) => {
                 sentinel.refusal_told.store(false, Ordering::Relaxed);
