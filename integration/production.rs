@@ -783,22 +783,23 @@ async fn a_short_outage_is_told_whole() {
 async fn a_redis_timeout_past_half_a_second_is_waited_for_whole() {
     let (redis, _upstream, tg) = on_redis_with(&["--enable-debug-command", "yes"], "3s").await;
     assert_eq!(probe(&tg).await, 3);
-    // Redis busy for 0.8 s (a long script, a large key's deletion): the
+    // Redis busy for 2 s (a long script, a large key's deletion): the
     // decision waits for it, as --redis-timeout says. Before, the Redis
     // client's own 500 ms response timeout failed it first.
     let port = redis.port.to_string();
     let busy = std::thread::spawn(move || {
         std::process::Command::new("redis-cli")
-            .args(["-p", &port, "DEBUG", "SLEEP", "0.8"])
+            .args(["-p", &port, "DEBUG", "SLEEP", "2"])
             .output()
             .unwrap();
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Time for redis-cli to start and Redis to begin sleeping.
+    tokio::time::sleep(Duration::from_millis(500)).await;
     let started = Instant::now();
     assert_eq!(probe(&tg).await, 3, "{}", tg.log_text());
     busy.join().unwrap();
     assert!(
-        started.elapsed() >= Duration::from_millis(500),
+        started.elapsed() >= Duration::from_millis(700),
         "it did wait: {:?}",
         started.elapsed()
     );

@@ -309,12 +309,15 @@ struct FailureLog {
     open: AtomicU64,
     closed: AtomicU64,
     last_logged_ms: AtomicU64,
+    /// When the last decision failed (ms on the log's clock).
+    last_failed_ms: AtomicU64,
 }
 
 impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
         let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
         pending.fetch_add(1, Ordering::Relaxed);
+        self.last_failed_ms.store(log_clock_ms(), Ordering::Relaxed);
         if let Some((open, closed)) = self.take_if_due() {
             let mode = match (open > 0, closed > 0) {
                 (true, true) => "failing open and closed",
@@ -325,10 +328,15 @@ impl FailureLog {
         }
     }
 
-    /// The store answered: failures not told yet are, if a line is due.
+    /// The store answered: failures not told yet are, if a line is due and
+    /// none failed for a second (while some still fail, their own lines,
+    /// which carry the error, tell them).
     fn answered(&self) {
         // One load each while nothing failed: no write shared between threads.
         if self.open.load(Ordering::Relaxed) == 0 && self.closed.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        if log_clock_ms().saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) < 1000 {
             return;
         }
         if let Some((open, closed)) = self.take_if_due()
@@ -341,9 +349,7 @@ impl FailureLog {
     /// The untold failures (open, closed), when a second has passed since
     /// the last line; this caller then writes the next one.
     fn take_if_due(&self) -> Option<(u64, u64)> {
-        static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-        let elapsed = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX);
-        let now = elapsed.saturating_add(1000);
+        let now = log_clock_ms();
         let last = self.last_logged_ms.load(Ordering::Relaxed);
         let due = now.saturating_sub(last) >= 1000
             && self
@@ -352,6 +358,14 @@ impl FailureLog {
                 .is_ok();
         due.then(|| (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed)))
     }
+}
+
+/// Ms since the first look, plus a second (so that a zero "last logged"
+/// is already a second ago).
+fn log_clock_ms() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let elapsed = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX);
+    elapsed.saturating_add(1000)
 }
 
 // Tested at the limiter level, on both stores: integration/limiter.rs.

@@ -56,13 +56,7 @@ impl ClusterConn {
         let made = self.made.notified();
         tokio::pin!(made);
         made.as_mut().enable();
-        {
-            let mut making = self.making.lock().unwrap_or_else(|e| e.into_inner());
-            if !*making {
-                *making = true;
-                tokio::spawn(self.clone().make());
-            }
-        }
+        self.start_making();
         // Made between the first look and the wait's registration.
         if let Some(conn) = self.conn.load_full() {
             return Ok((*conn).clone());
@@ -77,27 +71,48 @@ impl ClusterConn {
         }
     }
 
-    async fn make(self: Arc<Self>) {
-        match self.client.get_async_connection().await {
-            Ok(conn) => self.conn.store(Some(Arc::new(conn))),
-            Err(e) => *self.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string()),
+    /// Starts making a connection, unless one is being made.
+    fn start_making(self: &Arc<Self>) {
+        let mut making = self.making.lock().unwrap_or_else(|e| e.into_inner());
+        if !*making {
+            *making = true;
+            tokio::spawn(self.clone().make());
         }
-        *self.making.lock().unwrap_or_else(|e| e.into_inner()) = false;
-        self.made.notify_waiters();
+    }
+
+    async fn make(self: Arc<Self>) {
+        // However this task ends (its runtime stopping included), the
+        // next caller may start another and the waiters look again.
+        struct Done(Arc<ClusterConn>);
+        impl Drop for Done {
+            fn drop(&mut self) {
+                *self.0.making.lock().unwrap_or_else(|e| e.into_inner()) = false;
+                self.0.made.notify_waiters();
+            }
+        }
+        let done = Done(self);
+        match done.0.client.get_async_connection().await {
+            // Replaces the one in use, if any: calls already on it finish.
+            Ok(conn) => done.0.conn.store(Some(Arc::new(conn))),
+            Err(e) => *done.0.failure.lock().unwrap_or_else(|e| e.into_inner()) = Some(e.to_string()),
+        }
     }
 
     /// After a failed call: a master that stopped answering without closing
     /// (frozen, or cut off by the network) sends no MOVED, so the client
-    /// would ask it for good, after the cluster promoted its replica. The
-    /// next call makes the connection anew, reading the slots as the cluster
-    /// has them now; at most once a second.
-    pub(super) fn renew(&self) {
-        let mut renewed = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
-        if renewed.is_some_and(|t| t.elapsed() < RENEW_EVERY) {
-            return;
+    /// would ask it for good, after the cluster promoted its replica. A new
+    /// connection is made beside the one in use, reading the slots as the
+    /// cluster has them now, and replaces it once made (decisions meanwhile
+    /// go on with the old one); at most once a second.
+    pub(super) fn renew(self: &Arc<Self>) {
+        {
+            let mut renewed = self.renewed.lock().unwrap_or_else(|e| e.into_inner());
+            if renewed.is_some_and(|t| t.elapsed() < RENEW_EVERY) {
+                return;
+            }
+            *renewed = Some(Instant::now());
         }
-        *renewed = Some(Instant::now());
-        self.conn.store(None);
+        self.start_making();
     }
 }
 

@@ -50,8 +50,9 @@ use lanes::{Lane, Pending};
 
 use script::{DecideScript, OwnedCheck, owned_checks, single};
 
-/// Longest wait for one Cluster node's answer: past any decision deadline
-/// an operator sets, so it only cuts a node that stopped answering.
+/// Longest wait for one Cluster node's answer: past any usual decision
+/// deadline, so it cuts a node that stopped answering (a `--redis-timeout`
+/// past it is cut to it on Cluster).
 const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Longest a Sentinel lookup (the Sentinels' answer, the master's role) is waited for.
