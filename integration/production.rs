@@ -689,35 +689,28 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
         let k = format!("warm{i}");
         assert_eq!(get(&c, &tg.url("/"), &[("x-key", &k)]).await.status, 200);
     }
-    redis.signal("STOP");
-    for _ in 0..6 {
-        let answer = get(&c, &tg.url("/"), &[("x-key", "paused")]).await;
-        assert_eq!(answer.status, 503, "fails closed while Redis is stopped");
-    }
-    // A stall outlasts the deadline: the last caller gave up 100 ms ago.
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    redis.signal("CONT");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut statuses = Vec::new();
-    for _ in 0..6 {
-        statuses.push(get(&c, &tg.url("/"), &[("x-key", "paused")]).await.status.as_u16());
-    }
-    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+    // Redis stopped for `before` ms, then `refused` requests for `key`
+    // (503: fail closed); resumed once the last caller gave up 100 ms ago;
+    // then the key still has its whole limit of 5.
+    let stall = async |key: &str, before: u64, refused: usize| {
+        redis.signal("STOP");
+        tokio::time::sleep(Duration::from_millis(before)).await;
+        for _ in 0..refused {
+            let answer = get(&c, &tg.url("/"), &[("x-key", key)]).await;
+            assert_eq!(answer.status, 503, "fails closed while Redis is stopped");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        redis.signal("CONT");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut statuses = Vec::new();
+        for _ in 0..6 {
+            statuses.push(get(&c, &tg.url("/"), &[("x-key", key)]).await.status.as_u16());
+        }
+        assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+    };
+    stall("paused", 0, 6).await;
     // A longer stall: the calls made seconds into it are late as well.
-    redis.signal("STOP");
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
-    for _ in 0..3 {
-        let answer = get(&c, &tg.url("/"), &[("x-key", "long")]).await;
-        assert_eq!(answer.status, 503);
-    }
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    redis.signal("CONT");
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let mut statuses = Vec::new();
-    for _ in 0..6 {
-        statuses.push(get(&c, &tg.url("/"), &[("x-key", "long")]).await.status.as_u16());
-    }
-    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+    stall("long", 2_500, 3).await;
 }
 
 #[tokio::test]

@@ -994,6 +994,15 @@ fn head_then_reset(stream: u32, flags: u8, status: u8, code: u8) -> Vec<u8> {
     reply
 }
 
+/// A 200's HEADERS, ten bytes of DATA, then RST_STREAM with error `code`:
+/// a response the upstream abandons with its first bytes.
+fn head_body_then_reset(stream: u32, code: u8) -> Vec<u8> {
+    let mut reply = h2_frame(0x1, 0x4, stream, &[0x88]);
+    reply.extend(h2_frame(0x0, 0, stream, b"0123456789"));
+    reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, code]));
+    reply
+}
+
 /// One HTTP/2 frame.
 fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     let len = (payload.len() as u32).to_be_bytes();
@@ -1029,13 +1038,7 @@ async fn a_response_failing_with_its_first_bytes_reaches_the_client_cut_not_as_a
     // the client got an empty reply, and curl sent its POST again on a new
     // connection: the upstream processed it twice. Now the client gets the
     // head and the bytes, then the close: a cut response, not resent.
-    let tg = before_raw_h2(|stream| {
-        let mut reply = h2_frame(0x1, 0x4, stream, &[0x88]);
-        reply.extend(h2_frame(0x0, 0, stream, b"0123456789"));
-        reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, 0]));
-        reply
-    })
-    .await;
+    let tg = before_raw_h2(|stream| head_body_then_reset(stream, 0)).await;
     for round in 0..3 {
         assert_eq!(
             over_both_versions(&tg, &bytes::Bytes::from_static(b"hello")).await,
@@ -1094,13 +1097,7 @@ async fn an_h2_clients_stream_cut_by_the_upstream_is_reset_with_internal_error_n
     // REFUSED_STREAM among them, which tells a client (RFC 9113 §8.7) that
     // its request was not processed and may be sent again, a POST too,
     // though its answer had begun. NGINX resets with INTERNAL_ERROR.
-    let tg = before_raw_h2(|stream| {
-        let mut reply = h2_frame(0x1, 0x4, stream, &[0x88]);
-        reply.extend(h2_frame(0x0, 0, stream, b"0123456789"));
-        reply.extend(h2_frame(0x3, 0, stream, &[0, 0, 0, 7]));
-        reply
-    })
-    .await;
+    let tg = before_raw_h2(|stream| head_body_then_reset(stream, 7)).await;
     let mut h2 = h2_sender(tg.addr).await;
     for round in 0..3 {
         let post = http::Request::post(tg.url("/x"))

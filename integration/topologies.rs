@@ -557,6 +557,14 @@ async fn sentinel_logs_in_to_a_master_with_a_password_and_to_sentinels_with_thei
         assert!(started.elapsed() < Duration::from_secs(5), "{}", tg.log_text());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // One line, though the Sentinels are asked again every second.
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    assert_eq!(
+        tg.log_text().matches("refuse tollgate's login").count(),
+        1,
+        "{}",
+        tg.log_text()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

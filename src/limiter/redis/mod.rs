@@ -278,9 +278,8 @@ impl RedisStore {
                 Ok::<_, redis::RedisError>(())
             };
             if let Ok(Err(e)) = tokio::time::timeout(Duration::from_secs(5), attempt).await {
-                let refused = refused_login(&e);
                 let e = StoreError::from(e);
-                if refused || matches!(&e, StoreError::Failed { transient: false, .. }) {
+                if let StoreError::Failed { transient: false, .. } = &e {
                     tracing::error!(error = %e, "redis refuses tollgate's connection: every decision fails until this is fixed");
                     crate::activity::get().store_failed(&e);
                 }
@@ -504,11 +503,14 @@ fn refused_login(e: &redis::RedisError) -> bool {
 
 impl From<::redis::RedisError> for StoreError {
     fn from(e: ::redis::RedisError) -> Self {
-        let transient = e.is_io_error()
+        // A refused login is never transient, though the Cluster client
+        // wraps a seed node's refusal in an I/O-kind error of its own.
+        let transient = (e.is_io_error()
             || e.is_connection_dropped()
             || e.is_connection_refusal()
             || e.is_timeout()
-            || e.is_cluster_error();
+            || e.is_cluster_error())
+            && !refused_login(&e);
         StoreError::Failed {
             store: "redis",
             transient,
