@@ -452,6 +452,66 @@ async fn upstream_connections_are_kept_alive_and_closed_ones_left_behind() {
     assert_eq!(get(&c, &tg6.url("/any"), &[]).await.status, StatusCode::OK);
 }
 
+/// Body-less requests go by tollgate's own HTTP/1.1 client, requests with
+/// bodies by hyper's, and idle upstream connections pass from one to the
+/// other. Interleaved on one proxy thread, every answer arrives whole and
+/// as its own (bodies with a declared length, chunked, none for HEAD and
+/// 204, echoes of the request), and the connections stay few.
+#[tokio::test]
+async fn body_less_and_body_carrying_requests_share_upstream_connections_without_mixing_answers() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, up.addr, &["--proxy-threads", "1"]);
+    let c = client();
+    for i in 0..20usize {
+        let n = 1 + (i * 7919) % 150_000;
+        let a = get(&c, &tg.url(&format!("/bytes/{n}")), &[]).await;
+        assert_eq!(
+            (i, a.status, a.header("content-length")),
+            (i, StatusCode::OK, Some(n.to_string().as_str()))
+        );
+        assert!(a.body == pattern(n), "round {i}: /bytes/{n} came back altered");
+        let a = get(&c, &tg.url(&format!("/chunked/{n}")), &[]).await;
+        assert_eq!(
+            (i, a.status, a.header("transfer-encoding")),
+            (i, StatusCode::OK, Some("chunked"))
+        );
+        assert!(a.body == pattern(n), "round {i}: /chunked/{n} came back altered");
+        let a = send(&c, Method::HEAD, &tg.url("/bytes/5000"), &[], Vec::new()).await;
+        assert_eq!(
+            (i, a.status, a.header("content-length"), a.body.len()),
+            (i, StatusCode::OK, Some("5000"), 0)
+        );
+        let a = get(&c, &tg.url("/status/204"), &[]).await;
+        assert_eq!((i, a.status, a.body.len()), (i, StatusCode::NO_CONTENT, 0));
+        let upload = pattern(1 + n % 3000);
+        let a = send(&c, Method::POST, &tg.url(&format!("/echo/{i}")), &[], upload.clone()).await;
+        assert_eq!(
+            (i, a.status, a.header("x-seen-method")),
+            (i, StatusCode::OK, Some("POST"))
+        );
+        assert!(a.body == upload, "round {i}: the POST's echo came back altered");
+        let a = get(&c, &tg.url(&format!("/echo?round={i}")), &[("x-mine", "v")]).await;
+        assert_eq!(
+            (
+                a.status,
+                a.header("x-seen-uri"),
+                a.header("x-seen-x-mine"),
+                a.body.len()
+            ),
+            (StatusCode::OK, Some(format!("/echo?round={i}").as_str()), Some("v"), 0)
+        );
+    }
+    assert_eq!(up.hits(), 120);
+    // One for each client at most: a connection hyper's client holds goes
+    // back to ours only once parked (idle a second).
+    let opened = up.connections.load(Ordering::SeqCst);
+    assert!(
+        opened <= 2,
+        "{opened} upstream connections for 120 requests one at a time"
+    );
+    assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
+}
+
 /// An upstream that answers `ok` and, on a connection idle for `speak_after`
 /// (if given), sends an unasked `408` and keeps the connection open; counts
 /// the connections it accepted.

@@ -372,6 +372,8 @@ pub struct TestUpstream {
     pub addr: SocketAddr,
     task: tokio::task::JoinHandle<()>,
     pub hits: Arc<std::sync::atomic::AtomicUsize>,
+    /// Connections accepted.
+    pub connections: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Drop for TestUpstream {
@@ -389,12 +391,15 @@ impl TestUpstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counter = hits.clone();
+        let accepted = connections.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((stream, _)) = listener.accept().await else {
                     continue;
                 };
+                accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let counter = counter.clone();
                 tokio::spawn(async move {
                     let service = hyper::service::service_fn(move |req| {
@@ -408,7 +413,12 @@ impl TestUpstream {
                 });
             }
         });
-        TestUpstream { addr, task, hits }
+        TestUpstream {
+            addr,
+            task,
+            hits,
+            connections,
+        }
     }
 
     pub fn hits(&self) -> usize {
@@ -416,13 +426,24 @@ impl TestUpstream {
     }
 }
 
-type UpBody = http_body_util::Either<Incoming, Full<Bytes>>;
+type UpBody = http_body_util::combinators::UnsyncBoxBody<Bytes, hyper::Error>;
 
 async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>, std::convert::Infallible> {
     let path = req.uri().path().to_string();
-    let full = |b: Vec<u8>| http_body_util::Either::Right(Full::new(Bytes::from(b)));
+    let full = |b: Vec<u8>| Full::new(Bytes::from(b)).map_err(|never| match never {}).boxed_unsync();
     if let Some(n) = path.strip_prefix("/bytes/") {
         return Ok(Response::new(full(pattern(n.parse().unwrap()))));
+    }
+    // The same bytes with no length declared: hyper sends them chunked.
+    if let Some(n) = path.strip_prefix("/chunked/") {
+        let data = Bytes::from(pattern(n.parse().unwrap()));
+        let pieces: Vec<Result<hyper::body::Frame<Bytes>, hyper::Error>> = data
+            .chunks(1000)
+            .map(|c| Ok(hyper::body::Frame::data(Bytes::copy_from_slice(c))))
+            .collect();
+        return Ok(Response::new(
+            http_body_util::StreamBody::new(tokio_stream::iter(pieces)).boxed_unsync(),
+        ));
     }
     if let Some(ms) = path.strip_prefix("/slow/") {
         tokio::time::sleep(Duration::from_millis(ms.parse().unwrap())).await;
@@ -472,7 +493,7 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
     for (name, value) in req.headers() {
         builder = builder.header(format!("x-seen-{name}"), value.clone());
     }
-    Ok(builder.body(http_body_util::Either::Left(req.into_body())).unwrap())
+    Ok(builder.body(req.into_body().boxed_unsync()).unwrap())
 }
 
 /// An HTTP/1.1 client for tests.

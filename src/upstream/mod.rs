@@ -1,10 +1,12 @@
 //! The proxy's way out: where admitted requests go (`--upstream`), the
 //! keep-alive connections each worker thread holds to it ([`pool`]), the
-//! bodies in flight between client and upstream ([`body`]), and how an
-//! HTTP/2 upstream's stream resets are read (`resets`).
+//! bodies in flight between client and upstream ([`body`]), the HTTP/1.1
+//! client of our own that carries body-less requests (`http1`), and how
+//! an HTTP/2 upstream's stream resets are read (`resets`).
 
 request_path! {
     pub mod body;
+    mod http1;
     pub mod pool;
     mod resets;
 }

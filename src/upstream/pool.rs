@@ -9,6 +9,12 @@
 //! hyper says it is ready; the most recently used is taken first, so the
 //! connections a burst opened age out once it is over.
 //!
+//! A body-less request to a plain `http://` upstream goes by our own
+//! HTTP/1.1 client (`http1`), on the request's task: its connections wait
+//! on a stack of their own as bare sockets. Requests with bodies, TLS and
+//! protocol switches go by hyper's; each client takes the other's idle
+//! connections when it has none of its own (hyper's by way of parking).
+//!
 //! A plain connection idle for a second is *parked*, as the client side's
 //! are (`serve::parking`): hyper's side of it (its read and write buffers
 //! and its task, ~19 KB) is let go and only the socket is kept, out of the
@@ -30,6 +36,7 @@ use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::body::{BodyError, Causes, ClientBody, IdleTimer, Stalled};
+use super::http1 as ours;
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper::client::conn::http2;
@@ -65,6 +72,9 @@ pub enum SendError {
     /// A protocol switch (WebSocket) asked of an upstream speaking HTTP/2.
     #[error("the upstream speaks HTTP/2: a WebSocket upgrade needs an HTTP/1.1 upstream")]
     UpgradeOverH2,
+    /// Our own HTTP/1.1 exchange failed before the response head was read.
+    #[error("upstream exchange failed: {0}")]
+    Http1(#[from] super::http1::Http1Error),
     /// A request left unprocessed on a new HTTP/2 connection too.
     #[error("the upstream left the request unprocessed on a new HTTP/2 connection too (closed it, refused the stream, or sent GOAWAY below it)")]
     Unprocessed,
@@ -242,16 +252,47 @@ impl Parked {
     }
 }
 
+/// A connection of our own HTTP/1.1 client, ready for the next request.
+struct OwnIdle {
+    io: TcpStream,
+    /// The version its last answer came in.
+    peer: http::Version,
+    /// Counts it in the gauge of upstream connections.
+    open: crate::metrics::Held,
+    since: Instant,
+}
+
+impl OwnIdle {
+    /// Whether the upstream has neither closed it nor sent anything unasked.
+    /// Costs no system call while the runtime has seen nothing arrive on it.
+    fn quiet(&self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        match self.io.poll_read_ready(&mut cx) {
+            Poll::Pending => true,
+            Poll::Ready(Err(_)) => false,
+            Poll::Ready(Ok(())) => matches!(self.io.try_read(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
+        }
+    }
+}
+
 /// The idle connections: most recently returned at the back of each.
 #[derive(Default)]
 struct Kept {
     live: VecDeque<Idle>,
+    own: VecDeque<OwnIdle>,
     parked: VecDeque<Parked>,
 }
 
 impl Kept {
     fn len(&self) -> usize {
-        self.live.len().saturating_add(self.parked.len())
+        self.live.len().saturating_add(self.own.len()).saturating_add(self.parked.len())
+    }
+
+    /// Gives up the oldest idle connection, parked ones first.
+    fn drop_oldest(&mut self) {
+        if self.parked.pop_front().is_none() && self.live.pop_front().is_none() {
+            self.own.pop_front();
+        }
     }
 }
 
@@ -259,6 +300,8 @@ impl Kept {
 enum Taken {
     /// One of hyper's, idle for as long as given.
     Live(Sender, Duration),
+    /// One of our own client's, idle for as long as given.
+    Own(OwnIdle, Duration),
     Parked(Parked),
 }
 
@@ -292,6 +335,9 @@ impl UpstreamPool {
     /// servers speak no HTTP/1.1.
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
         let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
+        if !h2c && self.inner.tls.is_none() && ours::fits(&req) {
+            return self.send_own(req).await;
+        }
         // A protocol switch gets a connection of its own, which hyper hands
         // to the tunnel on a 101: a parkable one would not be handed over.
         let switching = req.headers().contains_key(http::header::UPGRADE);
@@ -326,6 +372,13 @@ impl UpstreamPool {
             let taken = if h2c || switching || fresh_only { None } else { self.take() };
             let (mut sender, reused, idle) = match taken {
                 Some(Taken::Live(sender, idle)) => (sender, true, idle),
+                Some(Taken::Own(own, idle)) => {
+                    let OwnIdle { io, open, .. } = own;
+                    match Box::pin(start_parkable(io, Arc::downgrade(&self.inner), open)).await {
+                        Ok(sender) => (sender, true, idle),
+                        Err(_) => continue,
+                    }
+                }
                 Some(Taken::Parked(parked)) => {
                     let idle = parked.since.elapsed().saturating_add(PARK_AFTER);
                     match Box::pin(self.unpark(parked)).await {
@@ -393,6 +446,85 @@ impl UpstreamPool {
                 },
             }
         }
+    }
+
+    /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
+    /// recently used idle connection or a new one. When an idle one closes
+    /// as the request goes out and nothing answers, an idempotent request
+    /// goes again on a new connection, as on hyper's (see `send`).
+    async fn send_own(&self, req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
+        let mut fresh_only = false;
+        loop {
+            let taken = if fresh_only { None } else { self.take_own() };
+            let (io, open, peer, idle) = match taken {
+                Some((own, idle)) => (own.io, own.open, own.peer, Some(idle)),
+                None => {
+                    let io = Box::pin(self.open_stream()).await?;
+                    let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
+                    (io, open, http::Version::HTTP_11, None)
+                }
+            };
+            match ours::exchange(io, &req, peer).await {
+                Ok(response) => return Ok(self.own_lease(response, open)),
+                Err(e)
+                    if e.unanswered()
+                        && idle.is_some_and(|idle| idle >= MAY_BE_CLOSING_AFTER)
+                        && req.method().is_idempotent() =>
+                {
+                    tracing::debug!(error = %e, "an idle upstream connection closed as the request went out; sending it again on a new one");
+                    fresh_only = true;
+                }
+                Err(e) => return Err(SendError::Http1(e)),
+            }
+        }
+    }
+
+    /// The most recently returned idle connection our own client can use,
+    /// with how long it was idle: one of its own, else a parked socket.
+    fn take_own(&self) -> Option<(OwnIdle, Duration)> {
+        let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some(own) = idle.own.pop_back() {
+            let waited = own.since.elapsed();
+            if waited < self.inner.idle_timeout && own.quiet() {
+                return Some((own, waited));
+            }
+        }
+        while let Some(parked) = idle.parked.pop_back() {
+            if !parked.usable(self.inner.idle_timeout) {
+                continue;
+            }
+            let waited = parked.since.elapsed().saturating_add(PARK_AFTER);
+            let Parked { stream, open, since } = parked;
+            match TcpStream::from_std(stream) {
+                Ok(io) => {
+                    let peer = http::Version::HTTP_11;
+                    return Some((OwnIdle { io, peer, open, since }, waited));
+                }
+                Err(e) => tracing::debug!(error = %e, "a parked upstream connection could not be used again"),
+            }
+        }
+        None
+    }
+
+    /// Keeps a connection our own client has finished an exchange on.
+    fn put_own(&self, io: TcpStream, peer: http::Version, open: crate::metrics::Held) {
+        let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
+        idle.own.push_back(OwnIdle {
+            io,
+            peer,
+            open,
+            since: Instant::now(),
+        });
+        if idle.len() > self.inner.max_idle {
+            idle.drop_oldest();
+        }
+    }
+
+    /// Ties the connection to our own client's response body, to come back
+    /// once the body has been read to its end.
+    fn own_lease(&self, response: Response<ours::ResponseBody<TcpStream>>, open: crate::metrics::Held) -> Response<UpstreamBody> {
+        let timer = IdleTimer::new(self.inner.body_timeout);
+        response.map(|body| UpstreamBody::new(Received::Own(Box::new(body)), timer, Some(Lease::Own { pool: self.clone(), open }), Framing::Http1))
     }
 
     /// Sends `req` on the thread's HTTP/2 connection. A short body is read
@@ -510,17 +642,7 @@ impl UpstreamPool {
         } else {
             Framing::Declared
         };
-        let mut response = response.map(|body| UpstreamBody {
-            body,
-            timer,
-            lease: None,
-            ended: false,
-            piece: 0,
-            rest: Bytes::new(),
-            trailers: None,
-            failed: None,
-            framing,
-        });
+        let mut response = response.map(|body| UpstreamBody::new(Received::Hyper(body), timer, None, framing));
         if let Some(e) = response.body_mut().failed_at_once() {
             return Err(SendError::FailedAfterHead(e));
         }
@@ -544,6 +666,12 @@ impl UpstreamPool {
             }
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
+        }
+        while let Some(own) = idle.own.pop_back() {
+            let waited = own.since.elapsed();
+            if waited < self.inner.idle_timeout && own.quiet() {
+                return Some(Taken::Own(own, waited));
+            }
         }
         while let Some(parked) = idle.parked.pop_back() {
             if parked.usable(self.inner.idle_timeout) {
@@ -574,8 +702,8 @@ impl UpstreamPool {
             sender,
             since: Instant::now(),
         });
-        if idle.len() > self.inner.max_idle && idle.parked.pop_front().is_none() {
-            idle.live.pop_front();
+        if idle.len() > self.inner.max_idle {
+            idle.drop_oldest();
         }
     }
 
@@ -609,6 +737,27 @@ impl UpstreamPool {
                         _ => true,
                     }
                 });
+                // Our own client's: closed or past their time, let go; idle
+                // a second, parked (the socket leaves the epoll set).
+                for own in std::mem::take(&mut idle.own) {
+                    let waited = own.since.elapsed();
+                    if waited >= pool.idle_timeout || !own.quiet() {
+                        continue;
+                    }
+                    if waited < PARK_AFTER {
+                        idle.own.push_back(own);
+                        continue;
+                    }
+                    let OwnIdle { io, open, .. } = own;
+                    match io.into_std() {
+                        Ok(stream) => idle.parked.push_back(Parked {
+                            stream,
+                            since: Instant::now(),
+                            open,
+                        }),
+                        Err(e) => tracing::debug!(error = %e, "an idle upstream connection could not be parked"),
+                    }
+                }
                 // One `peek` each: what the upstream closed is let go now,
                 // not found when a request wants it.
                 idle.parked.retain(|p| p.usable(pool.idle_timeout));
@@ -620,6 +769,39 @@ impl UpstreamPool {
     /// ALPN), else HTTP/2 with prior knowledge when `h2c`, else HTTP/1.1,
     /// which may be parked when idle if `parkable`.
     async fn connect(&self, h2c: bool, parkable: bool) -> Result<Connected, SendError> {
+        let authority = &self.inner.authority;
+        let stream = self.open_stream().await?;
+        match &self.inner.tls {
+            None if h2c => start_h2(stream).await.map(Connected::Http2),
+            None if parkable => {
+                let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
+                start_parkable(stream, Arc::downgrade(&self.inner), open)
+                    .await
+                    .map(Connected::Http1)
+            }
+            None => start_connection(stream).await.map(Connected::Http1),
+            Some(tls) => {
+                let stream = tls
+                    .connector
+                    .connect(tls.name.clone(), stream)
+                    .await
+                    .map_err(|source| SendError::Tls {
+                        authority: authority.clone(),
+                        source,
+                    })?;
+                let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
+                self.inner.tls_chose_h2.store(h2, Ordering::Relaxed);
+                if h2 {
+                    start_h2(stream).await.map(Connected::Http2)
+                } else {
+                    start_connection(stream).await.map(Connected::Http1)
+                }
+            }
+        }
+    }
+
+    /// Opens a TCP connection to the upstream, trying its addresses in turn.
+    async fn open_stream(&self) -> Result<TcpStream, SendError> {
         let authority = &self.inner.authority;
         let connect_error = |source| SendError::Connect {
             authority: authority.clone(),
@@ -656,54 +838,18 @@ impl UpstreamPool {
         }
         let stream = stream.ok_or_else(|| connect_error(last_error))?;
         stream.set_nodelay(true).map_err(connect_error)?;
-        match &self.inner.tls {
-            None if h2c => start_h2(stream).await.map(Connected::Http2),
-            None if parkable => {
-                let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
-                start_parkable(stream, Arc::downgrade(&self.inner), open)
-                    .await
-                    .map(Connected::Http1)
-            }
-            None => start_connection(stream).await.map(Connected::Http1),
-            Some(tls) => {
-                let stream = tls
-                    .connector
-                    .connect(tls.name.clone(), stream)
-                    .await
-                    .map_err(|source| SendError::Tls {
-                        authority: authority.clone(),
-                        source,
-                    })?;
-                let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2");
-                self.inner.tls_chose_h2.store(h2, Ordering::Relaxed);
-                if h2 {
-                    start_h2(stream).await.map(Connected::Http2)
-                } else {
-                    start_connection(stream).await.map(Connected::Http1)
-                }
-            }
-        }
+        Ok(stream)
     }
 
     /// Ties `sender` to the response body so that it comes back once the body
     /// has been read; an upgraded connection belongs to the tunnel instead.
     fn lease(&self, sender: Sender, response: Response<Incoming>) -> Response<UpstreamBody> {
-        let lease = (response.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| Lease {
+        let lease = (response.status() != StatusCode::SWITCHING_PROTOCOLS).then(|| Lease::Hyper {
             pool: self.clone(),
             sender,
         });
         let timer = IdleTimer::new(self.inner.body_timeout);
-        response.map(|body| UpstreamBody {
-            body,
-            timer,
-            lease,
-            ended: false,
-            piece: 0,
-            rest: Bytes::new(),
-            trailers: None,
-            failed: None,
-            framing: Framing::Hyper,
-        })
+        response.map(|body| UpstreamBody::new(Received::Hyper(body), timer, lease, Framing::Http1))
     }
 }
 
@@ -914,15 +1060,53 @@ where
     Ok(sender)
 }
 
-struct Lease {
-    pool: UpstreamPool,
-    sender: Sender,
+/// What brings a response's connection back to the pool.
+enum Lease {
+    /// One of hyper's: its sender, once the body was read to the end.
+    Hyper { pool: UpstreamPool, sender: Sender },
+    /// One of our own client's: the body hands back the socket when it
+    /// can carry another request.
+    Own { pool: UpstreamPool, open: crate::metrics::Held },
+}
+
+/// A response body as one of the two clients reads it.
+enum Received {
+    Hyper(Incoming),
+    /// Boxed: every response the proxy makes, a refusal too, is moved
+    /// about at the size of the largest body it can carry (BENCHMARKS.md §48).
+    Own(Box<ours::ResponseBody<TcpStream>>),
+}
+
+impl Body for Received {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match self.get_mut() {
+            Received::Hyper(body) => Pin::new(body).poll_frame(cx).map(|f| f.map(|f| f.map_err(Into::into))),
+            Received::Own(body) => Pin::new(body).poll_frame(cx).map(|f| f.map(|f| f.map_err(Into::into))),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Received::Hyper(body) => body.is_end_stream(),
+            Received::Own(body) => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Received::Hyper(body) => body.size_hint(),
+            Received::Own(body) => body.size_hint(),
+        }
+    }
 }
 
 /// The upstream's response body; returns its connection to the pool when
 /// dropped after the last byte (a body abandoned half way closes it).
 pub struct UpstreamBody {
-    body: Incoming,
+    body: Received,
     timer: IdleTimer,
     lease: Option<Lease>,
     ended: bool,
@@ -940,8 +1124,8 @@ pub struct UpstreamBody {
 /// How much of an upstream body's framing is left to check here.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Framing {
-    /// hyper's HTTP/1 client checks all of it.
-    Hyper,
+    /// The HTTP/1 client (hyper's or our own) checks all of it.
+    Http1,
     /// An HTTP/2 body ending short of its declared `Content-Length` is an
     /// error: hyper reads a GOAWAY with NO_ERROR above the stream as the
     /// body's end, and the client would take the truncated body for the
@@ -973,6 +1157,21 @@ pub struct TrailersTooLarge;
 pub struct Truncated(u64);
 
 impl UpstreamBody {
+    /// A body as it begins: nothing read ahead, handed on as it comes.
+    fn new(body: Received, timer: IdleTimer, lease: Option<Lease>, framing: Framing) -> Self {
+        UpstreamBody {
+            body,
+            timer,
+            lease,
+            ended: false,
+            piece: 0,
+            rest: Bytes::new(),
+            trailers: None,
+            failed: None,
+            framing,
+        }
+    }
+
     /// Hands the body on in pieces of at most `at_most` bytes: an HTTP/2
     /// client's stream takes a piece per window it opens, and how often it
     /// asks for the next is how its progress shows (`serve::streams`); a
@@ -1011,7 +1210,7 @@ impl UpstreamBody {
                 }
             },
             Some(Ok(frame))
-                if self.framing != Framing::Hyper
+                if self.framing != Framing::Http1
                     && frame
                         .trailers_ref()
                         .is_some_and(|t| crate::serve::head_bytes(t) > MAX_RESPONSE_HEAD) =>
@@ -1032,7 +1231,7 @@ impl UpstreamBody {
         let Poll::Ready(frame) = Pin::new(&mut self.body).poll_frame(&mut cx) else {
             return None;
         };
-        match self.check(frame.map(|f| f.map_err(Into::into)))? {
+        match self.check(frame)? {
             Err(e) => Some(e),
             Ok(frame) => {
                 match frame.into_data() {
@@ -1126,10 +1325,16 @@ impl Body for UpstreamBody {
 
 impl Drop for UpstreamBody {
     fn drop(&mut self) {
-        if let Some(lease) = self.lease.take()
-            && self.is_end_stream()
-        {
-            lease.pool.put(lease.sender);
+        match self.lease.take() {
+            Some(Lease::Hyper { pool, sender }) if self.is_end_stream() => pool.put(sender),
+            Some(Lease::Own { pool, open }) => {
+                if let Received::Own(body) = &mut self.body
+                    && let Some((io, peer)) = body.reusable()
+                {
+                    pool.put_own(io, peer, open);
+                }
+            }
+            _ => {}
         }
     }
 }
