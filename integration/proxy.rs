@@ -606,11 +606,14 @@ async fn an_idle_upstream_connection_is_parked_and_used_again_unless_the_upstrea
     assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
 }
 
-/// An upstream whose idle timeout (200 ms) fires just as the next request
-/// arrives: a request on a connection idle that long is read and the
-/// connection closed without an answer (with a reset when `reset`); others
-/// are answered. Counts the requests it read, by method.
-async fn closing_as_asked_upstream(reset: bool) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+/// An upstream whose idle timeout (`idle_for`) fires just as the next
+/// request arrives: a request on a connection idle that long is read and
+/// the connection closed without an answer (with a reset when `reset`);
+/// others are answered. Counts the requests it read, by method.
+async fn closing_as_asked_upstream(
+    reset: bool,
+    idle_for: Duration,
+) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -637,7 +640,7 @@ async fn closing_as_asked_upstream(reset: bool) -> (std::net::SocketAddr, Arc<st
                     log.lock()
                         .unwrap()
                         .push(head.split(' ').next().unwrap_or("").to_string());
-                    if answered.is_some_and(|at| at.elapsed() >= Duration::from_millis(200)) {
+                    if answered.is_some_and(|at| at.elapsed() >= idle_for) {
                         if reset {
                             let _ = stream.set_zero_linger();
                         }
@@ -662,7 +665,7 @@ async fn closing_as_asked_upstream(reset: bool) -> (std::net::SocketAddr, Arc<st
 async fn a_get_on_a_connection_the_upstream_closes_as_it_arrives_is_sent_again_a_post_is_not() {
     let c = client();
     for reset in [false, true] {
-        let (addr, seen) = closing_as_asked_upstream(reset).await;
+        let (addr, seen) = closing_as_asked_upstream(reset, Duration::from_millis(200)).await;
         let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
         // Idle gaps either side of the park: a kept connection of hyper's,
         // and a parked one.
@@ -684,6 +687,47 @@ async fn a_get_on_a_connection_the_upstream_closes_as_it_arrives_is_sent_again_a
         assert_eq!(a.status, StatusCode::BAD_GATEWAY);
         let seen = seen.lock().unwrap().clone();
         assert_eq!(seen.iter().filter(|m| *m == "POST").count(), 1, "{seen:?}");
+    }
+}
+
+/// An upstream that ends a connection after its first answer, without
+/// saying so (an NGINX reloaded under load, one with a request limit per
+/// connection and no `Connection: close`): a body-less GET right behind
+/// on that connection gets no answer, and goes again on a new connection
+/// however briefly the connection was idle (NGINX's `proxy_next_upstream
+/// error`); a POST is not sent twice.
+#[tokio::test]
+async fn a_get_on_a_busy_connection_the_upstream_ends_unanswered_is_sent_again() {
+    let c = client();
+    for reset in [false, true] {
+        let (addr, seen) = closing_as_asked_upstream(reset, Duration::ZERO).await;
+        let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+        for i in 0..20 {
+            let a = get(&c, &tg.url("/any"), &[]).await;
+            assert_eq!(
+                (reset, i, a.status, a.body.as_ref()),
+                (reset, i, StatusCode::OK, &b"ok"[..])
+            );
+        }
+        let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
+        assert!(gets > 20, "some went twice: {gets}");
+        // A body-less POST goes by the same client, and is not sent twice.
+        let before = seen.lock().unwrap().len();
+        let a = send(
+            &c,
+            http::Method::POST,
+            &tg.url("/any"),
+            &[("content-length", "0")],
+            Vec::new(),
+        )
+        .await;
+        let posts = seen.lock().unwrap()[before..].iter().filter(|m| *m == "POST").count();
+        assert_eq!((reset, posts), (reset, 1));
+        assert!(
+            a.status == StatusCode::OK || a.status == StatusCode::BAD_GATEWAY,
+            "{}",
+            a.status
+        );
     }
 }
 

@@ -449,28 +449,27 @@ impl UpstreamPool {
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
-    /// recently used idle connection or a new one. When an idle one closes
+    /// recently used idle connection or a new one. When a kept one closes
     /// as the request goes out and nothing answers, an idempotent request
-    /// goes again on a new connection, as on hyper's (see `send`).
+    /// goes again on a new connection, as NGINX's `proxy_next_upstream
+    /// error` does. Unlike on hyper's (see `send`), however briefly the
+    /// connection was idle: the request is only borrowed, so going again
+    /// costs nothing until it is needed.
     async fn send_own(&self, req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
         let mut fresh_only = false;
         loop {
             let taken = if fresh_only { None } else { self.take_own() };
-            let (io, open, peer, idle) = match taken {
-                Some((own, idle)) => (own.io, own.open, own.peer, Some(idle)),
+            let (io, open, peer, reused) = match taken {
+                Some(own) => (own.io, own.open, own.peer, true),
                 None => {
                     let io = Box::pin(self.open_stream()).await?;
                     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
-                    (io, open, http::Version::HTTP_11, None)
+                    (io, open, http::Version::HTTP_11, false)
                 }
             };
             match ours::exchange(io, &req, peer).await {
                 Ok(response) => return Ok(self.own_lease(response, open)),
-                Err(e)
-                    if e.unanswered()
-                        && idle.is_some_and(|idle| idle >= MAY_BE_CLOSING_AFTER)
-                        && req.method().is_idempotent() =>
-                {
+                Err(e) if e.unanswered() && reused && req.method().is_idempotent() => {
                     tracing::debug!(error = %e, "an idle upstream connection closed as the request went out; sending it again on a new one");
                     fresh_only = true;
                 }
@@ -479,26 +478,24 @@ impl UpstreamPool {
         }
     }
 
-    /// The most recently returned idle connection our own client can use,
-    /// with how long it was idle: one of its own, else a parked socket.
-    fn take_own(&self) -> Option<(OwnIdle, Duration)> {
+    /// The most recently returned idle connection our own client can use:
+    /// one of its own, else a parked socket.
+    fn take_own(&self) -> Option<OwnIdle> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
         while let Some(own) = idle.own.pop_back() {
-            let waited = own.since.elapsed();
-            if waited < self.inner.idle_timeout && own.quiet() {
-                return Some((own, waited));
+            if own.since.elapsed() < self.inner.idle_timeout && own.quiet() {
+                return Some(own);
             }
         }
         while let Some(parked) = idle.parked.pop_back() {
             if !parked.usable(self.inner.idle_timeout) {
                 continue;
             }
-            let waited = parked.since.elapsed().saturating_add(PARK_AFTER);
             let Parked { stream, open, since } = parked;
             match TcpStream::from_std(stream) {
                 Ok(io) => {
                     let peer = http::Version::HTTP_11;
-                    return Some((OwnIdle { io, peer, open, since }, waited));
+                    return Some(OwnIdle { io, peer, open, since });
                 }
                 Err(e) => tracing::debug!(error = %e, "a parked upstream connection could not be used again"),
             }
