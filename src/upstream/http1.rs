@@ -277,6 +277,9 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Http1Error>
     let mut headers = HeaderMap::with_capacity(count);
     let mut keep_alive = version == Version::HTTP_11;
     let mut said_close = false;
+    // The framing fields, noted as they pass rather than looked up after.
+    let mut length = Length::Absent;
+    let mut chunked_last = None;
     for span in spans.iter().take(count) {
         let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
         let (Some(name), Some(value)) = (head.get(name_start..name_end), head.get(value_start..value_end)) else {
@@ -294,10 +297,21 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Http1Error>
             } else if !keep_alive {
                 keep_alive = has_token(&value, "keep-alive");
             }
+        } else if name == header::CONTENT_LENGTH {
+            length = length.and(&value);
+        } else if name == header::TRANSFER_ENCODING {
+            // Chunked only when it is the last coding of the last line.
+            chunked_last = Some(
+                value
+                    .to_str()
+                    .ok()
+                    .and_then(|s| s.rsplit(',').next())
+                    .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked")),
+            );
         }
         headers.append(name, value);
     }
-    let decoder = decoder(status, version, &headers, head_only)?;
+    let decoder = decoder(status, version, head_only, chunked_last, length)?;
     let mut response = Response::new(());
     *response.status_mut() = status;
     *response.version_mut() = version;
@@ -310,48 +324,56 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Http1Error>
 
 /// Whether `value`'s comma-separated tokens hold `token` (in any case).
 fn has_token(value: &HeaderValue, token: &str) -> bool {
-    value
-        .to_str()
-        .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    // Nearly every answer says `keep-alive` or `close` alone.
+    value.as_bytes().eq_ignore_ascii_case(token.as_bytes())
+        || value
+            .to_str()
+            .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
 }
 
-/// How the body of an answer is framed, in the order of RFC 9112 §6.3.
-fn decoder(status: StatusCode, version: Version, headers: &HeaderMap, head_only: bool) -> Result<Decoder, Http1Error> {
+/// What the `Content-Length` fields of a head came to.
+#[derive(Debug, Clone, Copy)]
+enum Length {
+    Absent,
+    Is(u64),
+    /// Not a number, or values that differ.
+    Invalid,
+}
+
+impl Length {
+    /// This and one more field's value (`n` or `n, n, ...`).
+    fn and(self, value: &HeaderValue) -> Length {
+        let Ok(line) = value.to_str() else { return Length::Invalid };
+        line.split(',').fold(self, |length, n| match (length, digits(n.trim().as_bytes())) {
+            (Length::Invalid, _) | (_, None) => Length::Invalid,
+            (Length::Absent, Some(n)) => Length::Is(n),
+            (Length::Is(l), Some(n)) if l == n => Length::Is(n),
+            (Length::Is(_), Some(_)) => Length::Invalid,
+        })
+    }
+}
+
+/// How the body of an answer is framed, in the order of RFC 9112 §6.3:
+/// `chunked_last` says whether the last transfer coding, if any, is
+/// chunked.
+fn decoder(
+    status: StatusCode,
+    version: Version,
+    head_only: bool,
+    chunked_last: Option<bool>,
+    length: Length,
+) -> Result<Decoder, Http1Error> {
     if matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED) || head_only {
         return Ok(Decoder::Length(0));
     }
-    if let Some(last) = headers.get_all(header::TRANSFER_ENCODING).iter().next_back() {
-        if version == Version::HTTP_10 {
-            return Err(Http1Error::TransferEncoding10);
-        }
-        // Chunked only when it is the last coding; otherwise the body runs
-        // to the connection's close.
-        let chunked = last
-            .to_str()
-            .ok()
-            .and_then(|s| s.rsplit(',').next())
-            .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked"));
-        return Ok(if chunked { Decoder::Chunked(Chunked::default()) } else { Decoder::Eof });
-    }
-    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter().peekable();
-    if lengths.peek().is_none() {
-        return Ok(Decoder::Eof);
-    }
-    let mut length = None;
-    for value in lengths {
-        let line = value.to_str().map_err(|_| Http1Error::ContentLength)?;
-        for n in line.split(',') {
-            let n = digits(n.trim().as_bytes()).ok_or(Http1Error::ContentLength)?;
-            if length.is_some_and(|l| l != n) {
-                return Err(Http1Error::ContentLength);
-            }
-            length = Some(n);
-        }
-    }
-    // hyper keeps the two largest values for its own marks.
-    match length {
-        Some(n) if n <= u64::MAX.saturating_sub(2) => Ok(Decoder::Length(n)),
-        _ => Err(Http1Error::ContentLength),
+    match (chunked_last, length) {
+        (Some(_), _) if version == Version::HTTP_10 => Err(Http1Error::TransferEncoding10),
+        (Some(true), _) => Ok(Decoder::Chunked(Chunked::default())),
+        // Another coding last: the body runs to the connection's close.
+        (Some(false), _) | (None, Length::Absent) => Ok(Decoder::Eof),
+        // hyper keeps the two largest values for its own marks.
+        (None, Length::Is(n)) if n <= u64::MAX.saturating_sub(2) => Ok(Decoder::Length(n)),
+        (None, _) => Err(Http1Error::ContentLength),
     }
 }
 
