@@ -731,6 +731,206 @@ async fn a_get_on_a_busy_connection_the_upstream_ends_unanswered_is_sent_again()
     }
 }
 
+/// An upstream speaking the bytes `answer` gives for each request's path
+/// (the request's body, by its Content-Length, read and dropped).
+async fn scripted_upstream(answer: fn(&str) -> Vec<u8>) -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                        let length: usize = head
+                            .lines()
+                            .find_map(|l| l.strip_prefix("content-length:"))
+                            .map_or(0, |n| n.trim().parse().unwrap_or(0));
+                        if buf.len() < end + 4 + length {
+                            break;
+                        }
+                        buf.drain(..end + 4 + length);
+                        let path = head.split(' ').nth(1).unwrap_or("/").to_string();
+                        if stream.write_all(&answer(&path)).await.is_err() {
+                            return;
+                        }
+                    }
+                    let mut chunk = [0u8; 65536];
+                    match stream.read(&mut chunk).await {
+                        Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                        _ => return,
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// An upstream's Content-Length beside a Transfer-Encoding, or repeated:
+/// what reaches the client is framed by what the body really is, through
+/// both upstream clients (GET by tollgate's own, POST by hyper's).
+#[tokio::test]
+async fn an_upstream_content_length_beside_a_transfer_coding_or_repeated_is_not_passed_on() {
+    let up = scripted_upstream(|path| {
+        match path {
+            "/larger" => {
+                "HTTP/1.1 200 OK\r\nContent-Length: 100\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            }
+            "/smaller" => {
+                "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+            }
+            "/twice" => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
+            "/list" => "HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\nhello",
+            _ => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 7\r\n\r\n",
+        }
+        .as_bytes()
+        .to_vec()
+    })
+    .await;
+    let tg = Tollgate::start(LOGIN, up, &["--proxy-threads", "1"]);
+    let c = client();
+    for method in [Method::GET, Method::POST] {
+        let body = if method == Method::POST {
+            b"abc".to_vec()
+        } else {
+            Vec::new()
+        };
+        for path in ["/larger", "/smaller"] {
+            let a = send(&c, method.clone(), &tg.url(path), &[], body.clone()).await;
+            assert_eq!(
+                (&method, path, a.status, a.header("content-length"), a.body.as_ref()),
+                (&method, path, StatusCode::OK, None, &b"hello"[..])
+            );
+        }
+        for path in ["/twice", "/list"] {
+            let a = send(&c, method.clone(), &tg.url(path), &[], body.clone()).await;
+            assert_eq!(
+                (&method, path, a.status, a.header("content-length"), a.body.as_ref()),
+                (&method, path, StatusCode::OK, Some("5"), &b"hello"[..])
+            );
+            // A HEAD's answer has no body to check the length against.
+            let a = send(&c, Method::HEAD, &tg.url(path), &[], Vec::new()).await;
+            assert_eq!(
+                (path, a.status, a.header("content-length")),
+                (path, StatusCode::OK, Some("5"))
+            );
+        }
+    }
+    // Lengths that disagree on a HEAD's answer: none is passed on.
+    let a = send(&c, Method::HEAD, &tg.url("/differ"), &[], Vec::new()).await;
+    assert_eq!((a.status, a.header("content-length")), (StatusCode::OK, None));
+}
+
+/// A GET's body of unknown length (chunked) reaches the upstream: hyper's
+/// client sends such a GET's as no body (Elasticsearch's `GET _search`
+/// takes one), and the request behind it on the connection was lost.
+#[tokio::test]
+async fn a_get_with_a_chunked_body_reaches_the_upstream_with_it() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, up.addr, &[]);
+    let answer = raw(
+        tg.addr,
+        b"GET /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\nGET /echo?second HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.contains("5\r\nhello\r\n6\r\n world\r\n0\r\n"), "{answer}");
+    assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer}");
+    assert!(answer.contains("x-seen-uri: /echo?second"), "{answer}");
+}
+
+/// Chunked framing that never ends (`0000…`, a size then endless spaces):
+/// cut by the body timeout as any body that brings nothing, and the
+/// thread's other requests are served meanwhile.
+#[tokio::test]
+async fn endless_chunk_framing_is_cut_by_the_body_timeout_and_starves_nobody() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut head = [0u8; 4096];
+                let n = stream.read(&mut head).await.unwrap_or(0);
+                let request = String::from_utf8_lossy(&head[..n]).to_string();
+                let (start, fill): (&[u8], &[u8]) = match request.contains("/spaces") {
+                    true => (b"5", b" "),
+                    false => (b"", b"0"),
+                };
+                if !request.contains("/flood") && !request.contains("/spaces") {
+                    let _ = stream
+                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+                        .await;
+                    return;
+                }
+                let _ = stream
+                    .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+                    .await;
+                let _ = stream.write_all(start).await;
+                let fill = fill.repeat(65536);
+                while stream.write_all(&fill).await.is_ok() {}
+            });
+        }
+    });
+    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1", "--upstream-body-timeout", "4s"]);
+    // GETs go by tollgate's own HTTP/1.1 client, a POST with a body by hyper's.
+    let floods: Vec<_> = [
+        ("GET", "/flood"),
+        ("GET", "/flood"),
+        ("GET", "/spaces"),
+        ("POST", "/spaces"),
+    ]
+    .into_iter()
+    .map(|(method, path)| {
+        let request = match method {
+            "GET" => format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"),
+            _ => format!("POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx"),
+        };
+        let at = tg.addr;
+        tokio::spawn(async move {
+            let started = Instant::now();
+            raw(at, request.as_bytes(), Duration::from_secs(20)).await;
+            started.elapsed()
+        })
+    })
+    .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = client();
+    // Before: the first waited for the floods' end (5.6 s here).
+    let mut slowest = Duration::ZERO;
+    for _ in 0..5 {
+        let started = Instant::now();
+        assert_eq!(get(&c, &tg.url("/other"), &[]).await.status, StatusCode::OK);
+        slowest = slowest.max(started.elapsed());
+    }
+    eprintln!("slowest request beside the floods: {slowest:?}");
+    assert!(slowest < Duration::from_millis(1500), "{slowest:?} beside the floods");
+    for flood in floods {
+        let took = flood.await.unwrap();
+        assert!(took < Duration::from_secs(10), "a flood held its client {took:?}");
+    }
+    assert!(tg.logged("stalled"), "{}", tg.log_text());
+}
+
+/// CONNECT and `OPTIONS *`: 400, as NGINX answers, not an empty reply or
+/// a request for `/*`.
+#[tokio::test]
+async fn connect_and_options_asterisk_are_refused() {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, up.addr, &[]);
+    for request in [
+        &b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n"[..],
+        &b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"[..],
+    ] {
+        let answer = raw(tg.addr, request, Duration::from_secs(3)).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    }
+    assert_eq!(up.hits(), 0);
+}
+
 #[tokio::test]
 async fn forwarded_for_is_believed_only_from_trusted_proxies() {
     let limits = "\

@@ -124,6 +124,14 @@ impl Proxy {
 
     /// Handles one client request: decide, then forward or refuse.
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+        // A reverse proxy has no use for a forward proxy's tunnel (CONNECT)
+        // or a question to the server as a whole (`OPTIONS *`): neither has
+        // a path to limit or to forward (it went upstream as `/*`, or as a
+        // CONNECT to nowhere and an empty reply). NGINX answers both 400.
+        if req.method() == http::Method::CONNECT || req.uri().path() == "*" {
+            metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
+            return plain(StatusCode::BAD_REQUEST, "CONNECT and OPTIONS * are not proxied");
+        }
         // hyper takes `gzip, chunked` and decodes only the chunks: passed on,
         // the upstream would read gzip bytes as the body. NGINX answers 501
         // to any coding but chunked.
@@ -204,12 +212,19 @@ impl Proxy {
             return Ok(switch_protocols(client_upgrade, response));
         }
         let (mut parts, body) = response.into_parts();
-        strip_hop_by_hop(&mut parts.headers, false);
+        let coded = strip_hop_by_hop(&mut parts.headers, false);
         // A 204 has no Content-Length (RFC 9110 §8.6), as NGINX sends it:
         // hyper would pass an upstream's on, for a client that reads it to
-        // wait for bytes that never come, or take the next response's.
-        if parts.status == StatusCode::NO_CONTENT {
+        // wait for bytes that never come, or take the next response's. Nor
+        // has a body the upstream framed with Transfer-Encoding: that
+        // overrides a Content-Length beside it, which a proxy must remove
+        // (RFC 9112 §6.3); passed on beside the re-framed body, it cut the
+        // client's read short (a complete-looking truncated answer) or
+        // left hyper refusing the response (an empty reply).
+        if coded || parts.status == StatusCode::NO_CONTENT {
             parts.headers.remove(header::CONTENT_LENGTH);
+        } else {
+            single_length(&mut parts.headers);
         }
         // The client talks to us, not to the upstream: an HTTP/1.0 upstream
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
@@ -490,7 +505,8 @@ fn names_hop_by_hop(token: &[u8]) -> bool {
 
 /// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
 /// the `Upgrade` header survives with `Connection: upgrade`.
-fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
+/// Returns whether `Transfer-Encoding` was among them.
+fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) -> bool {
     // One pass over the few names present is cheaper than a hashed removal
     // per hop-by-hop name, and most messages carry one at most.
     let mut doomed: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop(n.as_str())).cloned().collect();
@@ -502,6 +518,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
             .filter_map(|t| HeaderName::from_bytes(t).ok());
         doomed.extend(named);
     }
+    let coded = doomed.contains(&header::TRANSFER_ENCODING);
     for name in doomed {
         if !(upgrade && name == header::UPGRADE) {
             headers.remove(name);
@@ -509,6 +526,35 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) {
     }
     if upgrade {
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    }
+    coded
+}
+
+/// Makes repeated `Content-Length` values one field (`5` for `5, 5` or
+/// two lines of `5`), and drops values that differ or are not numbers. A
+/// body's length was checked by the client reading it; these are on
+/// answers with none (HEAD, 304), which hyper's server refuses to write
+/// with a second `Content-Length` line (the client got an empty reply).
+fn single_length(headers: &mut HeaderMap) {
+    let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
+    let Some(first) = values.next() else { return };
+    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+        return;
+    }
+    let mut lengths = headers
+        .get_all(header::CONTENT_LENGTH)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(|n| std::str::from_utf8(n.trim_ascii()).ok().and_then(|n| n.parse::<u64>().ok()));
+    let first = lengths.next().flatten();
+    let agreed = first.filter(|n| lengths.all(|m| m == Some(*n)));
+    match agreed {
+        Some(n) => {
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
+        }
+        None => {
+            headers.remove(header::CONTENT_LENGTH);
+        }
     }
 }
 

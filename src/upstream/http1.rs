@@ -44,6 +44,13 @@ const FIRST_READ: usize = 8 * 1024;
 /// Largest room a read of a long body grows to (doubling while reads fill it).
 const MOST_READ: usize = 128 * 1024;
 
+/// Most bytes of chunked framing (sizes, extensions, trailers) read in one
+/// poll; then the body yields. Framing that never ends (`0000…`, a size
+/// followed by endless spaces) would otherwise be read on one poll for as
+/// long as the upstream sends it: the thread's other requests starve, and
+/// the body timeout, which runs between polls, never fires.
+const FRAMING_PER_POLL: usize = 16 * 1024;
+
 /// Why an exchange ended before a response head was read whole.
 #[derive(Debug, thiserror::Error)]
 pub enum Http1Error {
@@ -437,8 +444,9 @@ enum ChunkState {
 
 impl Chunked {
     /// Reads framing from `buf` until a piece of data, the end or an error;
-    /// `Ok(None)` when `buf` ran out first.
-    fn step(&mut self, buf: &mut BytesMut) -> Result<Option<Step>, BodyFailed> {
+    /// `Ok(None)` when `buf` ran out first, [`Step::Busy`] once `budget`
+    /// framing bytes have been read.
+    fn step(&mut self, buf: &mut BytesMut, budget: &mut usize) -> Result<Option<Step>, BodyFailed> {
         use ChunkState::*;
         loop {
             if self.state == End {
@@ -456,6 +464,8 @@ impl Chunked {
                 return Ok(Some(Step::Data(buf.split_to(n).freeze())));
             }
             let Some(&byte) = buf.first() else { return Ok(None) };
+            let Some(left) = budget.checked_sub(1) else { return Ok(Some(Step::Busy)) };
+            *budget = left;
             buf.advance(1);
             self.state = match (self.state, byte) {
                 (Start | Size, b'0'..=b'9' | b'a'..=b'f' | b'A'..=b'F') => {
@@ -565,6 +575,8 @@ fn push_trailer(trailers: &mut BytesMut, byte: u8) -> Result<(), BodyFailed> {
 enum Step {
     Data(Bytes),
     End,
+    /// The poll's share of framing was read: time to yield.
+    Busy,
 }
 
 /// An answer's body, read from its connection as it is polled.
@@ -627,6 +639,7 @@ impl<T: AsyncRead + Unpin> Body for ResponseBody<T> {
 
     fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BodyFailed>>> {
         let this = self.get_mut();
+        let mut budget = FRAMING_PER_POLL;
         loop {
             match &mut this.decoder {
                 Decoder::Done | Decoder::Failed => return Poll::Ready(None),
@@ -665,7 +678,11 @@ impl<T: AsyncRead + Unpin> Body for ResponseBody<T> {
                         Err(e) => return this.fail(e.into()),
                     }
                 }
-                Decoder::Chunked(chunked) => match chunked.step(&mut this.buf) {
+                Decoder::Chunked(chunked) => match chunked.step(&mut this.buf, &mut budget) {
+                    Ok(Some(Step::Busy)) => {
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
                     Ok(Some(Step::Data(data))) => return Poll::Ready(Some(Ok(Frame::data(data)))),
                     Ok(Some(Step::End)) => {
                         let trailers = chunked.trailer_fields();

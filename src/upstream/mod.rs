@@ -1,11 +1,46 @@
 //! The proxy's way out: where admitted requests go (`--upstream`), the
 //! keep-alive connections each worker thread holds to it ([`pool`]), the
 //! bodies in flight between client and upstream ([`body`]), the HTTP/1.1
-//! client of our own that carries body-less requests (`http1`), and how
-//! an HTTP/2 upstream's stream resets are read (`resets`).
+//! client of our own that carries body-less requests (`http1`), how
+//! hyper's connections are kept from holding their thread (`fair`), and
+//! how an HTTP/2 upstream's stream resets are read (`resets`).
+
+/// Implements `AsyncWrite` for a reader's wrapper `$name<T>` (a field
+/// `io: T`) by writing straight through: the wrappers here only watch or
+/// pace what is read.
+macro_rules! writes_through {
+    ($name:ident) => {
+        impl<T: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for $name<T> {
+            fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.io).poll_write(cx, data)
+            }
+
+            fn poll_write_vectored(
+                mut self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[io::IoSlice<'_>],
+            ) -> Poll<io::Result<usize>> {
+                Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                self.io.is_write_vectored()
+            }
+
+            fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.io).poll_flush(cx)
+            }
+
+            fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+                Pin::new(&mut self.io).poll_shutdown(cx)
+            }
+        }
+    };
+}
 
 request_path! {
     pub mod body;
+    mod fair;
     mod http1;
     pub mod pool;
     mod resets;

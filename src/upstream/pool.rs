@@ -36,6 +36,7 @@ use http::{Request, Response, StatusCode};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::body::{BodyError, Causes, ClientBody, IdleTimer, Stalled};
+use super::fair::Fair;
 use super::http1 as ours;
 use http::Uri;
 use hyper::client::conn::http1::{self, SendRequest};
@@ -420,6 +421,16 @@ impl UpstreamPool {
             // on a new connection, as NGINX's proxy_next_upstream does
             // (RFC 9110 §9.2.2). Kept only for connections idle a while, so
             // busy ones copy no headers.
+            // A body of unknown length (a chunked upload; an HTTP/2
+            // client's without content-length) is sent chunked. hyper's
+            // client would send a GET's or a HEAD's as no body at all.
+            if !req.body().is_end_stream()
+                && req.body().size_hint().exact().is_none()
+                && !req.headers().contains_key(http::header::CONTENT_LENGTH)
+            {
+                req.headers_mut()
+                    .insert(http::header::TRANSFER_ENCODING, http::HeaderValue::from_static("chunked"));
+            }
             let again = (reused
                 && idle >= MAY_BE_CLOSING_AFTER
                 && req.method().is_idempotent()
@@ -865,6 +876,10 @@ const H2_HEADER_LIST: u32 = 256 * 1024;
 fn http1_client() -> http1::Builder {
     let mut builder = http1::Builder::new();
     builder.max_header_size(MAX_RESPONSE_HEAD);
+    // hyper's reads grow to ~400 KB while an upstream keeps them full, and
+    // what one read brings is decoded before the connection's task yields
+    // (`fair`): a largest head and a little more is room enough.
+    builder.max_buf_size(MAX_RESPONSE_HEAD + 16 * 1024);
     builder
 }
 
@@ -875,7 +890,7 @@ async fn start_connection<T>(io: T) -> Result<Sender, SendError>
 where
     T: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
-    let (send, conn) = http1_client().handshake(TokioIo::new(io)).await?;
+    let (send, conn) = http1_client().handshake(TokioIo::new(Fair::new(io))).await?;
     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
     tokio::spawn(async move {
         // Counted until the task ends, however it ends.
@@ -896,7 +911,7 @@ async fn start_parkable(
     pool: Weak<PoolInner>,
     open: crate::metrics::Held,
 ) -> Result<Sender, SendError> {
-    let (send, conn) = http1_client().handshake(TokioIo::new(stream)).await?;
+    let (send, conn) = http1_client().handshake(TokioIo::new(Fair::new(stream))).await?;
     let park = Arc::new(AtomicBool::new(false));
     let parking = park.clone();
     tokio::spawn(async move {
@@ -915,7 +930,7 @@ async fn start_parkable(
             return;
         }
         let Some(pool) = pool.upgrade() else { return };
-        match parts.io.into_inner().into_std() {
+        match parts.io.into_inner().into_inner().into_std() {
             Ok(stream) => keep_parked(&pool, stream, open),
             Err(e) => tracing::debug!(error = %e, "an idle upstream connection could not be parked"),
         }
