@@ -667,8 +667,8 @@ async fn a_get_on_a_connection_the_upstream_closes_as_it_arrives_is_sent_again_a
     for reset in [false, true] {
         let (addr, seen) = closing_as_asked_upstream(reset, Duration::from_millis(200)).await;
         let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
-        // Idle gaps either side of the park: a kept connection of hyper's,
-        // and a parked one.
+        // Idle gaps either side of the park: a kept connection (of
+        // tollgate's own HTTP/1.1 client, as GETs go), and a parked one.
         for gap in [300, 1_500] {
             assert_eq!(get(&c, &tg.url("/any"), &[]).await.status, StatusCode::OK);
             tokio::time::sleep(Duration::from_millis(gap)).await;
@@ -709,8 +709,10 @@ async fn a_get_on_a_busy_connection_the_upstream_ends_unanswered_is_sent_again()
                 (reset, i, StatusCode::OK, &b"ok"[..])
             );
         }
+        // The first on a new connection; each later one on the kept one,
+        // closed unanswered, then once more on a new one.
         let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
-        assert!(gets > 20, "some went twice: {gets}");
+        assert_eq!((reset, gets), (reset, 1 + 2 * 19));
         // A body-less POST goes by the same client, and is not sent twice.
         let before = seen.lock().unwrap().len();
         let a = send(
@@ -850,8 +852,11 @@ async fn endless_chunk_framing_is_cut_by_the_body_timeout_and_starves_nobody() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let flooding = Arc::new(AtomicUsize::new(0));
+    let floods_begun = flooding.clone();
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
+            let flooding = flooding.clone();
             tokio::spawn(async move {
                 let mut head = [0u8; 4096];
                 let n = stream.read(&mut head).await.unwrap_or(0);
@@ -870,12 +875,13 @@ async fn endless_chunk_framing_is_cut_by_the_body_timeout_and_starves_nobody() {
                     .write_all(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
                     .await;
                 let _ = stream.write_all(start).await;
+                flooding.fetch_add(1, Ordering::SeqCst);
                 let fill = fill.repeat(65536);
                 while stream.write_all(&fill).await.is_ok() {}
             });
         }
     });
-    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1", "--upstream-body-timeout", "4s"]);
+    let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1", "--upstream-body-timeout", "5s"]);
     // GETs go by tollgate's own HTTP/1.1 client, a POST with a body by hyper's.
     let floods: Vec<_> = [
         ("GET", "/flood"),
@@ -897,9 +903,13 @@ async fn endless_chunk_framing_is_cut_by_the_body_timeout_and_starves_nobody() {
         })
     })
     .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    let begun = Instant::now();
+    while floods_begun.load(Ordering::SeqCst) < 4 && begun.elapsed() < Duration::from_secs(3) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(floods_begun.load(Ordering::SeqCst), 4, "the floods began");
     let c = client();
-    // Before: the first waited for the floods' end (5.6 s here).
+    // Before: the first waited for the floods' end, the body timeout.
     let mut slowest = Duration::ZERO;
     for _ in 0..5 {
         let started = Instant::now();
@@ -907,10 +917,10 @@ async fn endless_chunk_framing_is_cut_by_the_body_timeout_and_starves_nobody() {
         slowest = slowest.max(started.elapsed());
     }
     eprintln!("slowest request beside the floods: {slowest:?}");
-    assert!(slowest < Duration::from_millis(1500), "{slowest:?} beside the floods");
+    assert!(slowest < Duration::from_secs(3), "{slowest:?} beside the floods");
     for flood in floods {
         let took = flood.await.unwrap();
-        assert!(took < Duration::from_secs(10), "a flood held its client {took:?}");
+        assert!(took < Duration::from_secs(12), "a flood held its client {took:?}");
     }
     assert!(tg.logged("stalled"), "{}", tg.log_text());
 }

@@ -6,8 +6,9 @@
 //! keyed by host: a stack of idle connections is enough (as an NGINX worker's
 //! `keepalive` cache). A connection goes back on the stack once the upstream's
 //! response body has been read to the end, and is taken again only while
-//! hyper says it is ready; the most recently used is taken first, so the
-//! connections a burst opened age out once it is over.
+//! it is ready (hyper says so for its own; for ours, nothing has arrived on
+//! it); the most recently used is taken first, so the connections a burst
+//! opened age out once it is over.
 //!
 //! A body-less request to a plain `http://` upstream goes by our own
 //! HTTP/1.1 client (`http1`), on the request's task: its connections wait
@@ -265,14 +266,13 @@ struct OwnIdle {
 
 impl OwnIdle {
     /// Whether the upstream has neither closed it nor sent anything unasked.
-    /// Costs no system call while the runtime has seen nothing arrive on it.
+    /// Costs no system call while the runtime has seen nothing arrive on it
+    /// (`try_read` looks at the readiness it holds first). Not by
+    /// `poll_read_ready`: once the task's cooperative budget is spent, that
+    /// answers "not ready" without looking, and a closed connection (or one
+    /// holding an unasked 408) would pass for a quiet one.
     fn quiet(&self) -> bool {
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        match self.io.poll_read_ready(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Err(_)) => false,
-            Poll::Ready(Ok(())) => matches!(self.io.try_read(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock),
-        }
+        matches!(self.io.try_read(&mut [0u8; 1]), Err(e) if e.kind() == io::ErrorKind::WouldBlock)
     }
 }
 
@@ -414,13 +414,6 @@ impl UpstreamPool {
                     }
                 },
             };
-            // An upstream closes a connection idle past its own timeout
-            // (Node after 5 s, gunicorn after 2 s): when that crosses the
-            // request on the wire, the request went out and no answer comes.
-            // A body-less request of an idempotent method is then sent again
-            // on a new connection, as NGINX's proxy_next_upstream does
-            // (RFC 9110 §9.2.2). Kept only for connections idle a while, so
-            // busy ones copy no headers.
             // A body of unknown length (a chunked upload; an HTTP/2
             // client's without content-length) is sent chunked. hyper's
             // client would send a GET's or a HEAD's as no body at all.
@@ -431,6 +424,13 @@ impl UpstreamPool {
                 req.headers_mut()
                     .insert(http::header::TRANSFER_ENCODING, http::HeaderValue::from_static("chunked"));
             }
+            // An upstream closes a connection idle past its own timeout
+            // (Node after 5 s, gunicorn after 2 s): when that crosses the
+            // request on the wire, the request went out and no answer comes.
+            // A body-less request of an idempotent method is then sent again
+            // on a new connection, as NGINX's proxy_next_upstream does
+            // (RFC 9110 §9.2.2). Kept only for connections idle a while, so
+            // busy ones copy no headers.
             let again = (reused
                 && idle >= MAY_BE_CLOSING_AFTER
                 && req.method().is_idempotent()
@@ -657,8 +657,9 @@ impl UpstreamPool {
         Ok(Ok(response))
     }
 
-    /// The most recently returned connection that can take a request now,
-    /// a parked one only when none of hyper's is ready.
+    /// The most recently returned connection that can take a request now:
+    /// one of hyper's that is ready, else one of our own client's (hyper
+    /// is started on it), else a parked one.
     fn take(&self) -> Option<Taken> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
         let live = &mut idle.live;
@@ -756,13 +757,11 @@ impl UpstreamPool {
                         idle.own.push_back(own);
                         continue;
                     }
-                    let OwnIdle { io, open, .. } = own;
+                    // Idle since it was returned, not since it was parked:
+                    // closed after `idle_timeout` either way.
+                    let OwnIdle { io, open, since, .. } = own;
                     match io.into_std() {
-                        Ok(stream) => idle.parked.push_back(Parked {
-                            stream,
-                            since: Instant::now(),
-                            open,
-                        }),
+                        Ok(stream) => idle.parked.push_back(Parked { stream, since, open }),
                         Err(e) => tracing::debug!(error = %e, "an idle upstream connection could not be parked"),
                     }
                 }
