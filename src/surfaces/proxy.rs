@@ -530,22 +530,29 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) -> bool {
     coded
 }
 
-/// Makes repeated `Content-Length` values one field (`5` for `5, 5` or
-/// two lines of `5`), and drops values that differ or are not numbers. A
-/// body's length was checked by the client reading it; these are on
-/// answers with none (HEAD, 304), which hyper's server refuses to write
-/// with a second `Content-Length` line (the client got an empty reply).
+/// Makes the upstream's `Content-Length` one plain number: repeated equal
+/// values (`5, 5`, or two lines) become one, `0005` becomes `5`, and
+/// values that disagree or are not numbers (`-1`, `+5`, `abc`, past 2^64)
+/// are dropped, as NGINX drops them. A body's length was checked by the
+/// client that read it (a bad one is a 502); these are on answers with no
+/// body (HEAD, 304), which clients failed on (curl: "Invalid
+/// Content-Length"; over HTTP/2 a PROTOCOL_ERROR), and hyper's server
+/// would not write at all with a second line (an empty reply).
 fn single_length(headers: &mut HeaderMap) {
     let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = values.next() else { return };
-    if values.next().is_none() && !first.as_bytes().contains(&b',') {
+    // Nearly always: one value, digits without a leading zero.
+    let plain = |v: &[u8]| {
+        (1..=19).contains(&v.len()) && v.iter().all(u8::is_ascii_digit) && (v.len() == 1 || v.first() != Some(&b'0'))
+    };
+    if values.next().is_none() && plain(first.as_bytes()) {
         return;
     }
     let mut lengths = headers
         .get_all(header::CONTENT_LENGTH)
         .iter()
         .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(|n| std::str::from_utf8(n.trim_ascii()).ok().and_then(|n| n.parse::<u64>().ok()));
+        .map(|n| decimal(n.trim_ascii()));
     let first = lengths.next().flatten();
     let agreed = first.filter(|n| lengths.all(|m| m == Some(*n)));
     match agreed {
@@ -556,6 +563,18 @@ fn single_length(headers: &mut HeaderMap) {
             headers.remove(header::CONTENT_LENGTH);
         }
     }
+}
+
+/// A number written in ASCII digits alone (no sign), if it fits a u64.
+fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |n, b| {
+        b.is_ascii_digit()
+            .then(|| n.checked_mul(10)?.checked_add(u64::from(b.wrapping_sub(b'0'))))
+            .flatten()
+    })
 }
 
 /// Removes what an untrusted client says of how it came: the scheme
