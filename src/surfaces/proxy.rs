@@ -548,33 +548,14 @@ fn single_length(headers: &mut HeaderMap) {
     if values.next().is_none() && plain(first.as_bytes()) {
         return;
     }
-    let mut lengths = headers
-        .get_all(header::CONTENT_LENGTH)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(|n| decimal(n.trim_ascii()));
-    let first = lengths.next().flatten();
-    let agreed = first.filter(|n| lengths.all(|m| m == Some(*n)));
-    match agreed {
-        Some(n) => {
+    match crate::upstream::Length::of(headers.get_all(header::CONTENT_LENGTH)) {
+        crate::upstream::Length::Is(n) => {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
         }
-        None => {
+        _ => {
             headers.remove(header::CONTENT_LENGTH);
         }
     }
-}
-
-/// A number written in ASCII digits alone (no sign), if it fits a u64.
-fn decimal(digits: &[u8]) -> Option<u64> {
-    if digits.is_empty() {
-        return None;
-    }
-    digits.iter().try_fold(0u64, |n, b| {
-        b.is_ascii_digit()
-            .then(|| n.checked_mul(10)?.checked_add(u64::from(b.wrapping_sub(b'0'))))
-            .flatten()
-    })
 }
 
 /// Removes what an untrusted client says of how it came: the scheme

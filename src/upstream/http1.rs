@@ -338,9 +338,10 @@ fn has_token(value: &HeaderValue, token: &str) -> bool {
             .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
 }
 
-/// What the `Content-Length` fields of a head came to.
-#[derive(Debug, Clone, Copy)]
-enum Length {
+/// What the `Content-Length` fields of a head came to, read as hyper's
+/// client reads them: digits alone, values equal however repeated.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Length {
     Absent,
     Is(u64),
     /// Not a number, or values that differ.
@@ -348,6 +349,11 @@ enum Length {
 }
 
 impl Length {
+    /// What all of `values` come to.
+    pub fn of<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) -> Length {
+        values.into_iter().fold(Length::Absent, Length::and)
+    }
+
     /// This and one more field's value (`n` or `n, n, ...`).
     fn and(self, value: &HeaderValue) -> Length {
         let Ok(line) = value.to_str() else { return Length::Invalid };

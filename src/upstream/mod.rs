@@ -47,6 +47,7 @@ request_path! {
 }
 
 pub use body::{BodyProgress, ClientBody};
+pub use http1::Length;
 pub use pool::{MAX_RESPONSE_HEAD, UpstreamBody, UpstreamPool};
 
 use std::path::Path;

@@ -289,6 +289,30 @@ impl Kept {
         self.live.len().saturating_add(self.own.len()).saturating_add(self.parked.len())
     }
 
+    /// The newest of our own client's connections still fit for a request
+    /// (not past `timeout`, nothing arrived on it), with its idle time;
+    /// those passed over are closed.
+    fn pop_own(&mut self, timeout: Duration) -> Option<(OwnIdle, Duration)> {
+        while let Some(own) = self.own.pop_back() {
+            let waited = own.since.elapsed();
+            if waited < timeout && own.quiet() {
+                return Some((own, waited));
+            }
+        }
+        None
+    }
+
+    /// The newest parked connection still fit for a request; those passed
+    /// over are closed.
+    fn pop_parked(&mut self, timeout: Duration) -> Option<Parked> {
+        while let Some(parked) = self.parked.pop_back() {
+            if parked.usable(timeout) {
+                return Some(parked);
+            }
+        }
+        None
+    }
+
     /// Gives up the oldest idle connection, parked ones first.
     fn drop_oldest(&mut self) {
         if self.parked.pop_front().is_none() && self.live.pop_front().is_none() {
@@ -493,15 +517,10 @@ impl UpstreamPool {
     /// one of its own, else a parked socket.
     fn take_own(&self) -> Option<OwnIdle> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some(own) = idle.own.pop_back() {
-            if own.since.elapsed() < self.inner.idle_timeout && own.quiet() {
-                return Some(own);
-            }
+        if let Some((own, _)) = idle.pop_own(self.inner.idle_timeout) {
+            return Some(own);
         }
-        while let Some(parked) = idle.parked.pop_back() {
-            if !parked.usable(self.inner.idle_timeout) {
-                continue;
-            }
+        while let Some(parked) = idle.pop_parked(self.inner.idle_timeout) {
             let Parked { stream, open, since } = parked;
             match TcpStream::from_std(stream) {
                 Ok(io) => {
@@ -676,18 +695,10 @@ impl UpstreamPool {
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
         }
-        while let Some(own) = idle.own.pop_back() {
-            let waited = own.since.elapsed();
-            if waited < self.inner.idle_timeout && own.quiet() {
-                return Some(Taken::Own(own, waited));
-            }
+        if let Some((own, waited)) = idle.pop_own(self.inner.idle_timeout) {
+            return Some(Taken::Own(own, waited));
         }
-        while let Some(parked) = idle.parked.pop_back() {
-            if parked.usable(self.inner.idle_timeout) {
-                return Some(Taken::Parked(parked));
-            }
-        }
-        None
+        idle.pop_parked(self.inner.idle_timeout).map(Taken::Parked)
     }
 
     /// Serves HTTP/1.1 on a parked connection again (`None`: its socket
