@@ -842,6 +842,27 @@ async fn an_upstream_content_length_beside_a_transfer_coding_or_repeated_is_not_
     }
 }
 
+/// Interim answers (`100`, `103 Early Hints`) are not passed on, by
+/// either upstream client: the client gets the final answer alone.
+#[tokio::test]
+async fn interim_answers_are_not_passed_on() {
+    let up = scripted_upstream(|_| {
+        b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a.css>; rel=preload\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+            .to_vec()
+    })
+    .await;
+    let tg = Tollgate::start(LOGIN, up, &[]);
+    for request in [
+        &b"GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"[..],
+        &b"POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc"[..],
+    ] {
+        let answer = raw(tg.addr, request, Duration::from_secs(3)).await;
+        assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+        assert!(!answer.contains("103") && !answer.contains("100 Continue"), "{answer}");
+        assert!(answer.ends_with("\r\n\r\nok"), "{answer}");
+    }
+}
+
 /// A GET's body of unknown length (chunked) reaches the upstream: hyper's
 /// client sends such a GET's as no body (Elasticsearch's `GET _search`
 /// takes one), and the request behind it on the connection was lost.
@@ -858,6 +879,28 @@ async fn a_get_with_a_chunked_body_reaches_the_upstream_with_it() {
     assert!(answer.contains("5\r\nhello\r\n6\r\n world\r\n0\r\n"), "{answer}");
     assert_eq!(answer.matches("HTTP/1.1 200").count(), 2, "{answer}");
     assert!(answer.contains("x-seen-uri: /echo?second"), "{answer}");
+
+    // An HTTP/2 client's GET body streamed without content-length.
+    use http_body_util::BodyExt;
+    let stream = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    let (mut h2, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(conn);
+    let pieces: Vec<Result<hyper::body::Frame<bytes::Bytes>, std::convert::Infallible>> = ["hello", " world"]
+        .into_iter()
+        .map(|p| Ok(hyper::body::Frame::data(bytes::Bytes::from_static(p.as_bytes()))))
+        .collect();
+    let request = http::Request::get(format!("http://{}/echo", tg.addr))
+        .body(http_body_util::StreamBody::new(tokio_stream::iter(pieces)))
+        .unwrap();
+    let response = h2.send_request(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let echoed = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(echoed.as_ref(), b"hello world");
 }
 
 /// Chunked framing that never ends (`0000…`, a size then endless spaces):
