@@ -1172,3 +1172,135 @@ async fn sighup_reads_the_certificate_again() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// How an HTTPS upstream ends a kept connection it will not answer on.
+#[derive(Clone, Copy, Debug)]
+enum TlsClose {
+    /// close_notify, then FIN: what NGINX sends at its keepalive_timeout.
+    Notify,
+    /// FIN with no close_notify: a server that drops the socket (Node's
+    /// `socket.destroy()`, a killed worker).
+    Drop,
+    /// RST.
+    Reset,
+}
+
+/// An HTTPS upstream (HTTP/1.1, certified by `pki` for localhost) that
+/// answers a connection's first request, and ends the connection as
+/// `close` says, unanswered, at a later request that finds it idle
+/// `idle_for` or more: its idle timeout crossing the request on the wire.
+/// Returns its port and the methods of the requests it read.
+async fn closing_tls_upstream(
+    pki: &Pki,
+    close: TlsClose,
+    idle_for: Duration,
+) -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (cert, key) = pki.leaf("closing", "localhost", Some(LOCAL));
+    let certs = vec![CertificateDer::from_pem_file(&cert).unwrap()];
+    let key = PrivateKeyDer::from_pem_file(&key).unwrap();
+    let mut config = rustls::ServerConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .unwrap();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let (log, acceptor) = (log.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                let Ok(mut stream) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut answered: Option<Instant> = None;
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let n = match stream.read(&mut chunk).await {
+                        Ok(n) if n > 0 => n,
+                        _ => return,
+                    };
+                    buf.extend_from_slice(&chunk[..n]);
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
+                    buf.drain(..end + 4);
+                    log.lock()
+                        .unwrap()
+                        .push(head.split(' ').next().unwrap_or("").to_string());
+                    if answered.is_some_and(|at| at.elapsed() >= idle_for) {
+                        match close {
+                            TlsClose::Notify => {
+                                let _ = stream.shutdown().await;
+                            }
+                            TlsClose::Drop => {}
+                            TlsClose::Reset => {
+                                let _ = stream.get_ref().0.set_zero_linger();
+                            }
+                        }
+                        return;
+                    }
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                    if stream.write_all(ok).await.is_err() || stream.flush().await.is_err() {
+                        return;
+                    }
+                    answered = Some(Instant::now());
+                }
+            });
+        }
+    });
+    (port, seen)
+}
+
+#[tokio::test]
+async fn a_get_to_an_https_upstream_closing_its_idle_connection_is_sent_again() {
+    // An HTTPS upstream's idle timeout crossing a GET: the GET went out on
+    // the kept connection and nothing came back. NGINX's
+    // proxy_next_upstream sends it again on a new connection; so does
+    // tollgate, however the upstream ended the connection.
+    let c = client();
+    for close in [TlsClose::Notify, TlsClose::Drop, TlsClose::Reset] {
+        let pki = Pki::new();
+        let (port, seen) = closing_tls_upstream(&pki, close, Duration::from_millis(150)).await;
+        let tg = one_thread_to(&pki, port);
+        for i in 0..4 {
+            if i > 0 {
+                // Idle past the upstream's timeout (and tollgate's 100 ms
+                // bound on taking a close for the upstream's timeout).
+                tokio::time::sleep(Duration::from_millis(300)).await;
+            }
+            let a = get(&c, &tg.url("/any"), &[]).await;
+            assert_eq!(
+                (format!("{close:?}"), i, a.status, a.body.as_ref()),
+                (format!("{close:?}"), i, http::StatusCode::OK, &b"ok"[..]),
+                "{}",
+                tg.log_text()
+            );
+        }
+        // The first on a new connection; each later one on the kept one,
+        // ended unanswered, then once more on a new one.
+        let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
+        assert_eq!((format!("{close:?}"), gets), (format!("{close:?}"), 1 + 2 * 3));
+        // A POST is not idempotent: sent once, whatever comes back.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let before = seen.lock().unwrap().len();
+        let a = send(
+            &c,
+            http::Method::POST,
+            &tg.url("/any"),
+            &[("content-length", "2")],
+            b"hi".to_vec(),
+        )
+        .await;
+        let posts = seen.lock().unwrap()[before..].iter().filter(|m| *m == "POST").count();
+        assert_eq!((format!("{close:?}"), posts), (format!("{close:?}"), 1));
+        assert_eq!(a.status, http::StatusCode::BAD_GATEWAY, "{close:?}");
+    }
+}

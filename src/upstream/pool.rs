@@ -176,13 +176,19 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 const MAY_BE_CLOSING_AFTER: Duration = Duration::from_millis(100);
 
 /// Whether `e` says the connection closed (or was reset) with no answer
-/// begun: what an upstream closing an idle connection looks like.
+/// begun: what an upstream closing an idle connection looks like. Over TLS
+/// a close without close_notify (a server that drops the socket, as Node
+/// and many load balancers do at their idle timeout) is rustls's
+/// `UnexpectedEof`; it is the same close.
 fn closed_unanswered(e: &hyper::Error) -> bool {
     e.is_incomplete_message()
         || cause::<io::Error>(e).is_some_and(|io| {
             matches!(
                 io.kind(),
-                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionAborted
+                io::ErrorKind::ConnectionReset
+                    | io::ErrorKind::BrokenPipe
+                    | io::ErrorKind::ConnectionAborted
+                    | io::ErrorKind::UnexpectedEof
             )
         })
 }
