@@ -614,7 +614,6 @@ async fn closing_as_asked_upstream(
     reset: bool,
     idle_for: Duration,
 ) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -623,37 +622,8 @@ async fn closing_as_asked_upstream(
         while let Ok((mut stream, _)) = listener.accept().await {
             let log = log.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut answered: Option<std::time::Instant> = None;
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    let n = match stream.read(&mut chunk).await {
-                        Ok(n) if n > 0 => n,
-                        _ => return,
-                    };
-                    buf.extend_from_slice(&chunk[..n]);
-                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
-                    buf.drain(..end + 4);
-                    log.lock()
-                        .unwrap()
-                        .push(head.split(' ').next().unwrap_or("").to_string());
-                    if answered.is_some_and(|at| at.elapsed() >= idle_for) {
-                        if reset {
-                            let _ = stream.set_zero_linger();
-                        }
-                        return;
-                    }
-                    if stream
-                        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                        .await
-                        .is_err()
-                    {
-                        return;
-                    }
-                    answered = Some(std::time::Instant::now());
+                if answer_until_idle(&mut stream, &log, idle_for).await && reset {
+                    let _ = stream.set_zero_linger();
                 }
             });
         }

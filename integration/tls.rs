@@ -1195,7 +1195,7 @@ async fn closing_tls_upstream(
     close: TlsClose,
     idle_for: Duration,
 ) -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let (cert, key) = pki.leaf("closing", "localhost", Some(LOCAL));
     let certs = vec![CertificateDer::from_pem_file(&cert).unwrap()];
     let key = PrivateKeyDer::from_pem_file(&key).unwrap();
@@ -1218,40 +1218,16 @@ async fn closing_tls_upstream(
                 let Ok(mut stream) = acceptor.accept(tcp).await else {
                     return;
                 };
-                let mut buf = Vec::new();
-                let mut answered: Option<Instant> = None;
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    let n = match stream.read(&mut chunk).await {
-                        Ok(n) if n > 0 => n,
-                        _ => return,
-                    };
-                    buf.extend_from_slice(&chunk[..n]);
-                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_string();
-                    buf.drain(..end + 4);
-                    log.lock()
-                        .unwrap()
-                        .push(head.split(' ').next().unwrap_or("").to_string());
-                    if answered.is_some_and(|at| at.elapsed() >= idle_for) {
-                        match close {
-                            TlsClose::Notify => {
-                                let _ = stream.shutdown().await;
-                            }
-                            TlsClose::Drop => {}
-                            TlsClose::Reset => {
-                                let _ = stream.get_ref().0.set_zero_linger();
-                            }
+                if answer_until_idle(&mut stream, &log, idle_for).await {
+                    match close {
+                        TlsClose::Notify => {
+                            let _ = stream.shutdown().await;
                         }
-                        return;
+                        TlsClose::Drop => {}
+                        TlsClose::Reset => {
+                            let _ = stream.get_ref().0.set_zero_linger();
+                        }
                     }
-                    let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
-                    if stream.write_all(ok).await.is_err() || stream.flush().await.is_err() {
-                        return;
-                    }
-                    answered = Some(Instant::now());
                 }
             });
         }

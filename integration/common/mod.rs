@@ -685,3 +685,41 @@ pub async fn h2_sender(addr: SocketAddr) -> hyper::client::conn::http2::SendRequ
     tokio::spawn(conn);
     sender
 }
+
+/// One upstream connection that answers `200 ok` to each request whose head
+/// it reads (logging each request's method in `log`) until a request finds
+/// it idle `idle_for` or more since its last answer: then it returns `true`,
+/// leaving that request unanswered, for the caller to end the connection
+/// (an upstream's idle timeout crossing the request on the wire). `false`:
+/// the client went away first.
+pub async fn answer_until_idle<S>(stream: &mut S, log: &Mutex<Vec<String>>, idle_for: Duration) -> bool
+where
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
+{
+    let mut buf = Vec::new();
+    let mut answered: Option<Instant> = None;
+    loop {
+        let mut chunk = [0u8; 4096];
+        let n = match stream.read(&mut chunk).await {
+            Ok(n) if n > 0 => n,
+            _ => return false,
+        };
+        buf.extend_from_slice(&chunk[..n]);
+        let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+            continue;
+        };
+        let head = String::from_utf8_lossy(&buf[..end]).to_string();
+        buf.drain(..end + 4);
+        log.lock()
+            .unwrap()
+            .push(head.split(' ').next().unwrap_or("").to_string());
+        if answered.is_some_and(|at| at.elapsed() >= idle_for) {
+            return true;
+        }
+        let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+        if stream.write_all(ok).await.is_err() || stream.flush().await.is_err() {
+            return false;
+        }
+        answered = Some(Instant::now());
+    }
+}
