@@ -1236,47 +1236,54 @@ async fn closing_tls_upstream(
 }
 
 #[tokio::test]
-async fn a_get_to_an_https_upstream_closing_its_idle_connection_is_sent_again() {
-    // An HTTPS upstream's idle timeout crossing a GET: the GET went out on
-    // the kept connection and nothing came back. NGINX's
-    // proxy_next_upstream sends it again on a new connection; so does
-    // tollgate, however the upstream ended the connection.
+async fn a_get_to_an_https_upstream_closing_its_kept_connection_is_sent_again() {
+    // An HTTPS upstream's idle timeout (or its reload, closing busy
+    // connections too) crossing a GET: the GET went out on the kept
+    // connection and nothing came back. NGINX's proxy_next_upstream sends it
+    // again on a new connection; so does tollgate, however briefly the
+    // connection was idle and however the upstream ended it.
     let c = client();
-    for close in [TlsClose::Notify, TlsClose::Drop, TlsClose::Reset] {
-        let pki = Pki::new();
-        let (port, seen) = closing_tls_upstream(&pki, close, Duration::from_millis(150)).await;
-        let tg = one_thread_to(&pki, port);
-        for i in 0..4 {
-            if i > 0 {
-                // Idle past the upstream's timeout (and tollgate's 100 ms
-                // bound on taking a close for the upstream's timeout).
-                tokio::time::sleep(Duration::from_millis(300)).await;
+    for idle_for in [Duration::ZERO, Duration::from_millis(150)] {
+        for close in [TlsClose::Notify, TlsClose::Drop, TlsClose::Reset] {
+            let case = format!("{close:?} after {idle_for:?}");
+            let pki = Pki::new();
+            let (port, seen) = closing_tls_upstream(&pki, close, idle_for).await;
+            let tg = one_thread_to(&pki, port);
+            let pause = || async {
+                if !idle_for.is_zero() {
+                    tokio::time::sleep(idle_for * 2).await;
+                }
+            };
+            for i in 0..4 {
+                if i > 0 {
+                    pause().await;
+                }
+                let a = get(&c, &tg.url("/any"), &[]).await;
+                assert_eq!(
+                    (&case, i, a.status, a.body.as_ref()),
+                    (&case, i, http::StatusCode::OK, &b"ok"[..]),
+                    "{}",
+                    tg.log_text()
+                );
             }
-            let a = get(&c, &tg.url("/any"), &[]).await;
-            assert_eq!(
-                (format!("{close:?}"), i, a.status, a.body.as_ref()),
-                (format!("{close:?}"), i, http::StatusCode::OK, &b"ok"[..]),
-                "{}",
-                tg.log_text()
-            );
+            // The first on a new connection; each later one on the kept
+            // one, ended unanswered, then once more on a new one.
+            let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
+            assert_eq!((&case, gets), (&case, 1 + 2 * 3));
+            // A POST is not idempotent: sent once, whatever comes back.
+            pause().await;
+            let before = seen.lock().unwrap().len();
+            let a = send(
+                &c,
+                http::Method::POST,
+                &tg.url("/any"),
+                &[("content-length", "2")],
+                b"hi".to_vec(),
+            )
+            .await;
+            let posts = seen.lock().unwrap()[before..].iter().filter(|m| *m == "POST").count();
+            assert_eq!((&case, posts), (&case, 1));
+            assert_eq!(a.status, http::StatusCode::BAD_GATEWAY, "{case}");
         }
-        // The first on a new connection; each later one on the kept one,
-        // ended unanswered, then once more on a new one.
-        let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
-        assert_eq!((format!("{close:?}"), gets), (format!("{close:?}"), 1 + 2 * 3));
-        // A POST is not idempotent: sent once, whatever comes back.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        let before = seen.lock().unwrap().len();
-        let a = send(
-            &c,
-            http::Method::POST,
-            &tg.url("/any"),
-            &[("content-length", "2")],
-            b"hi".to_vec(),
-        )
-        .await;
-        let posts = seen.lock().unwrap()[before..].iter().filter(|m| *m == "POST").count();
-        assert_eq!((format!("{close:?}"), posts), (format!("{close:?}"), 1));
-        assert_eq!(a.status, http::StatusCode::BAD_GATEWAY, "{close:?}");
     }
 }

@@ -171,10 +171,6 @@ enum Connected {
 /// closed, idle this long they are parked.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
-/// How long a kept connection must have been idle for the upstream to be
-/// possibly closing it (no server's idle timeout is shorter).
-const MAY_BE_CLOSING_AFTER: Duration = Duration::from_millis(100);
-
 /// Whether `e` says the connection closed (or was reset) with no answer
 /// begun: what an upstream closing an idle connection looks like. Over TLS
 /// a close without close_notify (a server that drops the socket, as Node
@@ -329,10 +325,10 @@ impl Kept {
 
 /// What [`UpstreamPool::take`] found.
 enum Taken {
-    /// One of hyper's, idle for as long as given.
-    Live(Sender, Duration),
-    /// One of our own client's, idle for as long as given.
-    Own(OwnIdle, Duration),
+    /// One of hyper's.
+    Live(Sender),
+    /// One of our own client's.
+    Own(OwnIdle),
     Parked(Parked),
 }
 
@@ -401,19 +397,18 @@ impl UpstreamPool {
         loop {
             // The HTTP/1.1 stack is never h2c's.
             let taken = if h2c || switching || fresh_only { None } else { self.take() };
-            let (mut sender, reused, idle) = match taken {
-                Some(Taken::Live(sender, idle)) => (sender, true, idle),
-                Some(Taken::Own(own, idle)) => {
+            let (mut sender, reused) = match taken {
+                Some(Taken::Live(sender)) => (sender, true),
+                Some(Taken::Own(own)) => {
                     let OwnIdle { io, open, .. } = own;
                     match Box::pin(start_parkable(io, Arc::downgrade(&self.inner), open)).await {
-                        Ok(sender) => (sender, true, idle),
+                        Ok(sender) => (sender, true),
                         Err(_) => continue,
                     }
                 }
                 Some(Taken::Parked(parked)) => {
-                    let idle = parked.since.elapsed().saturating_add(PARK_AFTER);
                     match Box::pin(self.unpark(parked)).await {
-                        Some(sender) => (sender, true, idle),
+                        Some(sender) => (sender, true),
                         None => continue,
                     }
                 }
@@ -424,7 +419,7 @@ impl UpstreamPool {
                 None => match Box::pin(self.connect(h2c, !switching)).await? {
                     Connected::Http1(sender) => {
                         drop(opening.take());
-                        (sender, false, Duration::ZERO)
+                        (sender, false)
                     }
                     Connected::Http2(h2) => {
                         *self.inner.h2.lock().unwrap_or_else(|p| p.into_inner()) = Some(h2.clone());
@@ -455,14 +450,15 @@ impl UpstreamPool {
                     .insert(http::header::TRANSFER_ENCODING, http::HeaderValue::from_static("chunked"));
             }
             // An upstream closes a connection idle past its own timeout
-            // (Node after 5 s, gunicorn after 2 s): when that crosses the
-            // request on the wire, the request went out and no answer comes.
-            // A body-less request of an idempotent method is then sent again
-            // on a new connection, as NGINX's proxy_next_upstream does
-            // (RFC 9110 §9.2.2). Kept only for connections idle a while, so
-            // busy ones copy no headers.
+            // (Node after 5 s, gunicorn after 2 s), or a busy one as it
+            // reloads (NGINX): when that crosses the request on the wire,
+            // the request went out and no answer comes. A body-less request
+            // of an idempotent method is then sent again on a new
+            // connection, as NGINX's proxy_next_upstream does (RFC 9110
+            // §9.2.2). hyper's client consumes the request, so its head is
+            // copied first, on every reused connection: a busy one is closed
+            // as often as an idle one.
             let again = (reused
-                && idle >= MAY_BE_CLOSING_AFTER
                 && req.method().is_idempotent()
                 && req.body().is_end_stream())
             .then(|| Replay::of(&req, Bytes::new()));
@@ -696,13 +692,13 @@ impl UpstreamPool {
                 // Dropping it closes it.
                 live.remove(i);
             } else if entry.sender.send.is_ready() {
-                return live.remove(i).map(|e| Taken::Live(e.sender, idle));
+                return live.remove(i).map(|e| Taken::Live(e.sender));
             }
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
         }
-        if let Some((own, waited)) = idle.pop_own(self.inner.idle_timeout) {
-            return Some(Taken::Own(own, waited));
+        if let Some((own, _)) = idle.pop_own(self.inner.idle_timeout) {
+            return Some(Taken::Own(own));
         }
         idle.pop_parked(self.inner.idle_timeout).map(Taken::Parked)
     }
