@@ -294,6 +294,7 @@ impl Rig {
             upstream_timeout: Duration::from_secs(5),
             body_timeout: Duration::from_secs(5),
             upstream_keepalive: 64,
+            upstream_keepalive_timeout: Duration::from_secs(50),
             trusted: Default::default(),
             ratelimit_headers: true,
         };

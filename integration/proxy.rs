@@ -606,6 +606,54 @@ async fn an_idle_upstream_connection_is_parked_and_used_again_unless_the_upstrea
     assert!(!tg.log_text().contains("upstream failed"), "{}", tg.log_text());
 }
 
+#[tokio::test]
+async fn an_upstream_connection_idle_past_the_upstream_keepalive_timeout_is_closed_not_reused() {
+    // As NGINX's upstream keepalive_timeout, set below a Node upstream's
+    // 5 s: tollgate closes first, so it never sends on a connection the
+    // upstream is closing.
+    let c = client();
+    let gauge = "tollgate_upstream_connections ";
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LOGIN,
+        up.addr,
+        &["--proxy-threads", "1", "--upstream-keepalive-timeout", "2500ms"],
+    );
+    let accepted = || up.connections.load(std::sync::atomic::Ordering::SeqCst);
+    // Within its time, a kept connection carries the next request, parked
+    // (idle over a second) or not, body-less (tollgate's own client) or
+    // with a body (hyper's).
+    for (pause, post) in [(0, false), (1_500, true), (1_500, false), (300, true)] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        let a = match post {
+            true => send(&c, http::Method::POST, &tg.url("/echo"), &[], b"hi".to_vec()).await,
+            false => get(&c, &tg.url("/echo"), &[]).await,
+        };
+        assert_eq!((pause, post, a.status), (pause, post, StatusCode::OK));
+    }
+    assert_eq!(accepted(), 1, "one connection within its time");
+    // Past it, the connection is closed (counted out of the gauge), and the
+    // next request opens a new one.
+    // (Closed by the sweep after a second at most: 5 s leaves 1.5 s.)
+    tokio::time::sleep(Duration::from_millis(5_000)).await;
+    assert_eq!(metric(&tg, gauge).await, 0, "closed past its time");
+    let a = get(&c, &tg.url("/echo"), &[]).await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert_eq!(accepted(), 2);
+
+    // 0: none kept.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        LOGIN,
+        up.addr,
+        &["--proxy-threads", "1", "--upstream-keepalive-timeout", "0s"],
+    );
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
+    }
+    assert_eq!(up.connections.load(std::sync::atomic::Ordering::SeqCst), 3);
+}
+
 /// An upstream whose idle timeout (`idle_for`) fires just as the next
 /// request arrives: a request on a connection idle that long is read and
 /// the connection closed without an answer (with a reset when `reset`);

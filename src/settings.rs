@@ -208,6 +208,12 @@ pub struct Settings {
     /// connection for every request).
     #[arg(long, env = "TOLLGATE_UPSTREAM_KEEPALIVE", default_value_t = 64)]
     pub upstream_keepalive: usize,
+    /// How long an idle upstream connection is kept for reuse, as NGINX's
+    /// upstream `keepalive_timeout`: set it below the upstream's own idle
+    /// timeout (Node's 5 s) so tollgate closes first and never sends on a
+    /// connection the upstream is closing (0: no reuse).
+    #[arg(long, env = "TOLLGATE_UPSTREAM_KEEPALIVE_TIMEOUT", default_value = "50s", value_parser = humantime::parse_duration)]
+    pub upstream_keepalive_timeout: Duration,
     /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).
     #[arg(long, env = "TOLLGATE_TRUSTED_PROXIES", value_delimiter = ',')]
     pub trusted_proxies: Vec<String>,

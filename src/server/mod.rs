@@ -172,6 +172,7 @@ impl Server {
             upstream_timeout: settings.upstream_timeout,
             body_timeout: settings.upstream_body_timeout,
             upstream_keepalive: settings.upstream_keepalive,
+            upstream_keepalive_timeout: settings.upstream_keepalive_timeout,
             trusted: parts.trusted.clone(),
             ratelimit_headers: settings.ratelimit_headers,
         });

@@ -80,6 +80,8 @@ pub struct ProxyOptions {
     pub body_timeout: Duration,
     /// Most idle upstream connections kept per proxy thread.
     pub upstream_keepalive: usize,
+    /// How long an idle upstream connection is kept.
+    pub upstream_keepalive_timeout: Duration,
     /// Whose forwarding headers are believed.
     pub trusted: TrustedProxies,
     /// Whether admitted responses carry RateLimit headers.
@@ -106,12 +108,16 @@ enum Waited {
 impl Proxy {
     /// A proxy deciding with `limiter` against the live limits in `catalog`.
     pub fn new(limiter: Arc<Limiter>, catalog: SharedCatalog, options: ProxyOptions) -> Self {
-        // Below NGINX's default upstream keepalive_timeout (60 s) and most
-        // servers' own, so we rarely reuse a connection the upstream is closing.
+        // No time to keep a connection is none kept at all, rather than
+        // each kept until the next sweep unused.
+        let keep = match options.upstream_keepalive_timeout.is_zero() {
+            true => 0,
+            false => options.upstream_keepalive,
+        };
         let pool = UpstreamPool::new(
             &options.upstream,
-            Duration::from_secs(50),
-            options.upstream_keepalive,
+            options.upstream_keepalive_timeout,
+            keep,
             options.body_timeout,
         );
         Proxy {

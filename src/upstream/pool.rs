@@ -27,7 +27,7 @@ use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -171,6 +171,9 @@ enum Connected {
 /// closed, idle this long they are parked.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
+/// How often at most, for the shortest `--upstream-keepalive-timeout`.
+const SWEEP_MIN: Duration = Duration::from_millis(100);
+
 /// Whether `e` says the connection closed (or was reset) with no answer
 /// begun: what an upstream closing an idle connection looks like. Over TLS
 /// a close without close_notify (a server that drops the socket, as Node
@@ -224,10 +227,11 @@ const NEXT_ADDRESS_AFTER: Duration = Duration::from_millis(300);
 /// The sending side of an HTTP/1.1 connection.
 struct Sender {
     send: SendRequest<ClientBody>,
-    /// Set just before the pool drops `send` to park the connection: its
-    /// task then hands the socket back instead of closing it. `None` for
+    /// Set, to when the connection went idle, just before the pool drops
+    /// `send` to park it: its task then hands the socket back instead of
+    /// closing it, and the parked socket keeps the idle clock. `None` for
     /// one that is never parked (TLS, or opened for a protocol switch).
-    park: Option<Arc<AtomicBool>>,
+    park: Option<Arc<OnceLock<Instant>>>,
 }
 
 /// A connection ready for the next request.
@@ -736,8 +740,9 @@ impl UpstreamPool {
             return;
         }
         let pool = Arc::downgrade(&self.inner);
-        // Often enough that none outlives its time by more than a second.
-        let every = self.inner.idle_timeout.min(SWEEP_EVERY);
+        // Often enough that none outlives its time by more than a second;
+        // never busily (a connection past its time is not reused anyway).
+        let every = self.inner.idle_timeout.clamp(SWEEP_MIN, SWEEP_EVERY);
         tokio::spawn(async move {
             let mut ticks = tokio::time::interval(every);
             ticks.tick().await;
@@ -753,7 +758,7 @@ impl UpstreamPool {
                     // task hands the socket back to `park`.
                     match &e.sender.park {
                         Some(park) if e.since.elapsed() >= PARK_AFTER && e.sender.send.is_ready() => {
-                            park.store(true, Ordering::Relaxed);
+                            let _ = park.set(e.since);
                             false
                         }
                         _ => true,
@@ -924,7 +929,7 @@ async fn start_parkable(
     open: crate::metrics::Held,
 ) -> Result<Sender, SendError> {
     let (send, conn) = http1_client().handshake(TokioIo::new(Fair::new(stream))).await?;
-    let park = Arc::new(AtomicBool::new(false));
+    let park = Arc::new(OnceLock::new());
     let parking = park.clone();
     tokio::spawn(async move {
         // Without shutdown: hyper leaves the socket open when it is done,
@@ -938,27 +943,25 @@ async fn start_parkable(
             }
         };
         // Bytes the upstream sent unasked mean it is not idle: closed.
-        if !parking.load(Ordering::Relaxed) || !parts.read_buf.is_empty() {
+        let Some(&since) = parking.get() else { return };
+        if !parts.read_buf.is_empty() {
             return;
         }
         let Some(pool) = pool.upgrade() else { return };
         match parts.io.into_inner().into_inner().into_std() {
-            Ok(stream) => keep_parked(&pool, stream, open),
+            Ok(stream) => keep_parked(&pool, stream, open, since),
             Err(e) => tracing::debug!(error = %e, "an idle upstream connection could not be parked"),
         }
     });
     Ok(Sender { send, park: Some(park) })
 }
 
-/// Keeps an idle connection's bare socket in `pool`, unless it is full.
-fn keep_parked(pool: &PoolInner, stream: std::net::TcpStream, open: crate::metrics::Held) {
+/// Keeps an idle connection's bare socket in `pool`, unless it is full;
+/// idle `since` then, it is closed `idle_timeout` after.
+fn keep_parked(pool: &PoolInner, stream: std::net::TcpStream, open: crate::metrics::Held, since: Instant) {
     let mut idle = pool.idle.lock().unwrap_or_else(|p| p.into_inner());
     if idle.len() < pool.max_idle {
-        idle.parked.push_back(Parked {
-            stream,
-            since: Instant::now(),
-            open,
-        });
+        idle.parked.push_back(Parked { stream, since, open });
     }
 }
 
