@@ -25,6 +25,11 @@ use std::borrow::Cow;
 /// the parameter and climbs out of `/api/`, NGINX and Express read a
 /// segment named `..;` and route under it.
 pub fn is_ambiguous(path: &str) -> bool {
+    !is_plain(path) && is_ambiguous_full(path)
+}
+
+/// [`is_ambiguous`] without the shortcut.
+fn is_ambiguous_full(path: &str) -> bool {
     if path.contains('\\') || has_dot_segment_with_params(path) {
         return true;
     }
@@ -72,15 +77,23 @@ fn has_dot_segment_with_params(path: &str) -> bool {
 /// `/login;jsessionid=x` and `/api/..;/login` as `/login`), so a parameter
 /// can neither dodge a rule nor hide a `..`.
 pub fn matching_form(path: &str) -> Cow<'_, str> {
+    match is_plain(path) {
+        true => Cow::Borrowed(path),
+        false => matching_form_full(path),
+    }
+}
+
+/// [`matching_form`] without the shortcut.
+fn matching_form_full(path: &str) -> Cow<'_, str> {
     let normal = if path.contains(';') {
         let stripped: String = path
             .split('/')
             .map(|segment| segment.split(';').next().unwrap_or(""))
             .collect::<Vec<_>>()
             .join("/");
-        Cow::Owned(normalize(&stripped).into_owned())
+        Cow::Owned(normalize_full(&stripped).into_owned())
     } else {
-        normalize(path)
+        normalize_full(path)
     };
     match fold_escapes(&normal) {
         Cow::Borrowed(_) => normal,
@@ -154,6 +167,14 @@ fn push_escape(out: &mut Vec<u8>, b: u8) {
 
 /// The normalised form of an absolute request path (no query).
 pub fn normalize(path: &str) -> Cow<'_, str> {
+    match is_plain(path) {
+        true => Cow::Borrowed(path),
+        false => normalize_full(path),
+    }
+}
+
+/// [`normalize`] without the shortcut.
+fn normalize_full(path: &str) -> Cow<'_, str> {
     if is_normal(path) {
         return Cow::Borrowed(path);
     }
@@ -179,6 +200,26 @@ pub fn normalize(path: &str) -> Cow<'_, str> {
         out.push('/');
     }
     Cow::Owned(out)
+}
+
+/// Whether `path` is plainly in every form already: rooted, with no
+/// escape, parameter, backslash, empty segment or segment starting with a
+/// dot. Most paths are; one pass over their bytes spares them the several
+/// searches of [`is_ambiguous`], [`matching_form`] and [`normalize`] (each
+/// returns `path` itself for such a path).
+fn is_plain(path: &str) -> bool {
+    let bytes = path.as_bytes();
+    if bytes.first() != Some(&b'/') {
+        return false;
+    }
+    let mut after_slash = false;
+    for &b in bytes {
+        if matches!(b, b'%' | b';' | b'\\') || (after_slash && matches!(b, b'/' | b'.')) {
+            return false;
+        }
+        after_slash = b == b'/';
+    }
+    true
 }
 
 /// Whether `path` is already normal: cheap, so the common case allocates nothing.
@@ -228,7 +269,7 @@ fn hex(b: u8) -> Option<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::normalize;
+    use super::{is_ambiguous_full, is_plain, matching_form_full, normalize, normalize_full};
 
     #[test]
     fn every_spelling_of_login_is_login() {
@@ -330,6 +371,29 @@ mod tests {
             ("/a%zz", "/a%zz"),
         ] {
             assert_eq!(matching_form(path), folded, "{path}");
+        }
+    }
+
+    proptest::proptest! {
+        /// The one-pass shortcut says "nothing to do" only where the full
+        /// readings agree: the same path back, and not ambiguous.
+        #[test]
+        fn a_plain_path_is_its_own_every_form(
+            chars in proptest::collection::vec(
+                proptest::prop_oneof![
+                    6 => proptest::sample::select("aZ9-_~\u{e9}?#:".chars().collect::<Vec<_>>()),
+                    3 => proptest::sample::select("/.".chars().collect::<Vec<_>>()),
+                    1 => proptest::sample::select("%2F;\\".chars().collect::<Vec<_>>()),
+                ],
+                0..12,
+            )
+        ) {
+            let path: String = std::iter::once('/').chain(chars).collect();
+            if is_plain(&path) {
+                proptest::prop_assert!(!is_ambiguous_full(&path), "{}", path);
+                proptest::prop_assert_eq!(normalize_full(&path), path.as_str());
+                proptest::prop_assert_eq!(matching_form_full(&path), path.as_str());
+            }
         }
     }
 
