@@ -617,13 +617,13 @@ async fn an_upstream_connection_idle_past_the_upstream_keepalive_timeout_is_clos
     let tg = Tollgate::start(
         LOGIN,
         up.addr,
-        &["--proxy-threads", "1", "--upstream-keepalive-timeout", "2500ms"],
+        &["--proxy-threads", "1", "--upstream-keepalive-timeout", "3s"],
     );
     let accepted = || up.connections.load(std::sync::atomic::Ordering::SeqCst);
     // Within its time, a kept connection carries the next request, parked
     // (idle over a second) or not, body-less (tollgate's own client) or
     // with a body (hyper's).
-    for (pause, post) in [(0, false), (1_500, true), (1_500, false), (300, true)] {
+    for (pause, post) in [(0, false), (2_200, true), (2_200, false), (300, true)] {
         tokio::time::sleep(Duration::from_millis(pause)).await;
         let a = match post {
             true => send(&c, http::Method::POST, &tg.url("/echo"), &[], b"hi".to_vec()).await,
@@ -632,14 +632,23 @@ async fn an_upstream_connection_idle_past_the_upstream_keepalive_timeout_is_clos
         assert_eq!((pause, post, a.status), (pause, post, StatusCode::OK));
     }
     assert_eq!(accepted(), 1, "one connection within its time");
+    assert_eq!(metric(&tg, gauge).await, 1);
     // Past it, the connection is closed (counted out of the gauge), and the
     // next request opens a new one.
-    // (Closed by the sweep after a second at most: 5 s leaves 1.5 s.)
-    tokio::time::sleep(Duration::from_millis(5_000)).await;
+    // (Closed by the sweep after a second at most: 6 s leaves 2 s.)
+    tokio::time::sleep(Duration::from_millis(6_000)).await;
     assert_eq!(metric(&tg, gauge).await, 0, "closed past its time");
     let a = get(&c, &tg.url("/echo"), &[]).await;
     assert_eq!(a.status, StatusCode::OK);
     assert_eq!(accepted(), 2);
+    // A connection hyper's client carried (a POST with a body), parked a
+    // second or two into its idle time, still counts that time from when
+    // it went idle: past 3 s it is not used, though parked less than 3 s.
+    let a = send(&c, http::Method::POST, &tg.url("/echo"), &[], b"hi".to_vec()).await;
+    assert_eq!(a.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(3_300)).await;
+    assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
+    assert_eq!(accepted(), 3, "not reused past its time");
 
     // 0: none kept.
     let up = TestUpstream::start().await;
@@ -650,8 +659,11 @@ async fn an_upstream_connection_idle_past_the_upstream_keepalive_timeout_is_clos
     );
     for _ in 0..3 {
         assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
+        tokio::time::sleep(Duration::from_millis(150)).await;
     }
     assert_eq!(up.connections.load(std::sync::atomic::Ordering::SeqCst), 3);
+    assert_eq!(metric(&tg, gauge).await, 0, "none kept");
+    assert!(!tg.log_text().contains("panicked"), "{}", tg.log_text());
 }
 
 /// An upstream whose idle timeout (`idle_for`) fires just as the next
@@ -662,6 +674,16 @@ async fn closing_as_asked_upstream(
     reset: bool,
     idle_for: Duration,
 ) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
+    cutting_upstream(reset, idle_for, b"").await
+}
+
+/// As [`closing_as_asked_upstream`], sending `cut` (the start of an answer)
+/// before it ends the connection.
+async fn cutting_upstream(
+    reset: bool,
+    idle_for: Duration,
+    cut: &'static [u8],
+) -> (std::net::SocketAddr, Arc<std::sync::Mutex<Vec<String>>>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
@@ -670,7 +692,7 @@ async fn closing_as_asked_upstream(
         while let Ok((mut stream, _)) = listener.accept().await {
             let log = log.clone();
             tokio::spawn(async move {
-                if answer_until_idle(&mut stream, &log, idle_for).await && reset {
+                if answer_until_idle(&mut stream, &log, idle_for, cut).await && reset {
                     let _ = stream.set_zero_linger();
                 }
             });
@@ -748,6 +770,51 @@ async fn a_get_on_a_busy_connection_the_upstream_ends_unanswered_is_sent_again()
             "{}",
             a.status
         );
+    }
+}
+
+#[tokio::test]
+async fn a_get_whose_answer_ends_before_its_head_is_whole_is_sent_again_a_post_is_not() {
+    // NGINX's proxy_next_upstream error on a kept connection: an error
+    // "reading the response header" sends an idempotent request again.
+    let c = client();
+    let cuts: [&'static [u8]; 4] = [
+        b"HTTP/1.1 2",
+        b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.1 200 OK\r\ncontent-le",
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+    ];
+    for cut in cuts {
+        for reset in [false, true] {
+            let case = format!(
+                "{:?} then {}",
+                String::from_utf8_lossy(cut),
+                if reset { "reset" } else { "close" }
+            );
+            let (addr, seen) = cutting_upstream(reset, Duration::ZERO, cut).await;
+            let tg = Tollgate::start(LOGIN, addr, &["--proxy-threads", "1"]);
+            for i in 0..5 {
+                let a = get(&c, &tg.url("/any"), &[]).await;
+                assert_eq!(
+                    (&case, i, a.status, a.body.as_ref()),
+                    (&case, i, StatusCode::OK, &b"ok"[..])
+                );
+            }
+            let gets = seen.lock().unwrap().iter().filter(|m| *m == "GET").count();
+            assert_eq!((&case, gets), (&case, 1 + 2 * 4));
+            // Not idempotent: sent once, and the client told it failed.
+            let before = seen.lock().unwrap().len();
+            let a = send(
+                &c,
+                http::Method::POST,
+                &tg.url("/any"),
+                &[("content-length", "0")],
+                Vec::new(),
+            )
+            .await;
+            let posts = seen.lock().unwrap()[before..].iter().filter(|m| *m == "POST").count();
+            assert_eq!((&case, posts, a.status), (&case, 1, StatusCode::BAD_GATEWAY));
+        }
     }
 }
 

@@ -1187,13 +1187,15 @@ enum TlsClose {
 
 /// An HTTPS upstream (HTTP/1.1, certified by `pki` for localhost) that
 /// answers a connection's first request, and ends the connection as
-/// `close` says, unanswered, at a later request that finds it idle
-/// `idle_for` or more: its idle timeout crossing the request on the wire.
+/// `close` says, with only `cut` of an answer sent (nothing, or its start),
+/// at a later request that finds it idle `idle_for` or more: its idle
+/// timeout crossing the request on the wire, or a failure mid-answer.
 /// Returns its port and the methods of the requests it read.
 async fn closing_tls_upstream(
     pki: &Pki,
     close: TlsClose,
     idle_for: Duration,
+    cut: &'static [u8],
 ) -> (u16, Arc<std::sync::Mutex<Vec<String>>>) {
     use tokio::io::AsyncWriteExt;
     let (cert, key) = pki.leaf("closing", "localhost", Some(LOCAL));
@@ -1218,7 +1220,7 @@ async fn closing_tls_upstream(
                 let Ok(mut stream) = acceptor.accept(tcp).await else {
                     return;
                 };
-                if answer_until_idle(&mut stream, &log, idle_for).await {
+                if answer_until_idle(&mut stream, &log, idle_for, cut).await {
                     match close {
                         TlsClose::Notify => {
                             let _ = stream.shutdown().await;
@@ -1239,15 +1241,20 @@ async fn closing_tls_upstream(
 async fn a_get_to_an_https_upstream_closing_its_kept_connection_is_sent_again() {
     // An HTTPS upstream's idle timeout (or its reload, closing busy
     // connections too) crossing a GET: the GET went out on the kept
-    // connection and nothing came back. NGINX's proxy_next_upstream sends it
-    // again on a new connection; so does tollgate, however briefly the
-    // connection was idle and however the upstream ended it.
+    // connection and nothing, or only part of a head, came back. NGINX's
+    // proxy_next_upstream sends it again on a new connection; so does
+    // tollgate, however briefly the connection was idle and however the
+    // upstream ended it.
     let c = client();
-    for idle_for in [Duration::ZERO, Duration::from_millis(150)] {
+    let cases = [Duration::ZERO, Duration::from_millis(150)]
+        .into_iter()
+        .flat_map(|idle| [(idle, &b""[..]), (idle, &b"HTTP/1.1 200 OK\r\ncontent-le"[..])])
+        .chain([(Duration::ZERO, &b"HTTP/1.1 100 Continue\r\n\r\n"[..])]);
+    for (idle_for, cut) in cases {
         for close in [TlsClose::Notify, TlsClose::Drop, TlsClose::Reset] {
-            let case = format!("{close:?} after {idle_for:?}");
+            let case = format!("{close:?} after {idle_for:?} with {:?}", String::from_utf8_lossy(cut));
             let pki = Pki::new();
-            let (port, seen) = closing_tls_upstream(&pki, close, idle_for).await;
+            let (port, seen) = closing_tls_upstream(&pki, close, idle_for, cut).await;
             let tg = one_thread_to(&pki, port);
             let pause = || async {
                 if !idle_for.is_zero() {

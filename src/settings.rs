@@ -208,10 +208,11 @@ pub struct Settings {
     /// connection for every request).
     #[arg(long, env = "TOLLGATE_UPSTREAM_KEEPALIVE", default_value_t = 64)]
     pub upstream_keepalive: usize,
-    /// How long an idle upstream connection is kept for reuse, as NGINX's
-    /// upstream `keepalive_timeout`: set it below the upstream's own idle
-    /// timeout (Node's 5 s) so tollgate closes first and never sends on a
-    /// connection the upstream is closing (0: no reuse).
+    /// How long an idle HTTP/1.1 upstream connection is kept for reuse, as
+    /// NGINX's upstream `keepalive_timeout`: set it below the upstream's own
+    /// idle timeout (Node's 5 s) so tollgate closes first and never sends on
+    /// a connection the upstream is closing (0: no reuse). An HTTP/2
+    /// upstream's one connection is kept while it lasts.
     #[arg(long, env = "TOLLGATE_UPSTREAM_KEEPALIVE_TIMEOUT", default_value = "50s", value_parser = humantime::parse_duration)]
     pub upstream_keepalive_timeout: Duration,
     /// Proxies whose X-Forwarded-For / X-Real-IP are believed (comma-separated CIDRs).

@@ -688,11 +688,12 @@ pub async fn h2_sender(addr: SocketAddr) -> hyper::client::conn::http2::SendRequ
 
 /// One upstream connection that answers `200 ok` to each request whose head
 /// it reads (logging each request's method in `log`) until a request finds
-/// it idle `idle_for` or more since its last answer: then it returns `true`,
-/// leaving that request unanswered, for the caller to end the connection
-/// (an upstream's idle timeout crossing the request on the wire). `false`:
+/// it idle `idle_for` or more since its last answer: then it sends that
+/// request only `cut` (nothing, or the start of an answer) and returns
+/// `true`, for the caller to end the connection (an upstream's idle timeout
+/// crossing the request on the wire, or one failing mid-answer). `false`:
 /// the client went away first.
-pub async fn answer_until_idle<S>(stream: &mut S, log: &Mutex<Vec<String>>, idle_for: Duration) -> bool
+pub async fn answer_until_idle<S>(stream: &mut S, log: &Mutex<Vec<String>>, idle_for: Duration, cut: &[u8]) -> bool
 where
     S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin,
 {
@@ -714,6 +715,10 @@ where
             .unwrap()
             .push(head.split(' ').next().unwrap_or("").to_string());
         if answered.is_some_and(|at| at.elapsed() >= idle_for) {
+            if !cut.is_empty() {
+                let _ = stream.write_all(cut).await;
+                let _ = stream.flush().await;
+            }
             return true;
         }
         let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";

@@ -83,9 +83,14 @@ pub enum Http1Error {
 }
 
 impl Http1Error {
-    /// Whether nothing of an answer came before the connection closed.
-    pub fn unanswered(&self) -> bool {
-        matches!(self, Http1Error::Unanswered(_))
+    /// Whether the connection ended (closed, or reset) before a whole head
+    /// came: nothing, or part of a status line or of the fields, or only
+    /// interim answers. What NGINX's `proxy_next_upstream error` counts as
+    /// an error "reading the response header", after which a request on a
+    /// kept connection may go again; a head that came whole but is wrong
+    /// (malformed, too large) is the upstream's answer, not a lost one.
+    pub fn head_lost(&self) -> bool {
+        matches!(self, Http1Error::Unanswered(_) | Http1Error::CutHead | Http1Error::Io(_))
     }
 }
 
@@ -1252,12 +1257,18 @@ mod tests {
         assert!(matches!(one(&big, "GET").await, Err(Http1Error::HeadTooLarge)));
         let switch = b"HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n";
         assert!(matches!(one(switch, "GET").await, Err(Http1Error::UnaskedSwitch)));
-        // Only a connection that sent nothing at all may have the request
-        // sent again elsewhere: part of a head means the upstream got it.
+        // A connection ended before a whole head may have an idempotent
+        // request sent again elsewhere, as NGINX does; a whole head that is
+        // wrong is the upstream's answer.
         let cut = one(b"HTTP/1.1 200 OK\r\ncontent-le", "GET").await.err().unwrap();
-        assert!(matches!(cut, Http1Error::CutHead) && !cut.unanswered(), "{cut}");
+        assert!(matches!(cut, Http1Error::CutHead) && cut.head_lost(), "{cut}");
         let silent = one(b"", "GET").await.err().unwrap();
-        assert!(silent.unanswered(), "{silent}");
+        assert!(matches!(silent, Http1Error::Unanswered(None)) && silent.head_lost(), "{silent}");
+        let interim = one(b"HTTP/1.1 100 Continue\r\n\r\n", "GET").await.err().unwrap();
+        assert!(interim.head_lost(), "{interim}");
+        let malformed = one(b"HTTP/1.1 200 OK\r\nbad name: x\r\n\r\n", "GET").await.err().unwrap();
+        assert!(matches!(malformed, Http1Error::Malformed(_)) && !malformed.head_lost(), "{malformed}");
+        assert!(!Http1Error::HeadTooLarge.head_lost() && !Http1Error::UnaskedSwitch.head_lost());
         // A 100 Continue before the answer is passed over, as hyper does.
         let continued = one(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok", "GET").await.unwrap();
         assert_eq!(continued.status(), StatusCode::OK);

@@ -174,8 +174,11 @@ const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// How often at most, for the shortest `--upstream-keepalive-timeout`.
 const SWEEP_MIN: Duration = Duration::from_millis(100);
 
-/// Whether `e` says the connection closed (or was reset) with no answer
-/// begun: what an upstream closing an idle connection looks like. Over TLS
+/// Whether `e` says the connection closed (or was reset) before a whole
+/// head came (hyper tells nothing from part of one): what an upstream
+/// closing an idle connection looks like, and what NGINX's
+/// `proxy_next_upstream error` sends a request on a kept connection
+/// again after. Over TLS
 /// a close without close_notify (a server that drops the socket, as Node
 /// and many load balancers do at their idle timeout) is rustls's
 /// `UnexpectedEof`; it is the same close.
@@ -296,13 +299,12 @@ impl Kept {
     }
 
     /// The newest of our own client's connections still fit for a request
-    /// (not past `timeout`, nothing arrived on it), with its idle time;
-    /// those passed over are closed.
-    fn pop_own(&mut self, timeout: Duration) -> Option<(OwnIdle, Duration)> {
+    /// (not past `timeout`, nothing arrived on it); those passed over are
+    /// closed.
+    fn pop_own(&mut self, timeout: Duration) -> Option<OwnIdle> {
         while let Some(own) = self.own.pop_back() {
-            let waited = own.since.elapsed();
-            if waited < timeout && own.quiet() {
-                return Some((own, waited));
+            if own.since.elapsed() < timeout && own.quiet() {
+                return Some(own);
             }
         }
         None
@@ -490,12 +492,12 @@ impl UpstreamPool {
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
-    /// recently used idle connection or a new one. When a kept one closes
-    /// as the request goes out and nothing answers, an idempotent request
-    /// goes again on a new connection, as NGINX's `proxy_next_upstream
-    /// error` does. Unlike on hyper's (see `send`), however briefly the
-    /// connection was idle: the request is only borrowed, so going again
-    /// costs nothing until it is needed.
+    /// recently used idle connection or a new one. When a kept one ends
+    /// before a whole head answers (as the request goes out, or with part
+    /// of a head), an idempotent request goes again on a new connection, as
+    /// NGINX's `proxy_next_upstream error` does on a kept connection, and
+    /// as hyper's path does (see `send`). The request is only borrowed, so
+    /// going again costs nothing until it is needed.
     async fn send_own(&self, req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
         let mut fresh_only = false;
         loop {
@@ -510,8 +512,8 @@ impl UpstreamPool {
             };
             match ours::exchange(io, &req, peer).await {
                 Ok(response) => return Ok(self.own_lease(response, open)),
-                Err(e) if e.unanswered() && reused && req.method().is_idempotent() => {
-                    tracing::debug!(error = %e, "an idle upstream connection closed as the request went out; sending it again on a new one");
+                Err(e) if e.head_lost() && reused && req.method().is_idempotent() => {
+                    tracing::debug!(error = %e, "a kept upstream connection ended before the response head; sending the request again on a new one");
                     fresh_only = true;
                 }
                 Err(e) => return Err(SendError::Http1(e)),
@@ -523,7 +525,7 @@ impl UpstreamPool {
     /// one of its own, else a parked socket.
     fn take_own(&self) -> Option<OwnIdle> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((own, _)) = idle.pop_own(self.inner.idle_timeout) {
+        if let Some(own) = idle.pop_own(self.inner.idle_timeout) {
             return Some(own);
         }
         while let Some(parked) = idle.pop_parked(self.inner.idle_timeout) {
@@ -701,7 +703,7 @@ impl UpstreamPool {
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
         }
-        if let Some((own, _)) = idle.pop_own(self.inner.idle_timeout) {
+        if let Some(own) = idle.pop_own(self.inner.idle_timeout) {
             return Some(Taken::Own(own));
         }
         idle.pop_parked(self.inner.idle_timeout).map(Taken::Parked)
