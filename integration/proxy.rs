@@ -254,6 +254,62 @@ async fn bodies_of_several_mib_stream_both_ways() {
 }
 
 #[tokio::test]
+async fn a_header_a_rule_reads_spelled_with_underscores_never_reaches_the_upstream() {
+    // Rack, PHP and WSGI read `X_Api_Key` as `X-Api-Key`: sent instead of
+    // the counted spelling it would carry the key past the rule, sent
+    // beside it a second key. NGINX drops both by default
+    // (underscores_in_headers off); tollgate drops those of headers its
+    // rules read.
+    let limits = "\
+domain: keys
+rules:
+  - name: per_key
+    match: { headers: { x-api-key: \"*\" } }
+    by: [header:x-api-key]
+    limits: [{ requests: 2, per: 1h }]
+  - name: per_tenant
+    match: { path: /echo }
+    by: [header:x_tenant]
+    limits: [{ requests: 1000, per: 1h }]
+";
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(limits, upstream.addr, &[]);
+    let c = client();
+    let mut statuses = Vec::new();
+    for headers in [
+        &[("x-api-key", "k1")][..],
+        &[("x-api-key", "k1")],
+        &[("x-api-key", "k1")],
+        &[("X_Api_Key", "k1")],
+        &[("x-api_key", "k1")],
+        &[("x-api-key", "fresh"), ("x_api_key", "k1")],
+    ] {
+        let a = get(&c, &tg.url("/echo"), headers).await;
+        for gone in ["x-seen-x_api_key", "x-seen-x-api_key"] {
+            assert!(a.header(gone).is_none(), "{headers:?}: {gone} reached the upstream");
+        }
+        statuses.push(a.status.as_u16());
+    }
+    // The third is over; the respelled ones pass unlimited but without
+    // their key; the last is counted on the key the rule saw.
+    assert_eq!(statuses, [200, 200, 429, 200, 200, 200]);
+    // The other way round: the rule reads `x_tenant`, so `x-tenant` goes.
+    let a = get(
+        &c,
+        &tg.url("/echo"),
+        &[("x_tenant", "t1"), ("x-tenant", "t2"), ("x-other_name", "kept")],
+    )
+    .await;
+    assert_eq!(a.header("x-seen-x_tenant"), Some("t1"));
+    assert!(a.header("x-seen-x-tenant").is_none());
+    assert_eq!(
+        a.header("x-seen-x-other_name"),
+        Some("kept"),
+        "a name no rule reads passes"
+    );
+}
+
+#[tokio::test]
 async fn hop_by_hop_and_forwarding_headers() {
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(LOGIN, upstream.addr, &[]);

@@ -8,9 +8,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
+use http::{HeaderMap, HeaderName};
 
 use super::http::{RequestError, RequestInfo};
-use crate::config::Limits;
+use crate::config::{Cost, Limits, Part};
 use crate::limiter::Hit;
 
 /// The catalog in force, shared by every surface and swapped by the watch.
@@ -22,6 +23,8 @@ pub type SharedCatalog = Arc<ArcSwap<Catalog>>;
 pub struct Catalog {
     files: Vec<Arc<Limits>>,
     domains: HashMap<String, Arc<Limits>>,
+    /// The request headers HTTP rules read: to match, to key, to cost.
+    read_headers: Vec<HeaderName>,
 }
 
 impl Catalog {
@@ -53,7 +56,52 @@ impl Catalog {
                 Some((domain, limits))
             })
             .collect();
-        Catalog { files, domains }
+        let mut read_headers: Vec<HeaderName> = Vec::new();
+        for rule in files.iter().flat_map(|l| l.http_rules()) {
+            let keyed = rule.by.iter().filter_map(|p| match p {
+                Part::Header(name) => Some(name),
+                _ => None,
+            });
+            let matched = rule.matcher.headers.iter().map(|(name, _)| name);
+            let costed = match &rule.cost {
+                Cost::Header(name) => Some(name),
+                Cost::Fixed(_) => None,
+            };
+            for name in keyed.chain(matched).chain(costed) {
+                if !read_headers.contains(name) {
+                    read_headers.push(name.clone());
+                }
+            }
+        }
+        Catalog {
+            files,
+            domains,
+            read_headers,
+        }
+    }
+
+    /// The fields of `headers` named as a header some HTTP rule reads, but
+    /// spelled with `_` for `-` or the other way round (`X_Api_Key` for
+    /// `x-api-key`): CGI-style servers (Rack, PHP, WSGI) read both
+    /// spellings as one, so one the rule never sees could carry the key, or
+    /// a second key beside the counted one, to the upstream. The proxy
+    /// drops them, as NGINX drops every name with `_` by default
+    /// (`underscores_in_headers off`).
+    pub fn respelled_headers(&self, headers: &HeaderMap) -> Vec<HeaderName> {
+        if self.read_headers.is_empty() {
+            return Vec::new();
+        }
+        // Most requests have no `_` in any name, and most rules read none.
+        let any_underscore_read = self.read_headers.iter().any(|r| r.as_str().contains('_'));
+        headers
+            .keys()
+            .filter(|name| {
+                let name = name.as_str();
+                (any_underscore_read || name.contains('_'))
+                    && self.read_headers.iter().any(|read| respells(read.as_str(), name))
+            })
+            .cloned()
+            .collect()
     }
 
     /// A catalog shared for swapping.
@@ -79,9 +127,28 @@ impl Catalog {
     }
 }
 
+/// Whether `name` is `read` with some `-` written `_` or some `_` written
+/// `-` (both lower case, as `HeaderName`s are).
+fn respells(read: &str, name: &str) -> bool {
+    let dash = |b: u8| if b == b'_' { b'-' } else { b };
+    read != name
+        && read.len() == name.len()
+        && read.bytes().zip(name.bytes()).all(|(r, n)| dash(r) == dash(n))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn respellings_are_told_apart_from_the_names_rules_read() {
+        assert!(respells("x-api-key", "x_api_key"));
+        assert!(respells("x-api-key", "x-api_key"));
+        assert!(respells("x_tenant", "x-tenant"));
+        assert!(!respells("x-api-key", "x-api-key"), "the name itself");
+        assert!(!respells("x-api-key", "x_api_keys"));
+        assert!(!respells("x-api-key", "x.api.key"));
+    }
 
     fn limits(text: &str) -> Arc<Limits> {
         Arc::new(crate::config::parse_str(text, "t.yaml").unwrap())

@@ -208,6 +208,9 @@ impl Proxy {
         let client_h2 = req.version() == Version::HTTP_2;
         let upgrade = wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+        for name in &admitted.respelled {
+            req.headers_mut().remove(name);
+        }
         let host = admitted.host.as_deref();
         let (upstream_req, body_sent) = match self.upstream_request(req, peer, host, upgrade) {
             Ok(r) => r,
@@ -271,9 +274,13 @@ impl Proxy {
             client_ip,
             client_cert: tls.and_then(|t| t.subject.as_deref()),
         };
-        // The catalog guard is let go at the end of this statement, before
-        // the decision awaits.
-        let hits = match self.catalog.load().http_hits(&info) {
+        // The catalog guard is let go at the end of this block, before the
+        // decision awaits.
+        let (hits, respelled) = {
+            let catalog = self.catalog.load();
+            (catalog.http_hits(&info), catalog.respelled_headers(req.headers()))
+        };
+        let hits = match hits {
             Ok(hits) => hits,
             Err(e) => return Err(bad_request(&e)),
         };
@@ -285,7 +292,11 @@ impl Proxy {
             }
             return Err(refusal(&decision));
         }
-        Ok(Admitted { decision, host })
+        Ok(Admitted {
+            decision,
+            host,
+            respelled,
+        })
     }
 
     /// Sends the request upstream and waits for the response headers: 400
@@ -610,10 +621,13 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
     }
 }
 
-/// An admitted request: its decision (for the RateLimit headers) and host.
+/// An admitted request: its decision (for the RateLimit headers), host,
+/// and the fields the upstream is not to see (see
+/// [`crate::limits::Catalog::respelled_headers`]).
 struct Admitted {
     decision: Decision,
     host: Option<String>,
+    respelled: Vec<HeaderName>,
 }
 
 /// Relays an upstream's `101`: the two upgraded connections are joined end
