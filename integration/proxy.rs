@@ -987,6 +987,50 @@ async fn an_upstream_content_length_beside_a_transfer_coding_or_repeated_is_not_
     }
 }
 
+/// An upstream's transfer coding other than `chunked` alone is not passed
+/// on, through either upstream client: `gzip, chunked` de-chunked would
+/// reach the client as gzip bytes with nothing saying so, and `identity`
+/// was read to a close that never came. NGINX answers both 502.
+#[tokio::test]
+async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
+    let up = scripted_upstream(|path| {
+        match path {
+            "/gzip" => "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            "/identity" => "HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nContent-Length: 2\r\n\r\nok",
+            "/twice" => "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+            _ => "HTTP/1.1 200 OK\r\nTransfer-Encoding: Chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+        }
+        .as_bytes()
+        .to_vec()
+    })
+    .await;
+    let tg = Tollgate::start(LOGIN, up, &["--proxy-threads", "1", "--upstream-timeout", "3s"]);
+    let c = client();
+    for method in [Method::GET, Method::POST] {
+        let body = if method == Method::POST {
+            b"abc".to_vec()
+        } else {
+            Vec::new()
+        };
+        for path in ["/gzip", "/identity", "/twice"] {
+            let started = Instant::now();
+            let a = send(&c, method.clone(), &tg.url(path), &[], body.clone()).await;
+            assert_eq!((&method, path, a.status), (&method, path, StatusCode::BAD_GATEWAY));
+            assert!(started.elapsed() < Duration::from_secs(2), "{method} {path}: at once");
+        }
+        let a = send(&c, method.clone(), &tg.url("/chunked"), &[], body.clone()).await;
+        assert_eq!(
+            (&method, a.status, a.body.as_ref()),
+            (&method, StatusCode::OK, &b"hello"[..])
+        );
+    }
+    assert!(
+        tg.logged("upstream sent a transfer coding other than chunked"),
+        "{}",
+        tg.log_text()
+    );
+}
+
 /// Interim answers (`100`, `103 Early Hints`) are not passed on, by
 /// either upstream client: the client gets the final answer alone.
 #[tokio::test]

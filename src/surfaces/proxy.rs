@@ -379,6 +379,15 @@ impl Proxy {
                 tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
+            // A transfer coding other than chunked alone (`gzip, chunked`,
+            // `identity`) cannot be passed on as sent: de-chunked, a gzip
+            // body would reach the client unmarked; `identity` is read to
+            // the connection's close however long that takes. NGINX
+            // answers 502 ("upstream sent unknown Transfer-Encoding").
+            Ok(Ok(r)) if r.headers().contains_key(header::TRANSFER_ENCODING) && !only_chunked(r.headers()) => {
+                tracing::warn!(upstream = %self.options.upstream.authority(), transfer_encoding = ?r.headers().get_all(header::TRANSFER_ENCODING).iter().collect::<Vec<_>>(), "upstream sent a transfer coding other than chunked");
+                Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
+            }
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
