@@ -878,21 +878,32 @@ async fn http2_requests_are_held_to_the_same_header_field_bound_as_http1() {
 }
 
 #[tokio::test]
-async fn a_host_list_or_userinfo_cannot_dodge_a_host_rule() {
-    // Either would miss a rule on api.example.com while an upstream reading
-    // X-Forwarded-Host as a list, or dropping userinfo, serves that host.
+async fn a_host_list_userinfo_or_invalid_host_cannot_dodge_a_host_rule() {
+    // Each would miss a rule on api.example.com while an upstream reading
+    // X-Forwarded-Host as a list, dropping userinfo, taking the part before
+    // a space or dropping trailing dots, serves that host. NGINX answers
+    // the invalid ones 400 too.
     let up = TestUpstream::start().await;
     let limits = "domain: d\nrules:\n  - name: api\n    match: { host: api.example.com }\n    limits: [{ requests: 100, per: 60s }]\n";
     let tg = Tollgate::start(limits, up.addr, &[]);
     for surface in [HttpSurface::Proxy, HttpSurface::ExtAuthz, HttpSurface::AuthRequest] {
-        for host in ["api.example.com,other", "user@api.example.com"] {
+        for host in [
+            "api.example.com,other",
+            "user@api.example.com",
+            "api.example.com x",
+            "api.example.com..",
+            ".api.example.com",
+            "[api.example.com]",
+            "api.example.com/x",
+            "api.example.com:80x",
+        ] {
             let said = outcome(&tg, surface, "GET", "/x", &[("host", host)]).await;
             assert_eq!(said, "bad", "{surface:?} with Host {host}");
         }
-        assert_eq!(
-            outcome(&tg, surface, "GET", "/x", &[("host", "api.example.com")]).await,
-            "admitted"
-        );
+        for host in ["api.example.com", "API.example.com.", "api.example.com:8080"] {
+            let said = outcome(&tg, surface, "GET", "/x", &[("host", host)]).await;
+            assert_eq!(said, "admitted", "{surface:?} with Host {host}");
+        }
     }
 }
 

@@ -70,6 +70,13 @@ pub enum RequestError {
     /// An HTTP/1.1 request without `Host` (RFC 9112 §3.2).
     #[error("HTTP/1.1 request without a Host header")]
     HostMissing,
+    /// A host that names no host: empty, with a space, a control character,
+    /// a slash or backslash, or an empty label (`a..b`), or a port that is
+    /// not digits (RFC 9112 §3.2: 400). Upstreams read such values their
+    /// own way (a trailing `..` dropped, the part before a space taken)
+    /// while rules on the host see none they name. NGINX refuses them too.
+    #[error("the host is not a valid host name")]
+    HostInvalid,
     /// The target's authority and `Host` name different hosts: rules would
     /// see one and the upstream the other (RFC 9113 §8.3.1 calls it malformed).
     #[error("the request target's host and the Host header differ")]
@@ -113,6 +120,11 @@ pub fn request_host<'a>(
         || host.is_some_and(|h| h.as_bytes().contains(&b','));
     if listed {
         return Err(RequestError::HostList);
+    }
+    let invalid = uri.authority().is_some_and(|a| !valid_host(a.as_str().as_bytes()))
+        || host.is_some_and(|h| !valid_host(h.as_bytes()));
+    if invalid {
+        return Err(RequestError::HostInvalid);
     }
     if let Some(authority) = uri.authority() {
         let differs = host
@@ -353,6 +365,42 @@ fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
     }
 }
 
+/// Whether `host` (a `Host` value or an authority, userinfo and lists
+/// refused before) is a host and an optional port as NGINX accepts one:
+/// not empty, no space, control character, slash or backslash, no empty
+/// label (one trailing dot is the root's, as in DNS), a bracketed literal
+/// only whole and first, and a port of digits.
+fn valid_host(host: &[u8]) -> bool {
+    let split = match host.first() {
+        Some(b'[') => match host.iter().position(|&b| b == b']') {
+            Some(end) => end.saturating_add(1),
+            None => return false,
+        },
+        _ => host.iter().rposition(|&b| b == b':').unwrap_or(host.len()),
+    };
+    let Some((name, port)) = host.split_at_checked(split) else {
+        return false;
+    };
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    };
+    if let Some(literal) = name.strip_prefix(b"[").and_then(|n| n.strip_suffix(b"]")) {
+        // An IPv6 address, or an IPvFuture (`v1.x`, RFC 3986 §3.2.2).
+        let v6 = std::str::from_utf8(literal).is_ok_and(|l| l.parse::<std::net::Ipv6Addr>().is_ok());
+        let future = matches!(literal.first(), Some(b'v' | b'V')) && literal.contains(&b'.');
+        return port_ok && (v6 || future) && literal.iter().all(|&b| b > b' ' && b != 0x7f);
+    }
+    let name_ok = !name.is_empty()
+        && name.first() != Some(&b'.')
+        && !name.windows(2).any(|w| w == b"..")
+        && name
+            .iter()
+            .all(|&b| b > b' ' && b != 0x7f && !matches!(b, b'/' | b'\\' | b'[' | b']'));
+    port_ok && name_ok
+}
+
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
 fn strip_port(host: &str) -> &str {
     if host.starts_with('[') {
@@ -371,6 +419,43 @@ fn strip_port(host: &str) -> &str {
 mod tests {
     use super::*;
     use crate::config::parse_str;
+
+    #[test]
+    fn hosts_are_valid_as_nginx_takes_them() {
+        for good in [
+            "api.example.com",
+            "API.example.com:8080",
+            "api.example.com.",
+            "api.example.com:",
+            "localhost",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:443",
+            "[v1.fe]",
+            "my_host",
+        ] {
+            assert!(valid_host(good.as_bytes()), "{good}");
+        }
+        for bad in [
+            "",
+            ".",
+            ":80",
+            "api.example.com x",
+            "api.example.com..",
+            "api..example.com",
+            ".example.com",
+            "api.example.com/x",
+            "api.example.com\\x",
+            "api.example.com\tx",
+            "api.example.com:8o",
+            "[api.example.com]",
+            "[::1",
+            "[::1]x",
+            "api[1].example.com",
+        ] {
+            assert!(!valid_host(bad.as_bytes()), "{bad:?}");
+        }
+    }
 
     const LIMITS: &str = "\
 domain: api
