@@ -481,6 +481,14 @@ rules:
     assert_eq!(status_of(&exchange(&tg, &req("GET /t?x=1;tenant=a")).await), 200);
     assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=a")).await), 429);
     assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=f1;tenant=a")).await), 400);
+    // PHP and Rack read `tenant[]` (an array) and `%20tenant` (PHP drops
+    // leading spaces) as `tenant`: the same counter, or repeated beside it.
+    for spelling in ["tenant[]", "tenant[0]", "%20tenant", "+tenant"] {
+        let line = format!("GET /t?{spelling}=a");
+        assert_eq!(status_of(&exchange(&tg, &req(&line)).await), 429, "{spelling}");
+        let fresh = format!("GET /t?tenant=f2&{spelling}=a");
+        assert_eq!(status_of(&exchange(&tg, &req(&fresh)).await), 400, "{spelling} beside");
+    }
 }
 
 #[tokio::test]

@@ -337,12 +337,30 @@ fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
 
 /// Every value of query parameter `name`, percent-decoded (`+` is a space).
 /// `;` separates parameters too, as Rack 2 (Rails before 7.1) reads it, so
-/// `?x=1;tenant=a` cannot hide a parameter from the rule.
+/// `?x=1;tenant=a` cannot hide a parameter from the rule. So are the names
+/// PHP and Rack read as `name`: with leading spaces (`%20tenant`), as an
+/// array (`tenant[]`, `tenant[x]`), with `.` or a space for `_` (PHP):
+/// each is a value of `name`, so it is counted as one, or refused as
+/// repeated beside another.
 fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Value> + 'a {
+    let base = framework_name(name.as_bytes());
     query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (decode(k) == name.as_bytes()).then(|| Value::from_bytes(decode(v)))
+        let k = decode(k);
+        (k == name.as_bytes() || framework_name(&k) == base).then(|| Value::from_bytes(decode(v)))
     })
+}
+
+/// A query parameter's name as PHP and Rack read it: leading spaces
+/// dropped, anything from a `[` that a `]` closes dropped (an array's
+/// index), and `.` and spaces as `_` (PHP).
+fn framework_name(name: &[u8]) -> Vec<u8> {
+    let name = name.iter().position(|&b| b != b' ').and_then(|at| name.get(at..)).unwrap_or_default();
+    let name = match name.iter().position(|&b| b == b'[') {
+        Some(open) if name.iter().skip(open).any(|&b| b == b']') => name.get(..open).unwrap_or_default(),
+        _ => name,
+    };
+    name.iter().map(|&b| if b == b'.' || b == b' ' { b'_' } else { b }).collect()
 }
 
 /// Percent-decoded bytes (`+` is a space), not forced into UTF-8.
@@ -524,6 +542,27 @@ rules:
         assert_eq!(hits_of(&h), vec!["hosts"]);
         h.insert("x-api-key", "".parse().unwrap());
         assert_eq!(hits_of(&h), vec!["hosts"]);
+    }
+
+    #[test]
+    fn query_names_php_and_rack_read_as_the_rules_are_its_values() {
+        let values = |q: &str, name: &str| {
+            query_values(q, name)
+                .map(|v| match v {
+                    Value::Text(t) => t,
+                    other => format!("{other:?}"),
+                })
+                .collect::<Vec<_>>()
+        };
+        for spelling in ["tenant", "tenant[]", "tenant[0]", "%20tenant", "+tenant", "%20%20tenant[x]"] {
+            assert_eq!(values(&format!("x=1&{spelling}=acme"), "tenant"), ["acme"], "{spelling}");
+        }
+        assert_eq!(values("tenant=a&tenant[]=b", "tenant"), ["a", "b"], "two values: refused as repeated");
+        assert_eq!(values("ten.ant=a", "ten_ant"), ["a"], "PHP reads . as _");
+        assert_eq!(values("ten_ant=a", "ten.ant"), ["a"]);
+        for other in ["tenants=a", "tenant[=a", "xtenant=a", "ten ant2=a"] {
+            assert!(values(other, "tenant").is_empty(), "{other}");
+        }
     }
 
     #[test]
