@@ -389,35 +389,58 @@ fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
 /// label (one trailing dot is the root's, as in DNS), a bracketed literal
 /// only whole and first, and a port of digits.
 fn valid_host(host: &[u8]) -> bool {
-    let split = match host.first() {
-        Some(b'[') => match host.iter().position(|&b| b == b']') {
-            Some(end) => end.saturating_add(1),
-            None => return false,
-        },
-        _ => host.iter().rposition(|&b| b == b':').unwrap_or(host.len()),
-    };
-    let Some((name, port)) = host.split_at_checked(split) else {
-        return false;
-    };
-    let port_ok = match port.split_first() {
-        None => true,
-        Some((b':', digits)) => digits.iter().all(u8::is_ascii_digit),
-        Some(_) => false,
-    };
-    if let Some(literal) = name.strip_prefix(b"[").and_then(|n| n.strip_suffix(b"]")) {
+    let digits = |port: &[u8]| port.iter().all(u8::is_ascii_digit);
+    let visible = |b: u8| b > b' ' && b != 0x7f;
+    if host.first() == Some(&b'[') {
+        let Some(end) = host.iter().position(|&b| b == b']') else {
+            return false;
+        };
+        let (Some(literal), Some(port)) = (host.get(1..end), host.get(end.saturating_add(1)..)) else {
+            return false;
+        };
         // An IPv6 address, or an IPvFuture (`v1.x`, RFC 3986 §3.2.2).
         let v6 = std::str::from_utf8(literal).is_ok_and(|l| l.parse::<std::net::Ipv6Addr>().is_ok());
         let future = matches!(literal.first(), Some(b'v' | b'V')) && literal.contains(&b'.');
-        return port_ok && (v6 || future) && literal.iter().all(|&b| b > b' ' && b != 0x7f);
+        let port_ok = port.is_empty() || port.strip_prefix(b":").is_some_and(digits);
+        return port_ok && (v6 || future) && literal.iter().all(|&b| visible(b));
     }
-    let name_ok = !name.is_empty()
-        && name.first() != Some(&b'.')
-        && !name.windows(2).any(|w| w == b"..")
-        && name
-            .iter()
-            .all(|&b| b > b' ' && b != 0x7f && !matches!(b, b'/' | b'\\' | b'[' | b']'));
-    port_ok && name_ok
+    // One pass, a table look-up a byte: on every request. A name has no
+    // `:`, so the first starts the port; a dot after a dot (or first) is an
+    // empty label.
+    let mut after_dot = true;
+    for (at, &b) in host.iter().enumerate() {
+        match HOST_BYTE.get(usize::from(b)).copied().unwrap_or(BAD) {
+            NAME => after_dot = false,
+            DOT if after_dot => return false,
+            DOT => after_dot = true,
+            COLON => return at > 0 && host.get(at.saturating_add(1)..).is_some_and(digits),
+            _ => return false,
+        }
+    }
+    !host.is_empty()
 }
+
+/// What a byte is in a host name: see [`valid_host`].
+const NAME: u8 = 0;
+const DOT: u8 = 1;
+const COLON: u8 = 2;
+const BAD: u8 = 3;
+// Built at compile time, where an index out of bounds fails the build.
+#[allow(clippy::indexing_slicing)]
+static HOST_BYTE: [u8; 256] = {
+    let mut table = [NAME; 256];
+    let mut b = 0;
+    while b < 256 {
+        table[b] = match b as u8 {
+            b'.' => DOT,
+            b':' => COLON,
+            0..=b' ' | 0x7f | b'/' | b'\\' | b'[' | b']' => BAD,
+            _ => NAME,
+        };
+        b += 1;
+    }
+    table
+};
 
 /// `example.com:8080` → `example.com`; `[::1]:80` → `[::1]`.
 fn strip_port(host: &str) -> &str {

@@ -221,7 +221,19 @@ impl Proxy {
             return Ok(switch_protocols(client_upgrade, response));
         }
         let (mut parts, body) = response.into_parts();
-        let coded = strip_hop_by_hop(&mut parts.headers, false);
+        let coded = match strip_hop_by_hop(&mut parts.headers, false) {
+            // A transfer coding other than chunked alone (`gzip, chunked`,
+            // `identity`) cannot be passed on as sent: de-chunked, a gzip
+            // body would reach the client unmarked; `identity` is read to
+            // the connection's close however long that takes. NGINX
+            // answers 502 ("upstream sent unknown Transfer-Encoding"). The
+            // body is dropped unread, and its connection with it.
+            Some(Coding::Other) => {
+                tracing::warn!(upstream = %self.options.upstream.authority(), "upstream sent a transfer coding other than chunked");
+                return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
+            }
+            coding => coding.is_some(),
+        };
         // A 204 has no Content-Length (RFC 9110 §8.6), as NGINX sends it:
         // hyper would pass an upstream's on, for a client that reads it to
         // wait for bytes that never come, or take the next response's. Nor
@@ -379,15 +391,6 @@ impl Proxy {
                 tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
-            // A transfer coding other than chunked alone (`gzip, chunked`,
-            // `identity`) cannot be passed on as sent: de-chunked, a gzip
-            // body would reach the client unmarked; `identity` is read to
-            // the connection's close however long that takes. NGINX
-            // answers 502 ("upstream sent unknown Transfer-Encoding").
-            Ok(Ok(r)) if r.headers().contains_key(header::TRANSFER_ENCODING) && !only_chunked(r.headers()) => {
-                tracing::warn!(upstream = %self.options.upstream.authority(), transfer_encoding = ?r.headers().get_all(header::TRANSFER_ENCODING).iter().collect::<Vec<_>>(), "upstream sent a transfer coding other than chunked");
-                Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
-            }
             Ok(Ok(r)) => Ok(r),
             Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
@@ -529,10 +532,19 @@ fn names_hop_by_hop(token: &[u8]) -> bool {
     std::str::from_utf8(lower).is_ok_and(is_hop_by_hop)
 }
 
+/// A message's `Transfer-Encoding`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Coding {
+    /// `chunked` alone.
+    Chunked,
+    /// Anything else (`gzip, chunked`, `identity`, `chunked` twice).
+    Other,
+}
+
 /// Removes hop-by-hop headers and those named by `Connection`; for an upgrade
 /// the `Upgrade` header survives with `Connection: upgrade`.
-/// Returns whether `Transfer-Encoding` was among them.
-fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) -> bool {
+/// Returns the `Transfer-Encoding` that was among them, if one was.
+fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) -> Option<Coding> {
     // One pass over the few names present is cheaper than a hashed removal
     // per hop-by-hop name, and most messages carry one at most.
     let mut doomed: Vec<HeaderName> = headers.keys().filter(|n| is_hop_by_hop(n.as_str())).cloned().collect();
@@ -544,7 +556,10 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, upgrade: bool) -> bool {
             .filter_map(|t| HeaderName::from_bytes(t).ok());
         doomed.extend(named);
     }
-    let coded = doomed.contains(&header::TRANSFER_ENCODING);
+    let coded = doomed.contains(&header::TRANSFER_ENCODING).then(|| match only_chunked(headers) {
+        true => Coding::Chunked,
+        false => Coding::Other,
+    });
     for name in doomed {
         if !(upgrade && name == header::UPGRADE) {
             headers.remove(name);
