@@ -252,39 +252,42 @@ fn sf_string(name: &str) -> Cow<'_, str> {
 
 /// A short JSON body naming the rule and window that refused.
 pub fn refusal_body(decision: &Decision) -> Bytes {
-    match decision.verdict {
-        Verdict::FailedClosed => Bytes::from_static(UNAVAILABLE),
+    // Which rule and window it names, and what goes between `limit` and
+    // `rule` (keys in sorted order).
+    let (refusing, window, head, middle) = match decision.verdict {
+        Verdict::FailedClosed => return Bytes::from_static(UNAVAILABLE),
         _ if decision.never_fits() => {
             let refusing = decision.refusing().find(|r| r.windows.iter().any(|w| w.never));
             let window = refusing.and_then(|r| r.windows.iter().find(|w| w.never));
-            let mut out = Vec::with_capacity(192);
-            out.extend_from_slice(b"{\"error\":\"cost_exceeds_limit\",\"limit\":");
-            push_number(&mut out, window.map(|w| w.window.requests));
-            out.extend_from_slice(b",\"message\":\"this request costs more than the rule's whole limit; it can never be admitted as sent\",\"rule\":");
-            push_string(&mut out, refusing.map(|r| r.rule.name.as_str()));
-            out.extend_from_slice(b",\"window_seconds\":");
-            push_seconds(&mut out, window.map(|w| w.window.period_ms));
-            out.push(b'}');
-            Bytes::from(out)
+            (refusing, window, &b"cost_exceeds_limit"[..], None)
         }
         _ => {
             // The rule whose status the answer has; of its windows, the one
             // that holds the request out longest.
             let refusing = decision.refusing().next();
             let window = refusing.and_then(RuleOutcome::telling_window);
-            let mut out = Vec::with_capacity(128);
-            out.extend_from_slice(b"{\"error\":\"rate_limited\",\"limit\":");
-            push_number(&mut out, window.map(|w| w.window.requests));
+            let wait = ceil_secs(decision.retry_after_ms().unwrap_or(0));
+            (refusing, window, &b"rate_limited"[..], Some(wait))
+        }
+    };
+    let mut out = Vec::with_capacity(192);
+    out.extend_from_slice(b"{\"error\":\"");
+    out.extend_from_slice(head);
+    out.extend_from_slice(b"\",\"limit\":");
+    push_number(&mut out, window.map(|w| w.window.requests));
+    match middle {
+        None => out.extend_from_slice(b",\"message\":\"this request costs more than the rule's whole limit; it can never be admitted as sent\""),
+        Some(wait) => {
             out.extend_from_slice(b",\"retry_after_seconds\":");
-            push_number(&mut out, Some(ceil_secs(decision.retry_after_ms().unwrap_or(0))));
-            out.extend_from_slice(b",\"rule\":");
-            push_string(&mut out, refusing.map(|r| r.rule.name.as_str()));
-            out.extend_from_slice(b",\"window_seconds\":");
-            push_seconds(&mut out, window.map(|w| w.window.period_ms));
-            out.push(b'}');
-            Bytes::from(out)
+            push_number(&mut out, Some(wait));
         }
     }
+    out.extend_from_slice(b",\"rule\":");
+    push_string(&mut out, refusing.map(|r| r.rule.name.as_str()));
+    out.extend_from_slice(b",\"window_seconds\":");
+    push_seconds(&mut out, window.map(|w| w.window.period_ms));
+    out.push(b'}');
+    Bytes::from(out)
 }
 
 // The refusal bodies are written by hand, byte for byte as they were first
