@@ -881,11 +881,19 @@ async fn body_less_post(
 /// An upstream speaking the bytes `answer` gives for each request's path
 /// (the request's body, by its Content-Length, read and dropped).
 async fn scripted_upstream(answer: fn(&str) -> Vec<u8>) -> std::net::SocketAddr {
+    counted_scripted_upstream(answer).await.0
+}
+
+/// [`scripted_upstream`], with the number of connections it accepted.
+async fn counted_scripted_upstream(answer: fn(&str) -> Vec<u8>) -> (std::net::SocketAddr, Arc<AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counter = accepted.clone();
     tokio::spawn(async move {
         while let Ok((mut stream, _)) = listener.accept().await {
+            counter.fetch_add(1, Ordering::SeqCst);
             tokio::spawn(async move {
                 let mut buf = Vec::new();
                 loop {
@@ -913,7 +921,7 @@ async fn scripted_upstream(answer: fn(&str) -> Vec<u8>) -> std::net::SocketAddr 
             });
         }
     });
-    addr
+    (addr, accepted)
 }
 
 /// An upstream's Content-Length beside a Transfer-Encoding, or repeated:
@@ -1029,6 +1037,43 @@ async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
         "{}",
         tg.log_text()
     );
+
+    // An answer without a body (a HEAD's, a 204, a 304) that names a bad
+    // coding is a 502 too, and its connection is not used again: where the
+    // next answer begins on it is not known (the twentieth attack had an
+    // upstream's bytes after such an answer taken for the next request's).
+    let (up, accepted) = counted_scripted_upstream(|path| {
+        match path {
+            "/head" => "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
+            "/204" => "HTTP/1.1 204 No Content\r\nTransfer-Encoding: identity\r\n\r\n",
+            "/304" => "HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+            _ => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+        }
+        .as_bytes()
+        .to_vec()
+    })
+    .await;
+    let tg = Tollgate::start(LOGIN, up, &["--proxy-threads", "1"]);
+    for (method, path, body) in [
+        (Method::HEAD, "/head", &b""[..]),
+        (Method::GET, "/204", b""),
+        (Method::POST, "/204", b"abc"),
+        (Method::GET, "/304", b""),
+        (Method::POST, "/304", b"abc"),
+    ] {
+        let ok = send(&c, Method::GET, &tg.url("/fine"), &[], Vec::new()).await;
+        assert_eq!((ok.status, ok.body.as_ref()), (StatusCode::OK, &b"hello"[..]));
+        let before = accepted.load(Ordering::SeqCst);
+        let a = send(&c, method.clone(), &tg.url(path), &[], body.to_vec()).await;
+        assert_eq!((&method, path, a.status), (&method, path, StatusCode::BAD_GATEWAY));
+        let ok = send(&c, Method::GET, &tg.url("/fine"), &[], Vec::new()).await;
+        assert_eq!((ok.status, ok.body.as_ref()), (StatusCode::OK, &b"hello"[..]));
+        assert_eq!(
+            (&method, path, accepted.load(Ordering::SeqCst)),
+            (&method, path, before + 1),
+            "the next request on a new connection"
+        );
+    }
 }
 
 /// Interim answers (`100`, `103 Early Hints`) are not passed on, by

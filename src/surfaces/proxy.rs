@@ -227,9 +227,11 @@ impl Proxy {
             // body would reach the client unmarked; `identity` is read to
             // the connection's close however long that takes. NGINX
             // answers 502 ("upstream sent unknown Transfer-Encoding"). The
-            // body is dropped unread, and its connection with it.
+            // connection is closed, even after an answer with no body (a
+            // HEAD's, a 204): where its next answer begins is not known.
             Some(Coding::Other) => {
                 tracing::warn!(upstream = %self.options.upstream.authority(), "upstream sent a transfer coding other than chunked");
+                body.discard();
                 return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
             }
             coding => coding.is_some(),

@@ -1186,6 +1186,14 @@ pub struct TrailersTooLarge;
 pub struct Truncated(u64);
 
 impl UpstreamBody {
+    /// Lets the body go with its connection closed, never reused, however
+    /// complete it is: for an answer the proxy refused to pass on (an
+    /// answer without a body that said it had one is not trusted to have
+    /// left the connection where the next answer begins).
+    pub fn discard(mut self) {
+        self.lease = None;
+    }
+
     /// A body as it begins: nothing read ahead, handed on as it comes.
     fn new(body: Received, timer: IdleTimer, lease: Option<Lease>, framing: Framing) -> Self {
         UpstreamBody {
