@@ -904,6 +904,10 @@ async fn a_host_list_userinfo_or_invalid_host_cannot_dodge_a_host_rule() {
             "[api.example.com]",
             "api.example.com/x",
             "api.example.com:80x",
+            "api.example.com:80:90",
+            "api.example.com#x",
+            "api.example.com?x",
+            "api%2Eexample.com",
         ] {
             let said = outcome(&tg, surface, "GET", "/x", &[("host", host)]).await;
             assert_eq!(said, "bad", "{surface:?} with Host {host}");

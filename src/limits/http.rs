@@ -71,10 +71,11 @@ pub enum RequestError {
     #[error("HTTP/1.1 request without a Host header")]
     HostMissing,
     /// A host that names no host: empty, with a space, a control character,
-    /// a slash or backslash, or an empty label (`a..b`), or a port that is
-    /// not digits (RFC 9112 §3.2: 400). Upstreams read such values their
-    /// own way (a trailing `..` dropped, the part before a space taken)
-    /// while rules on the host see none they name. NGINX refuses them too.
+    /// a character URL parsers end or refuse a host at, a byte past ASCII,
+    /// or an empty label (`a..b`), or a port that is not digits (RFC 9112
+    /// §3.2: 400). Upstreams read such values their own way (a trailing
+    /// `..` dropped, the part before a space taken) while rules on the host
+    /// see none they name. NGINX refuses most of them too.
     #[error("the host is not a valid host name")]
     HostInvalid,
     /// The target's authority and `Host` name different hosts: rules would
@@ -434,7 +435,13 @@ static HOST_BYTE: [u8; 256] = {
         table[b] = match b as u8 {
             b'.' => DOT,
             b':' => COLON,
-            0..=b' ' | 0x7f | b'/' | b'\\' | b'[' | b']' => BAD,
+            // What RFC 3986 keeps out of a host name and URL parsers
+            // (WHATWG's, Node's `new URL`, Python's `urlsplit`) end it at
+            // or refuse, `%` (WHATWG decodes it: `api%2Eexample.com`), and
+            // bytes past ASCII (IDNA maps full-width letters to ASCII ones;
+            // a host on the wire is ASCII, punycode for others).
+            0..=b' ' | 0x7f..=0xff | b'/' | b'\\' | b'[' | b']' | b'#' | b'?' | b'%' | b'<' | b'>' | b'^' | b'|'
+            | b'"' | b'`' | b'{' | b'}' => BAD,
             _ => NAME,
         };
         b += 1;
@@ -474,6 +481,8 @@ mod tests {
             "[::1]:443",
             "[v1.fe]",
             "my_host",
+            "xn--caf-dma.example",
+            "a-b.c~d!e$f&g'h(i)j*k+l;m=n",
         ] {
             assert!(valid_host(good.as_bytes()), "{good}");
         }
@@ -489,6 +498,14 @@ mod tests {
             "api.example.com\\x",
             "api.example.com\tx",
             "api.example.com:8o",
+            "api.example.com:80:90",
+            "api.example.com#x",
+            "api.example.com?x",
+            "api%2Eexample.com",
+            "api.example.com<x",
+            "api.example.com|x",
+            "\u{ff41}pi.example.com",
+            "api.example.com\u{0}",
             "[api.example.com]",
             "[::1",
             "[::1]x",
