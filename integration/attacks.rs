@@ -482,8 +482,18 @@ rules:
     assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=a")).await), 429);
     assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=f1;tenant=a")).await), 400);
     // PHP and Rack read `tenant[]` (an array) and `%20tenant` (PHP drops
-    // leading spaces) as `tenant`: the same counter, or repeated beside it.
-    for spelling in ["tenant[]", "tenant[0]", "%20tenant", "+tenant"] {
+    // leading spaces), PHP `tenant%00x` (the name ends at the NUL), Rack 2
+    // `[tenant]` and `tenant]` (brackets around dropped) as `tenant`: the
+    // same counter, or repeated beside it.
+    for spelling in [
+        "tenant[]",
+        "tenant[0]",
+        "%20tenant",
+        "+tenant",
+        "tenant%00x",
+        "%5Btenant%5D",
+        "tenant]",
+    ] {
         let line = format!("GET /t?{spelling}=a");
         assert_eq!(status_of(&exchange(&tg, &req(&line)).await), 429, "{spelling}");
         let fresh = format!("GET /t?tenant=f2&{spelling}=a");

@@ -339,29 +339,57 @@ fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
 /// Every value of query parameter `name`, percent-decoded (`+` is a space).
 /// `;` separates parameters too, as Rack 2 (Rails before 7.1) reads it, so
 /// `?x=1;tenant=a` cannot hide a parameter from the rule. So are the names
-/// PHP and Rack read as `name`: with leading spaces (`%20tenant`), as an
-/// array (`tenant[]`, `tenant[x]`), with `.` or a space for `_` (PHP):
-/// each is a value of `name`, so it is counted as one, or refused as
-/// repeated beside another.
+/// PHP or Rack 2 read as `name` (see [`php_name`], [`rack_name`]): each is
+/// a value of `name`, so it is counted as one, or refused as repeated
+/// beside another.
 fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Value> + 'a {
-    let base = framework_name(name.as_bytes());
+    let (php, rack) = (php_name(name.as_bytes()), rack_name(name.as_bytes()));
     query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let k = decode(k);
-        (k == name.as_bytes() || framework_name(&k) == base).then(|| Value::from_bytes(decode(v)))
+        let same = k == name.as_bytes() || php_name(&k) == php || rack_name(&k) == rack;
+        same.then(|| Value::from_bytes(decode(v)))
     })
 }
 
-/// A query parameter's name as PHP and Rack read it: leading spaces
-/// dropped, anything from a `[` that a `]` closes dropped (an array's
-/// index), and `.` and spaces as `_` (PHP).
-fn framework_name(name: &[u8]) -> Vec<u8> {
+/// A query parameter's name as PHP reads it: up to a NUL, leading spaces
+/// dropped, `.` and spaces as `_`, and an array's index dropped
+/// (`tenant[]`, `tenant[x]`), or a `[` no `]` closes read as `_`.
+fn php_name(name: &[u8]) -> Vec<u8> {
+    let name = name.split(|&b| b == 0).next().unwrap_or_default();
     let name = name.iter().position(|&b| b != b' ').and_then(|at| name.get(at..)).unwrap_or_default();
-    let name = match name.iter().position(|&b| b == b'[') {
-        Some(open) if name.iter().skip(open).any(|&b| b == b']') => name.get(..open).unwrap_or_default(),
-        _ => name,
-    };
-    name.iter().map(|&b| if b == b'.' || b == b' ' { b'_' } else { b }).collect()
+    let mut out = Vec::with_capacity(name.len());
+    for (at, &b) in name.iter().enumerate() {
+        let rest = name.get(at.saturating_add(1)..).unwrap_or_default();
+        match b {
+            b'[' if rest.contains(&b']') => return out,
+            b'[' => {
+                out.push(b'_');
+                out.extend_from_slice(rest);
+                return out;
+            }
+            b' ' | b'.' => out.push(b'_'),
+            _ => out.push(b),
+        }
+    }
+    out
+}
+
+/// A query parameter's name as Rack 2 reads it: brackets around it
+/// dropped (`[tenant]`, `]tenant`, `tenant]`), and what follows the first
+/// run of other bytes (an array's or a hash's index), except a lone `[`
+/// (`tenant[` is a name of its own).
+fn rack_name(name: &[u8]) -> &[u8] {
+    let bracket = |b: &u8| *b == b'[' || *b == b']';
+    let start = name.iter().position(|b| !bracket(b)).unwrap_or(name.len());
+    let rest = name.get(start..).unwrap_or_default();
+    let end = rest.iter().position(bracket).unwrap_or(rest.len());
+    let after = rest.get(end..).unwrap_or_default();
+    let after = after.get(after.iter().position(|&b| b != b']').unwrap_or(after.len())..).unwrap_or_default();
+    match after {
+        b"[" => name,
+        _ => rest.get(..end).unwrap_or_default(),
+    }
 }
 
 /// Percent-decoded bytes (`+` is a space), not forced into UTF-8.
@@ -594,13 +622,28 @@ rules:
                 })
                 .collect::<Vec<_>>()
         };
-        for spelling in ["tenant", "tenant[]", "tenant[0]", "%20tenant", "+tenant", "%20%20tenant[x]"] {
+        for spelling in [
+            "tenant",
+            "tenant[]",
+            "tenant[0]",
+            "%20tenant",
+            "+tenant",
+            "%20%20tenant[x]",
+            "tenant%00",
+            "tenant%00x",
+            "[tenant]",
+            "tenant]",
+            "]tenant",
+            "%5Btenant%5D",
+        ] {
             assert_eq!(values(&format!("x=1&{spelling}=acme"), "tenant"), ["acme"], "{spelling}");
         }
         assert_eq!(values("tenant=a&tenant[]=b", "tenant"), ["a", "b"], "two values: refused as repeated");
         assert_eq!(values("ten.ant=a", "ten_ant"), ["a"], "PHP reads . as _");
         assert_eq!(values("ten_ant=a", "ten.ant"), ["a"]);
-        for other in ["tenants=a", "tenant[=a", "xtenant=a", "ten ant2=a"] {
+        assert_eq!(values("ten[ant=a", "ten_ant"), ["a"], "PHP reads an unclosed [ as _");
+        assert_eq!(values("ten%5bant=a", "ten_ant"), ["a"]);
+        for other in ["tenants=a", "tenant[=a", "xtenant=a", "ten ant2=a", "filter[tenant]=a", "tenant_id=a"] {
             assert!(values(other, "tenant").is_empty(), "{other}");
         }
     }
