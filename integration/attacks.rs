@@ -493,6 +493,8 @@ rules:
         "tenant%00x",
         "%5Btenant%5D",
         "tenant]",
+        "TENANT",
+        "!tenant",
     ] {
         let line = format!("GET /t?{spelling}=a");
         assert_eq!(status_of(&exchange(&tg, &req(&line)).await), 429, "{spelling}");

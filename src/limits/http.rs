@@ -339,22 +339,68 @@ fn client_network(ip: IpAddr, v4: u8, v6: u8) -> String {
 /// Every value of query parameter `name`, percent-decoded (`+` is a space).
 /// `;` separates parameters too, as Rack 2 (Rails before 7.1) reads it, so
 /// `?x=1;tenant=a` cannot hide a parameter from the rule. So are the names
-/// PHP or Rack 2 read as `name` (see [`php_name`], [`rack_name`]): each is
-/// a value of `name`, so it is counted as one, or refused as repeated
-/// beside another.
+/// frameworks read as `name` (see [`same_parameter`]): each is a value of
+/// `name`, so it is counted as one, or refused as repeated beside another.
 fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Value> + 'a {
-    let (php, rack) = (php_name(name.as_bytes()), rack_name(name.as_bytes()));
+    // A rule on a name that is itself a framework's spelling of something
+    // (`filter[tenant]`) is matched exactly.
+    let plain = !name.contains(['[', ']', '\0']);
     query.split(['&', ';']).filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let k = decode(k);
-        let same = k == name.as_bytes() || php_name(&k) == php || rack_name(&k) == rack;
+        let same = k == name.as_bytes() || (plain && same_parameter(&k, name.as_bytes()));
         same.then(|| Value::from_bytes(decode(v)))
     })
 }
 
+/// Whether a framework reads the query parameter named `k` as `name` (a
+/// plain name): ASP.NET Core in any case (`TENANT`), PHP ([`php_name`]:
+/// `%20tenant`, `tenant%00x`, `ten.ant` for `ten_ant`), Rack 2
+/// ([`rack_name`]: `[tenant]`, `tenant]`), Spring's default-value marker
+/// (`!tenant`), and each as an array (`tenant[]`, `tenant[0]`: Rails reads
+/// `where(tenant: params[:tenant])` as `IN`). A named index
+/// (`page[size]`) makes a hash, no value of `page`.
+fn same_parameter(k: &[u8], name: &[u8]) -> bool {
+    // Most names are none of these: no allocation for them.
+    if k.eq_ignore_ascii_case(name) {
+        return true;
+    }
+    if !k.iter().any(|b| matches!(b, b' ' | b'.' | b'[' | b']' | 0 | b'!' | b'_')) {
+        return false;
+    }
+    let k = k.strip_prefix(b"!").unwrap_or(k);
+    let indexed = |base_len: usize| {
+        // What follows the base: nothing, `]`s (Rack 2), or an array index.
+        let rest = k.get(base_len..).unwrap_or_default();
+        let index = rest.strip_prefix(b"[").and_then(|r| r.strip_suffix(b"]"));
+        rest.iter().all(|&b| b == b']') || index.is_some_and(|i| i.iter().all(u8::is_ascii_digit))
+    };
+    let rack = rack_name(k);
+    let rack_base = k.iter().position(|&b| b != b'[' && b != b']').unwrap_or(0);
+    (rack.eq_ignore_ascii_case(name) && indexed(rack_base.saturating_add(rack.len())))
+        || (php_indexed(k) && php_name(k).eq_ignore_ascii_case(&php_name(name)))
+}
+
+/// Whether PHP reads `k` as a plain value or an array element (`a[]`,
+/// `a[0]`), not as a hash (`a[key]`).
+fn php_indexed(k: &[u8]) -> bool {
+    match k.iter().position(|&b| b == b'[') {
+        None => true,
+        Some(open) => {
+            let rest = k.get(open.saturating_add(1)..).unwrap_or_default();
+            match rest.iter().position(|&b| b == b']') {
+                // An unclosed `[` is read as `_`: a plain name.
+                None => true,
+                Some(close) => rest.get(..close).unwrap_or_default().iter().all(u8::is_ascii_digit),
+            }
+        }
+    }
+}
+
 /// A query parameter's name as PHP reads it: up to a NUL, leading spaces
 /// dropped, `.` and spaces as `_`, and an array's index dropped
-/// (`tenant[]`, `tenant[x]`), or a `[` no `]` closes read as `_`.
+/// (`tenant[]`), or a `[` no `]` closes read as `_` (and every `.`, space
+/// and `[` after it).
 fn php_name(name: &[u8]) -> Vec<u8> {
     let name = name.split(|&b| b == 0).next().unwrap_or_default();
     let name = name.iter().position(|&b| b != b' ').and_then(|at| name.get(at..)).unwrap_or_default();
@@ -365,7 +411,7 @@ fn php_name(name: &[u8]) -> Vec<u8> {
             b'[' if rest.contains(&b']') => return out,
             b'[' => {
                 out.push(b'_');
-                out.extend_from_slice(rest);
+                out.extend(rest.iter().map(|&b| if matches!(b, b' ' | b'.' | b'[') { b'_' } else { b }));
                 return out;
             }
             b' ' | b'.' => out.push(b'_'),
@@ -628,7 +674,10 @@ rules:
             "tenant[0]",
             "%20tenant",
             "+tenant",
-            "%20%20tenant[x]",
+            "%20%20tenant[3]",
+            "TENANT",
+            "Tenant[]",
+            "!tenant",
             "tenant%00",
             "tenant%00x",
             "[tenant]",
@@ -643,6 +692,11 @@ rules:
         assert_eq!(values("ten_ant=a", "ten.ant"), ["a"]);
         assert_eq!(values("ten[ant=a", "ten_ant"), ["a"], "PHP reads an unclosed [ as _");
         assert_eq!(values("ten%5bant=a", "ten_ant"), ["a"]);
+        assert_eq!(values("oauth[client.id=a", "oauth_client_id"), ["a"], "PHP: _ for . after an unclosed [");
+        // A named index makes a hash, no value: JSON:API's page[size].
+        assert!(values("page[number]=2&page[size]=10", "page").is_empty());
+        // A rule on a framework's spelling itself is matched exactly.
+        assert_eq!(values("filter[tenant]=a&filter[status]=b", "filter[tenant]"), ["a"]);
         for other in ["tenants=a", "tenant[=a", "xtenant=a", "ten ant2=a", "filter[tenant]=a", "tenant_id=a"] {
             assert!(values(other, "tenant").is_empty(), "{other}");
         }
