@@ -1047,26 +1047,53 @@ async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
             "/head" => "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n",
             "/204" => "HTTP/1.1 204 No Content\r\nTransfer-Encoding: identity\r\n\r\n",
             "/304" => "HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+            "/204-length" => "HTTP/1.1 204 No Content\r\nContent-Length: 5\r\n\r\n",
+            "/204-chunked" => "HTTP/1.1 204 No Content\r\nTransfer-Encoding: chunked\r\n\r\n",
             _ => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
         }
         .as_bytes()
         .to_vec()
     })
     .await;
-    let tg = Tollgate::start(LOGIN, up, &["--proxy-threads", "1"]);
-    for (method, path, body) in [
-        (Method::HEAD, "/head", &b""[..]),
-        (Method::GET, "/204", b""),
-        (Method::POST, "/204", b"abc"),
-        (Method::GET, "/304", b""),
-        (Method::POST, "/304", b"abc"),
+    // A 204 that announces a body (a length, a coding) is passed on
+    // without one, and its connection is not used again either.
+    for (method, path, body, status) in [
+        (Method::HEAD, "/head", &b""[..], StatusCode::BAD_GATEWAY),
+        (Method::GET, "/204", b"", StatusCode::BAD_GATEWAY),
+        (Method::POST, "/204", b"abc", StatusCode::BAD_GATEWAY),
+        (Method::GET, "/304", b"", StatusCode::BAD_GATEWAY),
+        (Method::POST, "/304", b"abc", StatusCode::BAD_GATEWAY),
+        (Method::GET, "/204-length", b"", StatusCode::NO_CONTENT),
+        (Method::POST, "/204-length", b"abc", StatusCode::NO_CONTENT),
+        (Method::GET, "/204-chunked", b"", StatusCode::NO_CONTENT),
+        (Method::POST, "/204-chunked", b"abc", StatusCode::NO_CONTENT),
     ] {
-        let ok = send(&c, Method::GET, &tg.url("/fine"), &[], Vec::new()).await;
+        // A tollgate of its own, so the connection the first answer came
+        // on is the only one kept: a body-less request goes by tollgate's
+        // own client, one with a body by hyper's, and each may take the
+        // other's connection.
+        let tg = Tollgate::start(LOGIN, up, &["--proxy-threads", "1"]);
+        let client = &c;
+        let fine = |method: &Method| {
+            let body = if *method == Method::POST {
+                b"abc".to_vec()
+            } else {
+                Vec::new()
+            };
+            let method = if *method == Method::POST {
+                Method::POST
+            } else {
+                Method::GET
+            };
+            let url = tg.url("/fine");
+            async move { send(client, method, &url, &[], body).await }
+        };
+        let ok = fine(&method).await;
         assert_eq!((ok.status, ok.body.as_ref()), (StatusCode::OK, &b"hello"[..]));
         let before = accepted.load(Ordering::SeqCst);
         let a = send(&c, method.clone(), &tg.url(path), &[], body.to_vec()).await;
-        assert_eq!((&method, path, a.status), (&method, path, StatusCode::BAD_GATEWAY));
-        let ok = send(&c, Method::GET, &tg.url("/fine"), &[], Vec::new()).await;
+        assert_eq!((&method, path, a.status), (&method, path, status));
+        let ok = fine(&method).await;
         assert_eq!((ok.status, ok.body.as_ref()), (StatusCode::OK, &b"hello"[..]));
         assert_eq!(
             (&method, path, accepted.load(Ordering::SeqCst)),
@@ -1260,6 +1287,18 @@ rules:
         "same client behind the proxy"
     );
 
+    // A trusted front proxy that rewrote Host keeps its X-Forwarded-Host
+    // (the client's host), as its X-Forwarded-Proto; an untrusted peer's is
+    // replaced by the host it asked for.
+    let fronted = [
+        ("host", "origin.internal"),
+        ("x-forwarded-host", "api.example.com"),
+        ("x-forwarded-for", "198.51.100.9"),
+    ];
+    let a = get(&c, &trusting.url("/echo"), &fronted).await;
+    assert_eq!(a.header("x-seen-x-forwarded-host"), Some("api.example.com"));
+    assert_eq!(a.header("x-seen-host"), Some("origin.internal"));
+
     let untrusting = Tollgate::start(limits, upstream.addr, &[]);
     assert_eq!(
         get(&c, &untrusting.url("/"), &[("x-forwarded-for", "1.1.1.1")])
@@ -1273,6 +1312,25 @@ rules:
         StatusCode::TOO_MANY_REQUESTS,
         "a spoofed header is not a new client"
     );
+    let again = Tollgate::start("domain: it\nrules: []\n", upstream.addr, &[]);
+    let a = get(&c, &again.url("/echo"), &fronted).await;
+    assert_eq!(a.header("x-seen-x-forwarded-host"), Some("origin.internal"));
+}
+
+#[tokio::test]
+async fn an_http2_request_naming_no_host_is_a_400() {
+    // Neither :authority nor host: NGINX answers 400, as tollgate answers an
+    // HTTP/1.1 request without Host; a host rule would never count it.
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let mut sender = h2_sender(tg.addr).await;
+    let req = http::Request::builder()
+        .uri("/echo")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(upstream.hits(), 0);
 }
 
 #[tokio::test]

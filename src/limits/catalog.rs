@@ -25,6 +25,8 @@ pub struct Catalog {
     domains: HashMap<String, Arc<Limits>>,
     /// The request headers HTTP rules read: to match, to key, to cost.
     read_headers: Vec<HeaderName>,
+    /// Whether one of them has `_` in its name.
+    underscore_read: bool,
 }
 
 impl Catalog {
@@ -73,10 +75,12 @@ impl Catalog {
                 }
             }
         }
+        let underscore_read = read_headers.iter().any(|r| r.as_str().contains('_'));
         Catalog {
             files,
             domains,
             read_headers,
+            underscore_read,
         }
     }
 
@@ -92,13 +96,15 @@ impl Catalog {
             return Vec::new();
         }
         // Most requests have no `_` in any name, and most rules read none.
-        let any_underscore_read = self.read_headers.iter().any(|r| r.as_str().contains('_'));
+        // A name a rule reads itself is kept (rules reading both
+        // `x-api-key` and `x_api_key` see each as the other's respelling).
         headers
             .keys()
             .filter(|name| {
                 let name = name.as_str();
-                (any_underscore_read || name.contains('_'))
+                (self.underscore_read || name.contains('_'))
                     && self.read_headers.iter().any(|read| respells(read.as_str(), name))
+                    && !self.read_headers.iter().any(|read| read.as_str() == name)
             })
             .cloned()
             .collect()
@@ -139,6 +145,27 @@ fn respells(read: &str, name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_respelling_is_removed_unless_a_rule_reads_that_name_too() {
+        let one = Catalog::new(vec![limits(
+            "domain: a\nrules:\n  - name: k\n    by: [header:x-api-key]\n    limits: [{requests: 1, per: 1m}]\n",
+        )]);
+        let mut headers = HeaderMap::new();
+        for name in ["x-api-key", "x_api_key", "x-api_key", "x-other_key"] {
+            headers.insert(HeaderName::from_static(name), "v".parse().unwrap());
+        }
+        let removed = |c: &Catalog| {
+            let mut names: Vec<String> = c.respelled_headers(&headers).iter().map(|n| n.to_string()).collect();
+            names.sort();
+            names
+        };
+        assert_eq!(removed(&one), ["x-api_key", "x_api_key"]);
+        let both = Catalog::new(vec![limits(
+            "domain: a\nrules:\n  - name: k\n    by: [header:x-api-key]\n    limits: [{requests: 1, per: 1m}]\n  - name: u\n    by: [header:x_api_key]\n    limits: [{requests: 1, per: 1m}]\n",
+        )]);
+        assert_eq!(removed(&both), ["x-api_key"], "both read: each kept");
+    }
 
     #[test]
     fn respellings_are_told_apart_from_the_names_rules_read() {

@@ -220,7 +220,17 @@ impl Proxy {
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(switch_protocols(client_upgrade, response));
         }
-        let (mut parts, body) = response.into_parts();
+        let (mut parts, mut body) = response.into_parts();
+        // A 204 that says it has a body (a transfer coding, a length
+        // other than 0; RFC 9112 §6.1, RFC 9110 §8.6 forbid both) is passed
+        // on without one, as both clients read it, but its connection is
+        // not used again: the bytes it announced may yet come.
+        if parts.status == StatusCode::NO_CONTENT
+            && (parts.headers.contains_key(header::TRANSFER_ENCODING)
+                || parts.headers.get(header::CONTENT_LENGTH).is_some_and(|l| l.as_bytes() != b"0"))
+        {
+            body.forbid_reuse();
+        }
         let coded = match strip_hop_by_hop(&mut parts.headers, false) {
             // A transfer coding other than chunked alone (`gzip, chunked`,
             // `identity`) cannot be passed on as sent: de-chunked, a gzip
@@ -256,7 +266,6 @@ impl Proxy {
         if self.options.ratelimit_headers {
             render::admission_headers(&admitted.decision, &mut parts.headers);
         }
-        let mut body = body;
         if client_h2 {
             // HTTP/2's default frame size.
             body.in_pieces(16 * 1024);
@@ -467,7 +476,11 @@ impl Proxy {
                 headers.insert(header::HOST, host.clone());
                 has_host = true;
             }
-            headers.insert(X_FORWARDED_HOST, host);
+            // A trusted front proxy's stays, as its X-Forwarded-Proto does:
+            // behind one that rewrites Host, it names the client's host.
+            if !trusted || !headers.contains_key(&X_FORWARDED_HOST) {
+                headers.insert(X_FORWARDED_HOST, host);
+            }
         }
         if !has_host {
             headers.insert(header::HOST, self.options.upstream.host().clone());

@@ -1191,6 +1191,12 @@ impl UpstreamBody {
     /// answer without a body that said it had one is not trusted to have
     /// left the connection where the next answer begins).
     pub fn discard(mut self) {
+        self.forbid_reuse();
+    }
+
+    /// Lets the body's connection close when the body ends, never reused
+    /// (see [`UpstreamBody::discard`]).
+    pub fn forbid_reuse(&mut self) {
         self.lease = None;
     }
 
