@@ -1287,16 +1287,16 @@ rules:
         "same client behind the proxy"
     );
 
-    // A trusted front proxy that rewrote Host keeps its X-Forwarded-Host
-    // (the client's host), as its X-Forwarded-Proto; an untrusted peer's is
-    // replaced by the host it asked for.
+    // X-Forwarded-Host names the host the rules matched, from a trusted
+    // proxy too: NGINX in front passes a client's own on unchanged, and an
+    // upstream routing by it (Rails) would serve a host no rule saw.
     let fronted = [
         ("host", "origin.internal"),
         ("x-forwarded-host", "api.example.com"),
         ("x-forwarded-for", "198.51.100.9"),
     ];
     let a = get(&c, &trusting.url("/echo"), &fronted).await;
-    assert_eq!(a.header("x-seen-x-forwarded-host"), Some("api.example.com"));
+    assert_eq!(a.header("x-seen-x-forwarded-host"), Some("origin.internal"));
     assert_eq!(a.header("x-seen-host"), Some("origin.internal"));
 
     let untrusting = Tollgate::start(limits, upstream.addr, &[]);
@@ -1315,6 +1315,26 @@ rules:
     let again = Tollgate::start("domain: it\nrules: []\n", upstream.addr, &[]);
     let a = get(&c, &again.url("/echo"), &fronted).await;
     assert_eq!(a.header("x-seen-x-forwarded-host"), Some("origin.internal"));
+}
+
+#[tokio::test]
+async fn an_http2_clients_cookie_fields_reach_an_http1_upstream_as_one_line() {
+    // Browsers send each cookie as a field of its own over HTTP/2; passed on
+    // as lines, WSGI servers joined them with `,` and Django read one
+    // broken cookie. RFC 9113 §8.2.3: joined with "; ", as NGINX does.
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let mut sender = h2_sender(tg.addr).await;
+    let req = http::Request::builder()
+        .uri(format!("http://{}/echo", tg.addr))
+        .header("cookie", "sid=abc")
+        .header("cookie", "csrftoken=xyz")
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let resp = sender.send_request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let cookies: Vec<_> = resp.headers().get_all("x-seen-cookie").iter().collect();
+    assert_eq!(cookies, ["sid=abc; csrftoken=xyz"]);
 }
 
 #[tokio::test]

@@ -465,6 +465,7 @@ impl Proxy {
         if !trusted {
             strip_claims(headers);
         }
+        join_cookies(headers);
         append_forwarded_for(headers, peer);
         if !trusted || !headers.contains_key(&X_FORWARDED_PROTO) {
             let proto = if tls { "https" } else { "http" };
@@ -476,11 +477,11 @@ impl Proxy {
                 headers.insert(header::HOST, host.clone());
                 has_host = true;
             }
-            // A trusted front proxy's stays, as its X-Forwarded-Proto does:
-            // behind one that rewrites Host, it names the client's host.
-            if !trusted || !headers.contains_key(&X_FORWARDED_HOST) {
-                headers.insert(X_FORWARDED_HOST, host);
-            }
+            // Always the host the rules matched, a trusted proxy's own
+            // too: a front that passes a client's X-Forwarded-Host on
+            // unchanged (NGINX and Envoy by default) would otherwise hand
+            // the upstream a host (Rails routes by it) no host rule saw.
+            headers.insert(X_FORWARDED_HOST, host);
         }
         if !has_host {
             headers.insert(header::HOST, self.options.upstream.host().clone());
@@ -636,6 +637,28 @@ fn strip_claims(headers: &mut HeaderMap) {
         .collect();
     for name in doomed {
         headers.remove(name);
+    }
+}
+
+/// Joins several `Cookie` lines into one with `; `: an HTTP/2 client sends
+/// each cookie as a field of its own (browsers do), and RFC 9113 §8.2.3
+/// has them joined so before they go on over HTTP/1.1. Passed on as lines,
+/// WSGI servers joined them with `,` and Django and Flask read one broken
+/// cookie. NGINX joins them too.
+fn join_cookies(headers: &mut HeaderMap) {
+    let mut lines = headers.get_all(header::COOKIE).iter();
+    if lines.next().is_none() || lines.next().is_none() {
+        return;
+    }
+    let mut joined = Vec::new();
+    for (i, line) in headers.get_all(header::COOKIE).iter().enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(line.as_bytes());
+    }
+    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+        headers.insert(header::COOKIE, value);
     }
 }
 
