@@ -501,6 +501,23 @@ rules:
         let fresh = format!("GET /t?tenant=f2&{spelling}=a");
         assert_eq!(status_of(&exchange(&tg, &req(&fresh)).await), 400, "{spelling} beside");
     }
+    // The same value twice is one value; a FIQL filter's `;` is an AND
+    // inside its parameter, not a second `tenant` (the twenty-second
+    // attack: Spring's RSQL filters were refused, or charged to the
+    // tenant they named).
+    assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=z1&Tenant=z1")).await), 200);
+    assert_eq!(status_of(&exchange(&tg, &req("GET /t?tenant=z1")).await), 429);
+    let fiql = "GET /t?tenant=z2&search=status==open;tenant==acme";
+    assert_eq!(status_of(&exchange(&tg, &req(fiql)).await), 200);
+    assert_eq!(
+        status_of(&exchange(&tg, &req("GET /t?search=status==open;tenant==z3")).await),
+        200
+    );
+    assert_eq!(
+        status_of(&exchange(&tg, &req("GET /t?tenant=z3")).await),
+        200,
+        "not charged by the filter"
+    );
 }
 
 #[tokio::test]

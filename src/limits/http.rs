@@ -315,9 +315,11 @@ fn part_value(
         Part::Query(name) => match req.query {
             None => None,
             Some(query) => {
+                // The same value twice is one value whichever a framework
+                // takes (`?tenant=a&Tenant=a`, a link's stray `&amp;`).
                 let mut values = query_values(query, name);
                 let first = values.next();
-                if values.next().is_some() {
+                if values.any(|v| Some(&v) != first.as_ref()) {
                     return Err(repeated(format!("query parameter {name}")));
                 }
                 first
@@ -349,7 +351,14 @@ fn query_values<'a>(query: &'a str, name: &'a str) -> impl Iterator<Item = Value
     // A rule on a name that is itself a framework's spelling of something
     // (`filter[tenant]`) is matched exactly.
     let plain = !name.contains(['[', ']', '\0']);
-    query.split(['&', ';']).filter_map(move |pair| {
+    // A `;` segment whose value holds a `=` is a FIQL/RSQL comparison
+    // inside one parameter (`search=status==open;tenant==acme`, Spring's
+    // and JAX-RS's filters), not a parameter: Rack 2 would read it as
+    // `tenant` = `=acme`, no caller's value.
+    let pairs = query.split('&').flat_map(|part| {
+        part.split(';').enumerate().filter(|(i, seg)| *i == 0 || !seg.split_once('=').is_some_and(|(_, v)| v.contains('='))).map(|(_, seg)| seg)
+    });
+    pairs.filter_map(move |pair| {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
         let k = decode(k);
         let same = k == name.as_bytes() || (plain && same_parameter(&k, name.as_bytes()));
@@ -697,6 +706,11 @@ rules:
         assert_eq!(values("ten[ant=a", "ten_ant"), ["a"], "PHP reads an unclosed [ as _");
         assert_eq!(values("ten%5bant=a", "ten_ant"), ["a"]);
         assert_eq!(values("oauth[client.id=a", "oauth_client_id"), ["a"], "PHP: _ for . after an unclosed [");
+        // A FIQL/RSQL filter's `;` is an AND inside one value, not a
+        // separator; a plain `;tenant=a` (Rack 2) still is one.
+        assert!(values("search=status==open;tenant==acme", "tenant").is_empty());
+        assert!(values("filter=status==open;tenant=in=(acme,beta)", "tenant").is_empty());
+        assert_eq!(values("x=1;tenant=a", "tenant"), ["a"]);
         // A named index makes a hash, no value: JSON:API's page[size].
         assert!(values("page[number]=2&page[size]=10", "page").is_empty());
         // A rule on a framework's spelling itself is matched exactly.
