@@ -482,6 +482,9 @@ impl Proxy {
             // unchanged (NGINX and Envoy by default) would otherwise hand
             // the upstream a host (Rails routes by it) no host rule saw.
             headers.insert(X_FORWARDED_HOST, host);
+        } else {
+            // No host named (HTTP/1.0 without Host): no claim of one either.
+            headers.remove(X_FORWARDED_HOST);
         }
         if !has_host {
             headers.insert(header::HOST, self.options.upstream.host().clone());
