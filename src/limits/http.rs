@@ -301,6 +301,18 @@ fn part_value(
             })
         }
         Part::Host => host.and_then(|h| text(h.to_string())),
+        Part::Header(name) if name == http::header::COOKIE => {
+            // An HTTP/2 client sends one field per cookie; the upstream gets
+            // them joined with "; " (RFC 9113 §8.2.3), and so does the rule.
+            let mut joined: Vec<u8> = Vec::new();
+            for (i, line) in req.headers.get_all(name).iter().enumerate() {
+                if i > 0 {
+                    joined.extend_from_slice(b"; ");
+                }
+                joined.extend_from_slice(line.as_bytes().trim_ascii());
+            }
+            (!joined.is_empty()).then(|| Value::from_bytes(joined))
+        }
         Part::Header(name) => {
             let mut values = req.headers.get_all(name).iter();
             let Some(first) = values.next() else { return Ok(None) };
@@ -726,6 +738,26 @@ rules:
         for other in ["tenants=a", "tenant[=a", "xtenant=a", "ten ant2=a", "filter[tenant]=a", "tenant_id=a"] {
             assert!(values(other, "tenant").is_empty(), "{other}");
         }
+    }
+
+    #[test]
+    fn cookie_fields_are_one_value_as_the_upstream_gets_them() {
+        let limits = parse_str(
+            "domain: c\nrules:\n  - name: per-session\n    by: [header:cookie]\n    limits: [{ requests: 5, per: 1m }]\n",
+            "c.yaml",
+        )
+        .unwrap();
+        let key = |lines: &[&str]| {
+            let mut h = HeaderMap::new();
+            for line in lines {
+                h.append("cookie", line.parse().unwrap());
+            }
+            let hits = hits(&limits, &request(&Method::GET, "/", None, &h)).unwrap();
+            hits.into_iter().map(|h| h.key).collect::<Vec<_>>()
+        };
+        // Two fields (an HTTP/2 browser) are the one line HTTP/1.1 sends.
+        assert_eq!(key(&["sid=abc", "csrftoken=xyz"]), key(&["sid=abc; csrftoken=xyz"]));
+        assert_eq!(key(&["sid=abc"]).len(), 1);
     }
 
     #[test]
