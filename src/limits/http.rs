@@ -302,15 +302,8 @@ fn part_value(
         }
         Part::Host => host.and_then(|h| text(h.to_string())),
         Part::Header(name) if name == http::header::COOKIE => {
-            // An HTTP/2 client sends one field per cookie; the upstream gets
-            // them joined with "; " (RFC 9113 §8.2.3), and so does the rule.
-            let mut joined: Vec<u8> = Vec::new();
-            for (i, line) in req.headers.get_all(name).iter().enumerate() {
-                if i > 0 {
-                    joined.extend_from_slice(b"; ");
-                }
-                joined.extend_from_slice(line.as_bytes().trim_ascii());
-            }
+            // The one line the upstream gets (see `cookie_line`).
+            let joined = cookie_line(req.headers);
             (!joined.is_empty()).then(|| Value::from_bytes(joined))
         }
         Part::Header(name) => {
@@ -338,6 +331,21 @@ fn part_value(
             }
         },
     })
+}
+
+/// Every `Cookie` field of `headers` as one line, joined with `; `: an
+/// HTTP/2 client sends one field per cookie (browsers do), and RFC 9113
+/// §8.2.3 has them joined so; the proxy passes this line on, and a rule
+/// keyed on `header:cookie` counts it.
+pub fn cookie_line(headers: &HeaderMap) -> Vec<u8> {
+    let mut joined = Vec::new();
+    for (i, line) in headers.get_all(http::header::COOKIE).iter().enumerate() {
+        if i > 0 {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(line.as_bytes().trim_ascii());
+    }
+    joined
 }
 
 /// The client address, or its network when the rule keeps fewer bits

@@ -653,14 +653,7 @@ fn join_cookies(headers: &mut HeaderMap) {
     if lines.next().is_none() || lines.next().is_none() {
         return;
     }
-    let mut joined = Vec::new();
-    for (i, line) in headers.get_all(header::COOKIE).iter().enumerate() {
-        if i > 0 {
-            joined.extend_from_slice(b"; ");
-        }
-        joined.extend_from_slice(line.as_bytes());
-    }
-    if let Ok(value) = HeaderValue::from_bytes(&joined) {
+    if let Ok(value) = HeaderValue::from_bytes(&crate::limits::http::cookie_line(headers)) {
         headers.insert(header::COOKIE, value);
     }
 }
