@@ -776,6 +776,10 @@ rules:
     match: { path: /\u{c9}COLE/*, ignore_case: true }
     by: [path]
     limits: [{ requests: 1, per: 60s }]
+  - name: per-session
+    match: { path: /s }
+    by: [header:cookie]
+    limits: [{ requests: 1, per: 60s }]
 ";
     // (method, target, headers, what every surface must say)
     type Case<'a> = (&'a str, &'a str, &'a [(&'a str, &'a str)], &'a str);
@@ -839,6 +843,29 @@ rules:
         ("GET", "/%C3%A9cole/x", &[], "admitted"),
         ("GET", "/\u{c9}COLE/X", &[], "limited"),
         ("GET", "/%c3%89cOlE/x", &[], "limited"),
+        // Query names frameworks read as `tenant` (ASP.NET's any case,
+        // arrays, PHP's leading space, Rack 2's brackets, Spring's `!`):
+        // `a`'s counter, or repeated beside another value; the same value
+        // twice is that value; a named index and a FIQL filter are not it.
+        ("GET", "/t?TENANT=a", &[], "limited"),
+        ("GET", "/t?tenant%5B%5D=a", &[], "limited"),
+        ("GET", "/t?tenant%5B0%5D=a", &[], "limited"),
+        ("GET", "/t?%20tenant=a", &[], "limited"),
+        ("GET", "/t?%5Btenant%5D=a", &[], "limited"),
+        ("GET", "/t?!tenant=a", &[], "limited"),
+        ("GET", "/t?tenant=q1&tenant%5B%5D=a", &[], "bad"),
+        ("GET", "/t?tenant=q2&Tenant=q2", &[], "admitted"),
+        ("GET", "/t?tenant=q2", &[], "limited"),
+        ("GET", "/t?tenant=q3&tenant%5Bsize%5D=a", &[], "admitted"),
+        ("GET", "/t?tenant=q4&search=s==o;tenant==a", &[], "admitted"),
+        // Hosts that name none are refused everywhere.
+        ("GET", "/h", &[("host", "api.example.com#x")], "bad"),
+        ("GET", "/h", &[("host", "api.example.com..")], "bad"),
+        ("GET", "/h", &[("host", "api.example.com:80:90")], "bad"),
+        ("GET", "/h", &[("host", "api%2Eexample.com")], "bad"),
+        // An HTTP/2 browser's cookie fields are the one line of HTTP/1.1.
+        ("GET", "/s", &[("cookie", "sid=1"), ("cookie", "csrf=2")], "admitted"),
+        ("GET", "/s", &[("cookie", "sid=1; csrf=2")], "limited"),
     ];
     for (store, redis) in stores() {
         for surface in [HttpSurface::Proxy, HttpSurface::ExtAuthz, HttpSurface::AuthRequest] {
