@@ -978,6 +978,13 @@ async fn a_host_list_userinfo_or_invalid_host_cannot_dodge_a_host_rule() {
             assert_eq!(said, "admitted", "{surface:?} with Host {host}");
         }
     }
+    // A raw `"`, `<` or `>` in the query is a 400 (README: the query's
+    // parser refuses them).
+    for target in ["/a?q=\"b", "/a?q=<b", "/a?q=>"] {
+        let request = format!("GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let answer = raw(tg.addr, request.as_bytes(), Duration::from_secs(3)).await;
+        assert!(answer.starts_with("HTTP/1.1 400"), "{target}: {answer}");
+    }
     // HTTP/1.0 names no host: a client's X-Forwarded-Host does not name
     // one for it either (Rails would route by it past every host rule).
     let answer = raw(
