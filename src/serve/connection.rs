@@ -45,11 +45,11 @@ use tokio_rustls::TlsAcceptor;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use tokio::sync::watch;
+use tokio::sync::{OwnedSemaphorePermit, watch};
 
 use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, stopped};
 use crate::metrics::Held;
-use super::parking::{Lot, Resume};
+use super::parking::Lot;
 use super::streams::{Progress, StreamExecutor};
 use crate::tls::{ClientStream, ClientTls};
 
@@ -84,6 +84,25 @@ pub(super) struct ConnMetrics {
     pub tls_failures: Counter,
 }
 
+/// An open connection's slot under its listener's bound and its place in
+/// the gauge of open connections.
+/// Both are only held: dropping them gives them back.
+pub(super) struct Seat {
+    /// None when the listener is unbounded.
+    _slot: Option<OwnedSemaphorePermit>,
+    _open: Held,
+}
+
+impl Seat {
+    /// A seat of `slot`, counted in the `open` gauge.
+    pub(super) fn new(slot: Option<OwnedSemaphorePermit>, open: &Gauge) -> Seat {
+        Seat {
+            _slot: slot,
+            _open: Held::new(open.clone()),
+        }
+    }
+}
+
 /// When a connection last began or finished a request, for its watchdog.
 struct Activity {
     opened: Instant,
@@ -91,10 +110,9 @@ struct Activity {
     listener: Arc<Listener>,
     /// The client's address.
     peer: SocketAddr,
-    /// The connection's slot and its place in the gauge of open ones: let
-    /// go of when the last holder of the connection (its task, the lot, a
-    /// tunnel over its socket) lets go of this.
-    _held: Box<dyn Send + Sync>,
+    /// Let go of when the last holder of the connection (its task, the
+    /// lot, a tunnel over its socket) lets go of this.
+    _seat: Seat,
     /// The client's TLS session, once its handshake is done.
     tls: std::sync::OnceLock<ClientTls>,
     /// Milliseconds after `opened` when a request last began or finished.
@@ -123,12 +141,12 @@ struct Activity {
 }
 
 impl Activity {
-    fn new(listener: Arc<Listener>, peer: SocketAddr, held: Box<dyn Send + Sync>) -> Self {
+    fn new(listener: Arc<Listener>, peer: SocketAddr, seat: Seat) -> Self {
         Activity {
             opened: Instant::now(),
             listener,
             peer,
-            _held: held,
+            _seat: seat,
             tls: std::sync::OnceLock::new(),
             last_ms: AtomicU64::new(0),
             served: AtomicBool::new(false),
@@ -442,6 +460,33 @@ impl ClientIo {
     }
 }
 
+/// What a listener serves: a function from a request and its client's
+/// address to a response, with the bounds hyper's connections need, named
+/// once.
+pub trait App: Clone + Send + Sync + Unpin + 'static {
+    /// The responses' body.
+    type Body: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + Send + Unpin + 'static;
+    /// The future of a response.
+    type Future: Future<Output = Response<Self::Body>> + Send + 'static;
+    /// The response to `req` from `peer`.
+    fn call(&self, req: Request<Incoming>, peer: SocketAddr) -> Self::Future;
+}
+
+impl<F, Fut, B> App for F
+where
+    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
+    Fut: Future<Output = Response<B>> + Send + 'static,
+    B: Body + Send + Unpin + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn StdError + Send + Sync>>,
+{
+    type Body = B;
+    type Future = Fut;
+    fn call(&self, req: Request<Incoming>, peer: SocketAddr) -> Fut {
+        self(req, peer)
+    }
+}
+
 /// The request handler as one connection serves it: the bounds hyper's
 /// connections need, named once.
 trait Handler:
@@ -487,32 +532,34 @@ pub(super) struct Listener {
     pub metrics: ConnMetrics,
     /// Where its idle connections wait (none if it could not be made:
     /// they are closed instead).
-    pub lot: Option<Arc<Lot>>,
+    pub lot: Option<Arc<Lot<Idle>>>,
     /// Its bound, which says when idle connections should make room.
     pub gate: Gate,
 }
 
 /// Serves `handler` on one accepted connection until it closes or parks;
-/// `held` (its slot and its place in the gauge of open connections) goes
-/// with its [`Activity`]: into the lot while it is parked, and into a
+/// its `seat` goes with its [`Activity`]: into the lot while it is parked, and into a
 /// tunnel (WebSocket) its socket is handed to, for as long as that runs.
-pub(super) async fn serve<F, Fut, B>(
+pub(super) async fn serve<A: App>(
     stream: TcpStream,
     peer: SocketAddr,
-    handler: F,
+    handler: A,
     listener: Arc<Listener>,
     stop: watch::Receiver<bool>,
-    held: Box<dyn Send + Sync>,
-) where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
-    Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + Unpin + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
-    let activity = Arc::new(Activity::new(listener, peer, held));
+    seat: Seat,
+) {
+    let activity = Arc::new(Activity::new(listener, peer, seat));
+    let service = service(&activity, handler);
+    if let Some(idle) = Box::pin(open(stream, service, stop.clone(), &activity)).await {
+        park(idle);
+    }
+}
+
+/// `handler` as hyper serves it on the connection of `activity`: each
+/// request counted there, and held to the listener's header bounds.
+fn service<A: App>(activity: &Arc<Activity>, handler: A) -> impl Handler {
     let seen = activity.clone();
-    let service = service_fn(move |mut req: Request<Incoming>| {
+    service_fn(move |mut req: Request<Incoming>| {
         if let Some(tls) = seen.tls.get() {
             req.extensions_mut().insert(tls.clone());
         }
@@ -524,7 +571,7 @@ pub(super) async fn serve<F, Fut, B>(
         let fits = seen.listener.limits.admits(req.headers());
         // Boxed: the handler's future is kilobytes, and hyper moves the
         // service's future into place; a pointer moves instead.
-        let response = fits.then(|| Box::pin(handler(req, seen.peer)));
+        let response = fits.then(|| Box::pin(handler.call(req, seen.peer)));
         async move {
             let response = match response {
                 Some(response) => Some(response.await),
@@ -532,65 +579,59 @@ pub(super) async fn serve<F, Fut, B>(
             };
             Ok::<_, Infallible>(until_sent(response, head, busy))
         }
-    });
-    if let Some(idle) = Box::pin(open(stream, service, stop.clone(), &activity)).await {
-        park(idle, stop);
-    }
+    })
+}
+
+/// What a parked connection keeps besides its socket: its [`Activity`] and
+/// where parking last left off. The request handler is not kept: it is
+/// the listener's, made again for the connection when it comes back.
+pub(super) struct Idle {
+    activity: Arc<Activity>,
+    /// Requests begun when hyper was last rebuilt after a park.
+    rebuilt_at: u64,
 }
 
 /// Hands an idle connection to its listener's lot, to be served again by
 /// [`resume`] when its client sends; this task ends. A connection that
 /// cannot be parked is closed, as a keep-alive connection may be at any
 /// time between requests.
-fn park<S>(idle: Parked<S>, stop: watch::Receiver<bool>)
+fn park<S>(idle: Parked<S>)
 where
     S: Handler,
 {
-    let Parked {
-        io,
-        service,
-        rebuilt_at,
-    } = idle;
+    let Parked { io, service, rebuilt_at } = idle;
+    // The lot makes the handler again when the connection comes back.
+    drop(service);
     let ClientIo { stream, activity, .. } = io;
     let peer = activity.peer;
     // TLS connections are never parked (see `serve_http1`).
     let ClientStream::Plain(stream) = stream else { return };
     let shared = &activity.listener;
-    let Some(lot) = &shared.lot else {
+    let Some(lot) = shared.lot.clone() else {
         tracing::debug!(%peer, "idle connection closed: no parking lot");
         return;
     };
     let keepalive = activity.left(&shared.limits);
-    let waiting = Held::new(shared.metrics.waiting.clone());
-    let lot = lot.clone();
-    let resume_activity = activity.clone();
-    let resume: Resume = Box::new(move |stream| {
-        let io = ClientIo {
-            stream: ClientStream::Plain(stream),
-            replay: Bytes::new(),
-            activity: resume_activity,
-            send_wait: SendWait::default(),
-        };
-        let idle = Parked {
-            io,
-            service,
-            rebuilt_at,
-        };
-        Box::pin(resume(idle, stop))
-    });
     tracing::trace!(%peer, "idle connection parked");
-    if let Err(e) = lot.park(stream, keepalive, waiting, resume) {
+    if let Err(e) = lot.park(stream, keepalive, Idle { activity, rebuilt_at }) {
         tracing::debug!(%peer, error = %e, "idle connection closed");
     }
 }
 
-/// Serves a connection its lot handed back, until it closes or parks again.
-async fn resume<S>(idle: Parked<S>, stop: watch::Receiver<bool>)
-where
-    S: Handler,
-{
-    if let Some(idle) = serve_http1(idle, stop.clone()).await {
-        park(idle, stop);
+/// Serves a connection its lot handed back (`stream`, and what it kept),
+/// with `handler`, until it closes or parks again.
+pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, stop: watch::Receiver<bool>) {
+    let Idle { activity, rebuilt_at } = idle;
+    let service = service(&activity, handler);
+    let io = ClientIo {
+        stream: ClientStream::Plain(stream),
+        replay: Bytes::new(),
+        activity,
+        send_wait: SendWait::default(),
+    };
+    let parked = Parked { io, service, rebuilt_at };
+    if let Some(idle) = serve_http1(parked, stop).await {
+        park(idle);
     }
 }
 

@@ -12,15 +12,11 @@
 //! connections when it runs out: a full listener is not held by sockets that
 //! do nothing, and a health probe still gets through.
 
-use std::error::Error as StdError;
-use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
-use http::{Request, Response};
-use hyper::body::{Body, Incoming};
 use hyper_util::rt::TokioTimer;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
@@ -29,6 +25,8 @@ use tokio::task::JoinSet;
 use crate::tls::TlsListener;
 
 mod connection;
+
+pub use connection::App;
 mod parking;
 mod streams;
 
@@ -113,7 +111,7 @@ pub struct Gate {
     /// How many more idle connections may close this turn.
     tickets: Arc<AtomicUsize>,
     /// The lots of the gate's listeners, whose parked connections go first.
-    lots: Arc<Mutex<Vec<Weak<parking::Lot>>>>,
+    lots: Arc<Mutex<Vec<Weak<parking::Lot<connection::Idle>>>>>,
     /// Idle connections closed to make room (`tollgate_connections_reclaimed`).
     reclaimed: prometheus_client::metrics::counter::Counter,
     /// When a full gate was last logged, in ms since `epoch`, so a flood
@@ -158,7 +156,7 @@ impl Gate {
     }
 
     /// Counts `lot`'s parked connections among those that make room.
-    fn add_lot(&self, lot: &Arc<parking::Lot>) {
+    fn add_lot(&self, lot: &Arc<parking::Lot<connection::Idle>>) {
         let mut lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
         lots.retain(|l| l.strong_count() > 0);
         lots.push(Arc::downgrade(lot));
@@ -170,7 +168,7 @@ impl Gate {
     /// task, which look on their watchdog's next turn; how many it closed.
     fn reclaim_turn(&self) -> usize {
         let at_once = (self.max / 8).clamp(1, RECLAIM_AT_ONCE);
-        let lots: Vec<Arc<parking::Lot>> = {
+        let lots: Vec<Arc<parking::Lot<connection::Idle>>> = {
             let lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
             lots.iter().filter_map(Weak::upgrade).collect()
         };
@@ -196,20 +194,14 @@ impl Gate {
 
 /// Serves `handler` on `listener` (over `tls` when given), holding no more
 /// connections than `gate` allows, until `shutdown` turns true, then drains.
-pub async fn serve<F, Fut, B>(
+pub async fn serve<A: App>(
     listener: TcpListener,
     limits: ConnLimits,
     gate: Gate,
     tls: Option<TlsListener>,
     mut shutdown: watch::Receiver<bool>,
-    handler: F,
-) where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
-    Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + Unpin + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn StdError + Send + Sync>>,
-{
+    handler: A,
+) {
     let mut http1 = hyper::server::conn::http1::Builder::new();
     http1
         .timer(TokioTimer::new())
@@ -242,7 +234,11 @@ pub async fn serve<F, Fut, B>(
     };
     // Parked connections come back through `resumed` to be spawned here.
     let (resumed_tx, mut resumed) = tokio::sync::mpsc::unbounded_channel();
-    let lot = parking::Lot::start(resumed_tx, shutdown.clone())
+    let resume: parking::Resume<connection::Idle> = {
+        let (handler, stop) = (handler.clone(), shutdown.clone());
+        Box::new(move |stream, idle| Box::pin(connection::resume(stream, idle, handler.clone(), stop.clone())))
+    };
+    let lot = parking::Lot::start(resumed_tx, resume, metrics.waiting.clone(), shutdown.clone())
         .inspect_err(|e| tracing::warn!(listener = gate.name, error = %e, "idle connections will be closed, not parked"))
         .ok();
     if let Some(lot) = &lot {
@@ -289,9 +285,9 @@ pub async fn serve<F, Fut, B>(
             }
         };
         let Some(slot) = slot else { break };
-        let held = (slot, crate::metrics::Held::new(open.clone()));
-        // The slot and the gauge are given back when the task ends.
-        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), Box::new(held));
+        let seat = connection::Seat::new(slot, &open);
+        // The slot and the gauge are given back when the connection closes.
+        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), seat);
         connections.spawn(fut);
     }
     drop(listener);
