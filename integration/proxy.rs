@@ -2082,3 +2082,73 @@ async fn a_silent_h2_upstream_connection_is_given_up_not_kept_for_every_request(
         );
     }
 }
+
+#[tokio::test]
+async fn an_http1_upstreams_trailers_reach_http2_clients_and_not_http1_ones() {
+    // README: trailers go on to HTTP/2 clients; an HTTP/1.1 client gets the
+    // body without them, `TE: trailers` or not (and its connection stays
+    // usable: the chunked body still ends where it should).
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        buf.drain(..end + 4);
+                        let answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-checksum\r\n\r\n\
+                                       4\r\nbody\r\n0\r\nx-checksum: abc\r\n\r\n";
+                        if socket.write_all(answer).await.is_err() {
+                            return;
+                        }
+                    }
+                    match socket.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    }
+                }
+            });
+        }
+    });
+    let tg = Tollgate::start_upstream_url(
+        "domain: d\nrules: []\n",
+        &format!("http://{up}"),
+        &["--proxy-threads", "1"],
+    );
+
+    let mut h2 = h2_sender(tg.addr).await;
+    let get = http::Request::get(tg.url("/x"))
+        .body(http_body_util::Full::new(bytes::Bytes::new()))
+        .unwrap();
+    let answer = h2.send_request(get).await.unwrap();
+    let body = http_body_util::BodyExt::collect(answer.into_body()).await.unwrap();
+    let trailers = body.trailers().cloned();
+    assert_eq!(body.to_bytes(), "body");
+    assert_eq!(
+        trailers
+            .as_ref()
+            .and_then(|t| t.get("x-checksum"))
+            .map(|v| v.as_bytes()),
+        Some(&b"abc"[..]),
+        "HTTP/2 client: {trailers:?}"
+    );
+
+    for te in ["", "TE: trailers\r\n"] {
+        let request =
+            format!("GET /x HTTP/1.1\r\nHost: t\r\n{te}\r\nGET /y HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n");
+        let got = raw(tg.addr, request.as_bytes(), Duration::from_secs(5)).await;
+        assert_eq!(got.matches("HTTP/1.1 200").count(), 2, "both answered, {te:?}: {got}");
+        assert!(
+            !got.to_ascii_lowercase().contains("x-checksum"),
+            "no trailer, {te:?}: {got}"
+        );
+        assert_eq!(
+            got.matches("4\r\nbody\r\n0\r\n\r\n").count(),
+            2,
+            "each body whole and ended, {te:?}: {got}"
+        );
+    }
+}
