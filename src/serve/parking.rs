@@ -55,7 +55,7 @@ const SWEEP_EVERY: Duration = Duration::from_millis(500);
 #[cfg(not(test))]
 const KEEP_SLOTS: usize = 1024;
 #[cfg(test)]
-const KEEP_SLOTS: usize = 16;
+const KEEP_SLOTS: usize = BLOCK;
 
 /// A token's lower half names a slot, its upper half the park that filled
 /// it.
@@ -92,6 +92,9 @@ pub(super) enum ParkError {
     /// More connections are parked than a token can tell apart.
     #[error("cannot park the connection: the lot is full")]
     Full,
+    /// The server is stopping.
+    #[error("not parked: the server is stopping")]
+    Stopped,
 }
 
 impl<T: Send + 'static> Lot<T> {
@@ -134,6 +137,10 @@ impl<T> Lot<T> {
             .or_else(|| now.checked_add(FOREVER))
             .unwrap_or(now);
         let mut table = lock(&self.table);
+        if table.closed {
+            // The watch task is gone: nothing would ever sweep or close it.
+            return Err(ParkError::Stopped);
+        }
         let token = table.next_token().ok_or(ParkError::Full)?;
         // Readable covers the client hanging up too (read returns 0).
         self.registry(|r| r.register(&mut stream, token, Interest::READABLE))?;
@@ -146,17 +153,20 @@ impl<T> Lot<T> {
         with(lock(&self.poll).registry())
     }
 
-    /// Takes the connections `tokens` name (those still here) off the lot
-    /// and out of the set.
-    fn take(&self, tokens: impl IntoIterator<Item = Token>) -> Vec<Parked<MioStream, T>> {
+    /// Takes the connections `pick` names (those still here) off the lot
+    /// and out of the set. It picks under the same lock as they are taken:
+    /// a compaction in between would move them to other tokens.
+    fn take(&self, pick: impl FnOnce(&Table<MioStream, T>) -> Vec<Token>) -> Vec<Parked<MioStream, T>> {
         let mut table = lock(&self.table);
+        let tokens = pick(&table);
         let taken: Vec<_> = tokens.into_iter().filter_map(|t| table.remove(t)).collect();
         self.waiting.dec_by(i64::try_from(taken.len()).unwrap_or(i64::MAX));
         if table.wants_compacting() {
             // Moved connections are registered again under their new
             // tokens; an event already taken under an old one is told
             // again by the set (a re-registered socket that is readable is
-            // reported anew), and the old token names no one.
+            // reported anew), and the old token names no one else (it
+            // names the same connection if that stayed in its slot).
             let poll = lock(&self.poll);
             let mut lost = Vec::new();
             table.compact(|stream, token| {
@@ -181,7 +191,7 @@ impl<T> Lot<T> {
 
     /// Sends the connection behind `token` back to be served.
     fn wake(&self, token: Token) {
-        let Some(parked) = self.take([token]).pop() else { return };
+        let Some(parked) = self.take(|_| vec![token]).pop() else { return };
         let std: std::net::TcpStream = parked.stream.into();
         match tokio::net::TcpStream::from_std(std) {
             Ok(stream) => {
@@ -194,8 +204,7 @@ impl<T> Lot<T> {
 
     /// Closes the connections whose keep-alive time ran out.
     fn sweep(&self, now: Instant) {
-        let due = lock(&self.table).due(now);
-        let closed = self.take(due).len();
+        let closed = self.take(|table| table.due(now)).len();
         if closed > 0 {
             tracing::debug!(closed, "idle connections closed");
         }
@@ -205,17 +214,21 @@ impl<T> Lot<T> {
     /// keep-alive deadline (the longest idle) first, to make room for new
     /// ones; how many it closed.
     pub(super) fn reclaim(&self, most: usize) -> usize {
-        let earliest = lock(&self.table).earliest(most);
-        let closed = self.take(earliest).len();
+        let closed = self.take(|table| table.earliest(most)).len();
         if closed > 0 {
             tracing::debug!(closed, "idle connections closed to make room");
         }
         closed
     }
 
-    /// Closes every parked connection.
+    /// Closes every parked connection, and any parked from now on.
     fn close_all(&self) {
-        let all = lock(&self.table).take_all();
+        let all = {
+            let mut table = lock(&self.table);
+            let all = table.take_all();
+            table.closed = true;
+            all
+        };
         self.waiting.dec_by(i64::try_from(all.len()).unwrap_or(i64::MAX));
         for mut parked in all {
             let _ = self.registry(|r| r.deregister(&mut parked.stream));
@@ -264,6 +277,8 @@ struct Table<S, T> {
     /// event for a connection that left is not taken for the next one in
     /// its slot.
     parks: usize,
+    /// The server stopped: nothing is parked any more.
+    closed: bool,
 }
 
 impl<S, T> Default for Table<S, T> {
@@ -274,6 +289,7 @@ impl<S, T> Default for Table<S, T> {
             free: Vec::new(),
             len: 0,
             parks: 0,
+            closed: false,
         }
     }
 }
@@ -381,7 +397,9 @@ impl<S, T> Table<S, T> {
     /// burst, it would otherwise keep the burst's size for good.
     fn wants_compacting(&self) -> bool {
         let room = self.capacity();
-        (self.len == 0 && room > 0) || (room > KEEP_SLOTS && self.len < room / 8)
+        // A one-block table stays when empty, for a listener whose one idle
+        // connection comes and goes.
+        (self.len == 0 && room > BLOCK) || (room > KEEP_SLOTS && self.len < room / 8)
     }
 
     /// Moves the connections to the lowest slots of a table just big
@@ -398,6 +416,7 @@ impl<S, T> Table<S, T> {
             }
         }
         self.parks = old.parks;
+        self.closed = old.closed;
     }
 
     /// Empties the table.
@@ -509,11 +528,12 @@ mod tests {
         let waiting = Gauge::default();
         let (lot, _resumed, _got) = lot(stop, waiting.clone());
         let mut clients = Vec::new();
-        for i in 0..3 {
+        // Keep-alive times that put the deadlines in another order than
+        // the slots: the second parked is the one with the most time left.
+        for (i, keepalive) in [50, 70, 60].into_iter().enumerate() {
             let (server, client) = pair().await;
-            lot.park(server, Duration::from_secs(60), i).unwrap();
+            lot.park(server, Duration::from_secs(keepalive), i as u32).unwrap();
             clients.push(client);
-            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         assert_eq!(lot.reclaim(2), 2);
         assert_eq!((lot.len(), waiting.get()), (1, 1));
@@ -521,8 +541,8 @@ mod tests {
         for (i, client) in clients.iter_mut().enumerate() {
             let read = tokio::time::timeout(Duration::from_millis(300), client.read(&mut buf)).await;
             match i {
-                0 | 1 => assert_eq!(read.unwrap().unwrap(), 0, "parked first, closed first"),
-                _ => assert!(read.is_err(), "the newest is still parked"),
+                0 | 2 => assert_eq!(read.unwrap().unwrap(), 0, "nearest its deadline, closed first"),
+                _ => assert!(read.is_err(), "the one with the most time left is still parked"),
             }
         }
         assert_eq!(lot.reclaim(5), 1, "only what there is");
@@ -546,6 +566,22 @@ mod tests {
         let closed = tokio::time::timeout(Duration::from_secs(3), long_client.read(&mut buf)).await;
         assert_eq!(closed.unwrap().unwrap(), 0, "closed when the server stops");
         assert_eq!(waiting.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn nothing_is_parked_once_the_server_stopped() {
+        let (stop_tx, stop) = watch::channel(false);
+        let waiting = Gauge::default();
+        let (lot, _resumed, _got) = lot(stop, waiting.clone());
+        stop_tx.send(true).unwrap();
+        // The lot's task closes what it holds and ends.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let (server, mut client) = pair().await;
+        assert!(matches!(lot.park(server, Duration::from_secs(60), 1), Err(ParkError::Stopped)));
+        assert_eq!((lot.len(), waiting.get()), (0, 0));
+        let mut buf = [0u8; 1];
+        let closed = tokio::time::timeout(Duration::from_secs(3), client.read(&mut buf)).await;
+        assert_eq!(closed.unwrap().unwrap(), 0, "closed, not left open with no one to close it");
     }
 
     #[tokio::test]
@@ -586,7 +622,7 @@ mod tests {
             assert_eq!((kept, bytes), (i as u32, format!("req {i}").into_bytes()), "moved, and still its own");
         }
         assert_eq!((lot.len(), waiting.get()), (0, 0));
-        assert_eq!(lock(&lot.table).capacity(), 0, "an empty lot keeps no table");
+        assert_eq!(lock(&lot.table).capacity(), BLOCK, "an empty lot keeps one block");
     }
 
     #[tokio::test]
