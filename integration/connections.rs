@@ -272,6 +272,116 @@ async fn idle_keep_alive_connections_are_closed_after_the_keepalive_timeout() {
     assert_eq!(metric(&tg, gauge).await, 0, "every connection counted out when closed");
 }
 
+/// With `--keepalive-timeout` at `timeout`, idle connections (one after
+/// another, `pauses` apart) are closed within `within` of their response.
+async fn closed_idle_within(timeout: &str, within: std::ops::Range<Duration>, pauses: &[u64]) {
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--keepalive-timeout", timeout]);
+    for pause in pauses {
+        tokio::time::sleep(Duration::from_millis(*pause)).await;
+        let mut s = served(&tg).await;
+        let started = Instant::now();
+        assert!(closed_within(&mut s, Duration::from_secs(4)).await, "closed when idle");
+        let took = started.elapsed();
+        assert!(
+            within.contains(&took),
+            "closed {took:?} after its response, for {timeout}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_sub_second_keepalive_timeout_closes_idle_connections_in_time() {
+    // From the 23rd attack: the watchdog looked again only every second,
+    // so `300ms` closed an idle connection after a second, and a request
+    // sent 0.7 s after the last response was still served.
+    closed_idle_within(
+        "300ms",
+        Duration::from_millis(250)..Duration::from_millis(800),
+        &[0, 0, 0],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed_at_their_keepalive_timeout_not_a_sweep_later() {
+    // From the 23rd attack: parked connections were looked at every half
+    // second, so 1.5 s closed them after 1.5 to 2 s.
+    closed_idle_within(
+        "1500ms",
+        Duration::from_millis(1_450)..Duration::from_millis(1_650),
+        &[0, 170, 330],
+    )
+    .await;
+}
+
+#[tokio::test]
+async fn a_head_begun_in_the_packet_of_the_request_before_gets_its_header_read_timeout_from_then() {
+    // From the 23rd attack: the rest of the request before's packet (`G`)
+    // got its header read timeout from the park a second later, not from
+    // when it came.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--header-read-timeout", "2s", "--keepalive-timeout", "30s"],
+    );
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"GET /x HTTP/1.1\r\nHost: t\r\n\r\nG").await.unwrap();
+    assert!(
+        read_until(&mut s, Duration::from_secs(5), has_head).await.is_some(),
+        "the first is answered"
+    );
+    let started = Instant::now();
+    assert!(
+        closed_within(&mut s, Duration::from_secs(5)).await,
+        "the head that never ends is cut"
+    );
+    let took = started.elapsed();
+    assert!(
+        (Duration::from_millis(1_900)..Duration::from_millis(2_500)).contains(&took),
+        "cut {took:?} after the response, for a 2 s header read timeout"
+    );
+}
+
+#[tokio::test]
+async fn at_the_connection_bound_the_longest_idle_give_way_first_on_every_thread() {
+    // From the 23rd attack: each proxy thread parks its own connections,
+    // and making room closed the first thread's longest idle before
+    // another thread's that had been idle longer.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &["--max-connections", "8", "--proxy-threads", "2"]);
+    let mut idle = Vec::new();
+    for _ in 0..8 {
+        idle.push(served(&tg).await);
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+    // All parked (idle past a second); an eighth of the bound gives way at
+    // a time: one per new client.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let mut fresh = Vec::new();
+    for n in 0..3 {
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        assert_eq!(
+            answer(&mut s, Duration::from_secs(5)).await.as_deref(),
+            Some("HTTP/1.1 200 OK"),
+            "new client {n} served"
+        );
+        fresh.push(s);
+        let mut gone = Vec::new();
+        for (i, s) in idle.iter_mut().enumerate() {
+            if closed_within(s, Duration::from_millis(50)).await {
+                gone.push(i);
+            }
+        }
+        assert_eq!(
+            gone,
+            (0..=n).collect::<Vec<_>>(),
+            "closed, longest idle first, after new client {n}"
+        );
+    }
+}
+
 #[tokio::test]
 async fn keepalive_timeout_zero_closes_after_each_response() {
     let up = TestUpstream::start().await;

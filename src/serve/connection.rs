@@ -251,6 +251,16 @@ impl Activity {
         Some(self.opened.elapsed().saturating_sub(Duration::from_millis(at)))
     }
 
+    /// Bytes of the next request's head were found already read (with the
+    /// request before, in one packet): unless its beginning was seen, it
+    /// began by the time that request's response ended.
+    fn head_read_with_last(&self) {
+        let last = self.last_ms.load(Ordering::Relaxed);
+        let _ = self
+            .head_ms
+            .compare_exchange(0, last.saturating_add(1), Ordering::Relaxed, Ordering::Relaxed);
+    }
+
     /// Bytes came from the client: between requests of an HTTP/1
     /// connection, they begin the next request's head.
     fn bytes_read(&self) {
@@ -780,9 +790,14 @@ where
             // twice that after it fell idle).
             let fresh = rebuilt_at == activity.begun.load(Ordering::Relaxed);
             let may_park = keep_alive && !closing && !fresh;
-            // Every PARK_AFTER at least: a request head that begins is not
-            // announced either, and has the header read timeout from then.
-            let mut wake = activity.left(limits).min(limits.recheck_every()).min(PARK_AFTER);
+            // Every PARK_AFTER at least (and every header read timeout, if
+            // shorter): a request head that begins is not announced
+            // either, and has the header read timeout from then.
+            let mut wake = activity
+                .left(limits)
+                .min(limits.recheck_every())
+                .min(PARK_AFTER)
+                .min(limits.header_read_timeout.max(Duration::from_millis(10)));
             if keep_alive && !closing {
                 // A rebuilt connection looks again every PARK_AFTER until
                 // its next request has begun, or it would sleep through it
@@ -839,7 +854,9 @@ where
         if io.replay.is_empty() {
             return Some(Parked { io, service, rebuilt_at });
         }
-        // The client has begun its next request: serve it at once.
+        // The client has begun its next request: serve it at once, its
+        // header read timeout running since it began.
+        activity.head_read_with_last();
     }
 }
 

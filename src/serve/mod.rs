@@ -61,10 +61,16 @@ pub struct ConnLimits {
 
 impl ConnLimits {
     /// How often a connection's watchdog looks again at the latest: a
-    /// request beginning or ending does not wake it. At least a second, so
-    /// a zero keep-alive timeout does not make it spin.
+    /// request beginning or ending does not wake it. Every keep-alive
+    /// timeout, so that a connection is closed at most that late (a
+    /// sub-second one too, as NGINX takes `keepalive_timeout 300ms`), but
+    /// at least every 10 ms, and every second with keep-alive off, so
+    /// that a tiny or zero timeout does not make it spin.
     fn recheck_every(&self) -> Duration {
-        self.keepalive_timeout.max(Duration::from_secs(1))
+        match self.keepalive_timeout {
+            off if off.is_zero() => Duration::from_secs(1),
+            timeout => timeout.max(Duration::from_millis(10)),
+        }
     }
 
     /// Whether a request's header fields fit these bounds (their count, and
@@ -172,9 +178,19 @@ impl Gate {
             let lots = self.lots.lock().unwrap_or_else(|p| p.into_inner());
             lots.iter().filter_map(Weak::upgrade).collect()
         };
+        // Longest idle first across the lots (one per proxy thread): the
+        // turn's number of earliest keep-alive deadlines among all of them
+        // (a connection's is its last response plus the same timeout),
+        // then each lot closes its own among those.
+        let mut deadlines: Vec<Instant> = lots.iter().flat_map(|lot| lot.earliest(at_once)).collect();
+        deadlines.sort_unstable();
+        let Some(&until) = deadlines.get(at_once.saturating_sub(1)).or(deadlines.last()) else {
+            self.tickets.store(at_once, Ordering::Relaxed);
+            return 0;
+        };
         let mut closed = 0usize;
         for lot in lots {
-            closed = closed.saturating_add(lot.reclaim(at_once.saturating_sub(closed)));
+            closed = closed.saturating_add(lot.reclaim(at_once.saturating_sub(closed), until));
         }
         self.tickets.store(at_once.saturating_sub(closed), Ordering::Relaxed);
         closed

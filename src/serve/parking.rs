@@ -47,9 +47,12 @@ pub(super) type Resume<T> = Box<dyn Fn(tokio::net::TcpStream, T) -> Resumed + Se
 /// Most readiness events taken from the set at a time.
 const EVENTS: usize = 256;
 
-/// How often connections past their keep-alive time are looked for: a
-/// parked one is closed at most this late.
+/// How often parked connections are looked at when none is due sooner.
 const SWEEP_EVERY: Duration = Duration::from_millis(500);
+
+/// The shortest time between two looks: a parked connection is closed at
+/// most this late.
+const SWEEP_GAP: Duration = Duration::from_millis(100);
 
 /// A table this small is kept as it is unless empty (~50 KB at most).
 #[cfg(not(test))]
@@ -81,6 +84,8 @@ pub(super) struct Lot<T> {
     resume: Resume<T>,
     /// `tollgate_client_connections_waiting`: one for each parked connection.
     waiting: Gauge,
+    /// Tells the lot's task of a deadline earlier than the one it sleeps to.
+    sooner: tokio::sync::Notify,
 }
 
 /// Why a connection could not be parked (it is closed).
@@ -115,6 +120,7 @@ impl<T: Send + 'static> Lot<T> {
             resumed,
             resume,
             waiting,
+            sooner: tokio::sync::Notify::new(),
         });
         // SAFETY: the descriptor is the Poll's, which the lot owns; the
         // AsyncFd lives in the lot's task, which holds the lot.
@@ -146,6 +152,10 @@ impl<T> Lot<T> {
         self.registry(|r| r.register(&mut stream, token, Interest::READABLE))?;
         table.insert(token, stream, deadline, kept);
         self.waiting.inc();
+        if deadline < table.next_sweep {
+            table.next_sweep = deadline;
+            self.sooner.notify_one();
+        }
         Ok(())
     }
 
@@ -202,19 +212,49 @@ impl<T> Lot<T> {
         }
     }
 
-    /// Closes the connections whose keep-alive time ran out.
-    fn sweep(&self, now: Instant) {
-        let closed = self.take(|table| table.due(now)).len();
+    /// Closes the connections whose keep-alive time ran out; when to look
+    /// again: at the next deadline, or after [`SWEEP_EVERY`] at the latest.
+    fn sweep(&self, now: Instant) -> Instant {
+        let mut next = now.checked_add(SWEEP_EVERY).unwrap_or(now);
+        let soonest = now.checked_add(SWEEP_GAP).unwrap_or(now);
+        let closed = self
+            .take(|table| {
+                let (due, earliest) = table.due(now);
+                // A walk costs ~0.1 ms per 100,000 connections: not more
+                // than one per SWEEP_GAP, however spread their deadlines.
+                next = earliest.map_or(next, |e| e.clamp(soonest, next));
+                due
+            })
+            .len();
+        {
+            let mut table = lock(&self.table);
+            // A connection parked since the walk may have asked for sooner.
+            if !(now < table.next_sweep && table.next_sweep < next) {
+                table.next_sweep = next;
+            }
+            next = table.next_sweep.max(soonest);
+        }
         if closed > 0 {
             tracing::debug!(closed, "idle connections closed");
         }
+        next
     }
 
-    /// Closes up to `most` parked connections, those nearest their
-    /// keep-alive deadline (the longest idle) first, to make room for new
-    /// ones; how many it closed.
-    pub(super) fn reclaim(&self, most: usize) -> usize {
-        let closed = self.take(|table| table.earliest(most)).len();
+    /// The keep-alive deadlines of the `most` connections nearest theirs
+    /// (the longest idle), for a gate to choose among its lots' with.
+    pub(super) fn earliest(&self, most: usize) -> Vec<Instant> {
+        lock(&self.table).earliest(most).into_iter().map(|(deadline, _)| deadline).collect()
+    }
+
+    /// Closes up to `most` parked connections whose keep-alive deadline is
+    /// `until` or before, those nearest it (the longest idle) first, to
+    /// make room for new ones; how many it closed.
+    pub(super) fn reclaim(&self, most: usize, until: Instant) -> usize {
+        let pick = |table: &Table<MioStream, T>| {
+            let earliest = table.earliest(most).into_iter();
+            earliest.filter(|&(deadline, _)| deadline <= until).map(|(_, t)| t).collect()
+        };
+        let closed = self.take(pick).len();
         if closed > 0 {
             tracing::debug!(closed, "idle connections closed to make room");
         }
@@ -279,6 +319,8 @@ struct Table<S, T> {
     parks: usize,
     /// The server stopped: nothing is parked any more.
     closed: bool,
+    /// When the lot's task sweeps next.
+    next_sweep: Instant,
 }
 
 impl<S, T> Default for Table<S, T> {
@@ -290,6 +332,7 @@ impl<S, T> Default for Table<S, T> {
             len: 0,
             parks: 0,
             closed: false,
+            next_sweep: Instant::now(),
         }
     }
 }
@@ -357,16 +400,24 @@ impl<S, T> Table<S, T> {
         Some(parked)
     }
 
-    /// Tokens of the connections due at `now`.
-    fn due(&self, now: Instant) -> Vec<Token> {
-        self.filled()
-            .filter(|(_, p)| p.deadline <= now)
-            .map(|(slot, p)| token(slot, p.park))
-            .collect()
+    /// Tokens of the connections due at `now`, and the earliest deadline
+    /// of the others.
+    fn due(&self, now: Instant) -> (Vec<Token>, Option<Instant>) {
+        let mut due = Vec::new();
+        let mut earliest: Option<Instant> = None;
+        for (slot, p) in self.filled() {
+            if p.deadline <= now {
+                due.push(token(slot, p.park));
+            } else if earliest.is_none_or(|e| p.deadline < e) {
+                earliest = Some(p.deadline);
+            }
+        }
+        (due, earliest)
     }
 
-    /// Tokens of up to `most` connections with the earliest deadlines.
-    fn earliest(&self, most: usize) -> Vec<Token> {
+    /// Up to `most` connections with the earliest deadlines: their
+    /// deadlines and tokens.
+    fn earliest(&self, most: usize) -> Vec<(Instant, Token)> {
         if most == 0 {
             return Vec::new();
         }
@@ -380,7 +431,7 @@ impl<S, T> Table<S, T> {
                 heap.push((p.deadline, token(slot, p.park).0));
             }
         }
-        heap.into_iter().map(|(_, t)| Token(t)).collect()
+        heap.into_iter().map(|(deadline, t)| (deadline, Token(t))).collect()
     }
 
     fn filled(&self) -> impl Iterator<Item = (usize, &Parked<S, T>)> {
@@ -417,6 +468,7 @@ impl<S, T> Table<S, T> {
         }
         self.parks = old.parks;
         self.closed = old.closed;
+        self.next_sweep = old.next_sweep;
     }
 
     /// Empties the table.
@@ -438,8 +490,9 @@ impl AsRawFd for SetFd {
 /// Serves the lot's set until the server stops.
 async fn watch_lot<T>(lot: Arc<Lot<T>>, set: AsyncFd<SetFd>, mut stop: watch::Receiver<bool>) {
     let mut events = Events::with_capacity(EVENTS);
-    let mut sweep = tokio::time::interval(SWEEP_EVERY);
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let sweep = tokio::time::sleep(SWEEP_EVERY);
+    tokio::pin!(sweep);
+    let mut swept = Instant::now();
     loop {
         tokio::select! {
             ready = set.readable() => {
@@ -460,7 +513,16 @@ async fn watch_lot<T>(lot: Arc<Lot<T>>, set: AsyncFd<SetFd>, mut stop: watch::Re
                     lot.wake(event.token());
                 }
             }
-            _ = sweep.tick() => lot.sweep(Instant::now()),
+            _ = &mut sweep => {
+                swept = Instant::now();
+                let next = lot.sweep(swept);
+                sweep.as_mut().reset(tokio::time::Instant::from_std(next));
+            }
+            _ = lot.sooner.notified() => {
+                let next = lock(&lot.table).next_sweep;
+                let next = next.max(swept.checked_add(SWEEP_GAP).unwrap_or(swept));
+                sweep.as_mut().reset(tokio::time::Instant::from_std(next));
+            }
             _ = super::stopped(&mut stop) => {
                 lot.close_all();
                 break;
@@ -477,6 +539,11 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// A deadline past every one a test sets.
+    fn far() -> Instant {
+        Instant::now() + FOREVER
+    }
 
     /// A connected pair over loopback: (the server's side, the client's).
     async fn pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
@@ -535,7 +602,7 @@ mod tests {
             lot.park(server, Duration::from_secs(keepalive), i as u32).unwrap();
             clients.push(client);
         }
-        assert_eq!(lot.reclaim(2), 2);
+        assert_eq!(lot.reclaim(2, far()), 2);
         assert_eq!((lot.len(), waiting.get()), (1, 1));
         let mut buf = [0u8; 1];
         for (i, client) in clients.iter_mut().enumerate() {
@@ -545,8 +612,25 @@ mod tests {
                 _ => assert!(read.is_err(), "the one with the most time left is still parked"),
             }
         }
-        assert_eq!(lot.reclaim(5), 1, "only what there is");
+        assert_eq!(lot.reclaim(5, far()), 1, "only what there is");
         assert_eq!(waiting.get(), 0);
+    }
+
+    #[tokio::test]
+    async fn reclaiming_closes_none_past_the_deadline_it_is_given() {
+        let (_stop_tx, stop) = watch::channel(false);
+        let (lot, _resumed, _got) = lot(stop, Gauge::default());
+        let mut clients = Vec::new();
+        for (i, keepalive) in [50, 70, 60].into_iter().enumerate() {
+            let (server, client) = pair().await;
+            lot.park(server, Duration::from_secs(keepalive), i as u32).unwrap();
+            clients.push(client);
+        }
+        let deadlines = lot.earliest(2);
+        assert_eq!(deadlines.len(), 2);
+        let until = *deadlines.iter().min().unwrap();
+        assert_eq!(lot.reclaim(3, until), 1, "only the one due by then");
+        assert_eq!(lot.len(), 2);
     }
 
     #[tokio::test]
@@ -610,7 +694,7 @@ mod tests {
         }
         let room = lock(&lot.table).capacity();
         assert!(room > KEEP_SLOTS);
-        assert_eq!(lot.reclaim(37), 37);
+        assert_eq!(lot.reclaim(37, far()), 37);
         let after = lock(&lot.table).capacity();
         assert!(after < room, "the table shrank: {room} -> {after}");
         assert_eq!((lot.len(), waiting.get()), (3, 3));
@@ -631,13 +715,13 @@ mod tests {
         let (lot, mut resumed, _got) = lot(stop, Gauge::default());
         let (first, _first_client) = pair().await;
         lot.park(first, Duration::from_secs(60), 1).unwrap();
-        let gone = lock(&lot.table).earliest(1);
-        assert_eq!(lot.reclaim(1), 1);
+        let gone = lock(&lot.table).earliest(1)[0].1;
+        assert_eq!(lot.reclaim(1, far()), 1);
         let (second, _second_client) = pair().await;
         lot.park(second, Duration::from_secs(60), 2).unwrap();
-        let now = lock(&lot.table).earliest(1);
-        assert_eq!(split(now[0]).0, split(gone[0]).0, "the same slot");
-        lot.wake(gone[0]);
+        let now = lock(&lot.table).earliest(1)[0].1;
+        assert_eq!(split(now).0, split(gone).0, "the same slot");
+        lot.wake(gone);
         assert_eq!(lot.len(), 1, "the second is still parked");
         assert!(resumed.try_recv().is_err());
     }
@@ -707,15 +791,20 @@ mod tests {
                     }
                     Op::Remove(_) => {}
                     Op::Due(ms) => {
-                        let mut due = table.due(at(ms));
+                        let (mut due, earliest) = table.due(at(ms));
                         due.sort();
+                        let rest = model.values().map(|v| v.0).filter(|&d| d > at(ms)).min();
+                        proptest::prop_assert_eq!(earliest, rest, "the next deadline");
                         let mut want: Vec<Token> = model.iter().filter(|(_, v)| v.0 <= at(ms)).map(|(t, _)| *t).collect();
                         want.sort();
                         proptest::prop_assert_eq!(due, want);
                     }
                     Op::Earliest(most) => {
                         let got = table.earliest(usize::from(most));
-                        let mut deadlines: Vec<Instant> = got.iter().map(|t| model[t].0).collect();
+                        for (deadline, t) in &got {
+                            proptest::prop_assert_eq!(*deadline, model[t].0);
+                        }
+                        let mut deadlines: Vec<Instant> = got.iter().map(|(d, _)| *d).collect();
                         deadlines.sort();
                         let mut all: Vec<Instant> = model.values().map(|v| v.0).collect();
                         all.sort();
