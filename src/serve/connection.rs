@@ -196,7 +196,11 @@ impl Activity {
         {
             return None;
         }
-        Some(PARK_AFTER.saturating_sub(self.since_last()))
+        // Sooner under a shorter header read timeout: a head begun in the
+        // packet of the request before is found only when the connection
+        // parks, and its timeout must not run out first.
+        let after = PARK_AFTER.min(self.listener.limits.header_read_timeout);
+        Some(after.saturating_sub(self.since_last()))
     }
 
     fn since_last(&self) -> Duration {
