@@ -20,7 +20,7 @@ const NO_RULES: &str = "domain: d\nrules: []\n";
 const PARKED: Duration = Duration::from_millis(2500);
 
 /// A listener of a running tollgate, and how to ask it something at `path`.
-#[derive(Clone, Copy)]
+#[derive(Debug, Clone, Copy)]
 enum Surface {
     Proxy,
     Check,
@@ -414,5 +414,57 @@ async fn a_request_that_carried_upgrade_leaves_an_ordinary_keep_alive_connection
             second.as_deref().is_some_and(|r| r.starts_with("HTTP/1.1 200")),
             "Upgrade: {upgrade}: the connection still serves after an idle gap: {second:?}"
         );
+    }
+}
+
+/// How long after now the server closes `s` (reading and dropping what
+/// comes), or `None` within `limit`.
+async fn closes_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = limit.checked_sub(started.elapsed())?;
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(_)) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
+#[tokio::test]
+async fn keepalive_and_header_read_timeouts_hold_on_every_http_surface() {
+    // The 23rd attack's timing fixes, through the proxy and through the
+    // check listener (auth_request, ext_authz): a parked connection closes
+    // at its keep-alive timeout, not on a sweep's grid, and a head begun in
+    // the packet of the request before is cut at the header read timeout,
+    // under a second too.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        NO_RULES,
+        up.addr,
+        &["--keepalive-timeout", "1500ms", "--header-read-timeout", "500ms"],
+    );
+    for surface in [Surface::Proxy, Surface::Check] {
+        for (tail, within) in [
+            (&b""[..], Duration::from_millis(1_450)..Duration::from_millis(1_650)),
+            (&b"G"[..], Duration::from_millis(400)..Duration::from_millis(900)),
+        ] {
+            let mut s = TcpStream::connect(surface.addr(&tg)).await.unwrap();
+            s.write_all(&[surface.request("/a"), tail.to_vec()].concat())
+                .await
+                .unwrap();
+            let mut rest = Vec::new();
+            let got = response(&mut s, &mut rest, Duration::from_secs(5))
+                .await
+                .unwrap_or_default();
+            assert!(got.starts_with(surface.admitted()), "{surface:?}: {got}");
+            let took = closes_after(&mut s, Duration::from_secs(4)).await;
+            assert!(
+                took.is_some_and(|t| within.contains(&t)),
+                "{surface:?}, {:?} after the request: closed after {took:?}",
+                String::from_utf8_lossy(tail)
+            );
+        }
     }
 }
