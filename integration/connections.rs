@@ -59,16 +59,7 @@ fn has_head(bytes: &[u8]) -> bool {
 
 /// Whether the server closes `s` within `limit`.
 async fn closed_within(s: &mut TcpStream, limit: Duration) -> bool {
-    let mut buf = [0u8; 4096];
-    let until = Instant::now() + limit;
-    loop {
-        let left = until.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return true,
-            Ok(Ok(_)) => continue,
-            Err(_) => return false,
-        }
-    }
+    closes_after(s, limit).await.is_some()
 }
 
 /// A connection whose request head has begun and not ended: busy.

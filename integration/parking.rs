@@ -417,21 +417,6 @@ async fn a_request_that_carried_upgrade_leaves_an_ordinary_keep_alive_connection
     }
 }
 
-/// How long after now the server closes `s` (reading and dropping what
-/// comes), or `None` within `limit`.
-async fn closes_after(s: &mut TcpStream, limit: Duration) -> Option<Duration> {
-    let started = Instant::now();
-    let mut buf = [0u8; 4096];
-    loop {
-        let left = limit.checked_sub(started.elapsed())?;
-        match tokio::time::timeout(left, s.read(&mut buf)).await {
-            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
-            Ok(Ok(_)) => continue,
-            Err(_) => return None,
-        }
-    }
-}
-
 #[tokio::test]
 async fn keepalive_and_header_read_timeouts_hold_on_every_http_surface() {
     // The 23rd attack's timing fixes, through the proxy and through the

@@ -558,6 +558,21 @@ pub async fn metric(tg: &Tollgate, name: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
+/// How long after now the server closes `s` (reading and dropping what
+/// comes), or `None` within `limit`.
+pub async fn closes_after(s: &mut tokio::net::TcpStream, limit: Duration) -> Option<Duration> {
+    let started = Instant::now();
+    let mut buf = [0u8; 4096];
+    loop {
+        let left = limit.checked_sub(started.elapsed())?;
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return Some(started.elapsed()),
+            Ok(Ok(_)) => continue,
+            Err(_) => return None,
+        }
+    }
+}
+
 /// Sends raw bytes and reads until the server closes or `limit` passes.
 pub async fn raw(addr: SocketAddr, request: &[u8], limit: Duration) -> String {
     let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
