@@ -474,6 +474,54 @@ impl ClientIo {
     }
 }
 
+/// A request's body as a listener hands it to its handler: hyper's, or
+/// none at all.
+pub enum RequestBody {
+    /// The body hyper reads from the connection.
+    Hyper(Incoming),
+    /// No body: the request said it has none.
+    Empty,
+}
+
+impl RequestBody {
+    /// hyper's body, if the request has one to read.
+    pub fn into_incoming(self) -> Option<Incoming> {
+        match self {
+            RequestBody::Hyper(body) => Some(body),
+            RequestBody::Empty => None,
+        }
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            RequestBody::Hyper(body) => Pin::new(body).poll_frame(cx),
+            RequestBody::Empty => Poll::Ready(None),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Hyper(body) => body.is_end_stream(),
+            RequestBody::Empty => true,
+        }
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        match self {
+            RequestBody::Hyper(body) => body.size_hint(),
+            RequestBody::Empty => hyper::body::SizeHint::with_exact(0),
+        }
+    }
+}
+
 /// What a listener serves: a function from a request and its client's
 /// address to a response, with the bounds hyper's connections need, named
 /// once.
@@ -483,12 +531,12 @@ pub trait App: Clone + Send + Sync + Unpin + 'static {
     /// The future of a response.
     type Future: Future<Output = Response<Self::Body>> + Send + 'static;
     /// The response to `req` from `peer`.
-    fn call(&self, req: Request<Incoming>, peer: SocketAddr) -> Self::Future;
+    fn call(&self, req: Request<RequestBody>, peer: SocketAddr) -> Self::Future;
 }
 
 impl<F, Fut, B> App for F
 where
-    F: Fn(Request<Incoming>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
+    F: Fn(Request<RequestBody>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
     B: Body + Send + Unpin + 'static,
     B::Data: Send,
@@ -496,7 +544,7 @@ where
 {
     type Body = B;
     type Future = Fut;
-    fn call(&self, req: Request<Incoming>, peer: SocketAddr) -> Fut {
+    fn call(&self, req: Request<RequestBody>, peer: SocketAddr) -> Fut {
         self(req, peer)
     }
 }
@@ -585,7 +633,7 @@ fn service<A: App>(activity: &Arc<Activity>, handler: A) -> impl Handler {
         let fits = seen.listener.limits.admits(req.headers());
         // Boxed: the handler's future is kilobytes, and hyper moves the
         // service's future into place; a pointer moves instead.
-        let response = fits.then(|| Box::pin(handler.call(req, seen.peer)));
+        let response = fits.then(|| Box::pin(handler.call(req.map(RequestBody::Hyper), seen.peer)));
         async move {
             let response = match response {
                 Some(response) => Some(response.await),

@@ -26,7 +26,7 @@ use crate::tls::TlsListener;
 
 mod connection;
 
-pub use connection::App;
+pub use connection::{App, RequestBody};
 mod parking;
 mod streams;
 

@@ -16,13 +16,14 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
 use http_body_util::{Either, Full};
-use hyper::body::{Body as _, Incoming};
+use hyper::body::Body as _;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
 use crate::limits::RequestInfo;
 use crate::render;
+use crate::serve::RequestBody;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
@@ -129,7 +130,7 @@ impl Proxy {
     }
 
     /// Handles one client request: decide, then forward or refuse.
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<ProxyBody> {
+    pub async fn handle(&self, req: Request<RequestBody>, peer: SocketAddr) -> Response<ProxyBody> {
         // A reverse proxy has no use for a forward proxy's tunnel (CONNECT)
         // or a question to the server as a whole (`OPTIONS *`): neither has
         // a path to limit or to forward (it went upstream as `/*`, or as a
@@ -200,7 +201,7 @@ impl Proxy {
     /// Sends an admitted request on and relays the answer.
     async fn forward(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<RequestBody>,
         peer: SocketAddr,
         admitted: Admitted,
         call: Call,
@@ -275,7 +276,7 @@ impl Proxy {
 
     /// The decision for a request, when it admits it; otherwise the answer
     /// (a refusal, or 400 for a request no rule can be matched against).
-    async fn decide(&self, req: &Request<Incoming>, peer: SocketAddr) -> Result<Admitted, Response<ProxyBody>> {
+    async fn decide(&self, req: &Request<RequestBody>, peer: SocketAddr) -> Result<Admitted, Response<ProxyBody>> {
         let bad_request = |e: &dyn std::fmt::Display| {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
             plain(StatusCode::BAD_REQUEST, &e.to_string())
@@ -428,14 +429,14 @@ impl Proxy {
     /// no hop-by-hop headers, forwarding headers appended.
     fn upstream_request(
         &self,
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         peer: SocketAddr,
         host: Option<&str>,
         upgrade: bool,
     ) -> Result<(Request<ClientBody>, BodyProgress), StatusCode> {
         let (mut parts, body) = req.into_parts();
         let tls = parts.extensions.get::<crate::tls::ClientTls>().is_some();
-        let (body, sent) = ClientBody::new(body, self.options.body_timeout);
+        let (body, sent) = ClientBody::new(body.into_incoming(), self.options.body_timeout);
         // The upstream sees the normalised path the limits were matched on
         // (less the `;params` matching ignores: the upstream reads them).
         let normal = crate::path::normalize(parts.uri.path());

@@ -173,13 +173,14 @@ pub struct ClientBody {
 }
 
 impl ClientBody {
-    /// Wraps `body`, with where its progress is told.
-    pub fn new(body: Incoming, idle: Duration) -> (Self, BodyProgress) {
+    /// Wraps `body` (`None`: the request has none), with where its
+    /// progress is told.
+    pub fn new(body: Option<Incoming>, idle: Duration) -> (Self, BodyProgress) {
         let (tx, rx) = oneshot::channel();
         // Most requests have no body: no allocation for them.
-        let asked = (!body.is_end_stream()).then(|| Arc::new(Asked::new()));
+        let asked = body.as_ref().is_some_and(|b| !b.is_end_stream()).then(|| Arc::new(Asked::new()));
         let mut body = ClientBody {
-            body: Some(body),
+            body,
             held: None,
             timer: IdleTimer::new(idle),
             sent: Some(tx),
