@@ -14,6 +14,7 @@ mod nginx;
 mod operations;
 mod operator_page;
 mod parking;
+mod plain_gets;
 mod production;
 mod proxy;
 mod reload;

@@ -60,40 +60,6 @@ impl Surface {
     }
 }
 
-/// Reads one whole response (head and `content-length` body, or chunked)
-/// from `s`, keeping what follows in `rest`. `None`: closed or timed out.
-async fn response(s: &mut TcpStream, rest: &mut Vec<u8>, limit: Duration) -> Option<String> {
-    let deadline = Instant::now() + limit;
-    let mut buf = [0u8; 8192];
-    loop {
-        if let Some(end) = whole_response(rest) {
-            let text = String::from_utf8_lossy(&rest[..end]).into_owned();
-            rest.drain(..end);
-            return Some(text);
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        match tokio::time::timeout(left, s.read(&mut buf)).await {
-            Ok(Ok(n)) if n > 0 => rest.extend_from_slice(&buf[..n]),
-            _ => return None,
-        }
-    }
-}
-
-/// Where the first whole response in `bytes` ends.
-fn whole_response(bytes: &[u8]) -> Option<usize> {
-    let head_end = bytes.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
-    let head = String::from_utf8_lossy(&bytes[..head_end]).to_ascii_lowercase();
-    if head.contains("transfer-encoding: chunked") {
-        let end = bytes[head_end..].windows(5).position(|w| w == b"0\r\n\r\n")?;
-        return Some(head_end + end + 5);
-    }
-    let length = head
-        .lines()
-        .find_map(|l| l.strip_prefix("content-length:"))
-        .map_or(0, |v| v.trim().parse::<usize>().unwrap());
-    (bytes.len() >= head_end + length).then_some(head_end + length)
-}
-
 /// Waits until `surface`'s waiting gauge reads `n`.
 async fn waiting_reaches(tg: &Tollgate, surface: Surface, n: u64) -> bool {
     let until = Instant::now() + Duration::from_secs(6);
@@ -128,13 +94,17 @@ async fn an_idle_connection_is_parked_and_its_next_request_served() {
         );
         let mut rest = Vec::new();
         s.write_all(&surface.request("/first")).await.unwrap();
-        let first = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+        let first = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap();
         assert!(first.starts_with(surface.admitted()), "{first}");
         assert!(waiting_reaches(&tg, surface, 1).await, "parked once idle");
         for i in 0..3 {
             let path = format!("/again/{i}");
             s.write_all(&surface.request(&path)).await.unwrap();
-            let again = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+            let again = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+                .await
+                .unwrap();
             assert!(again.starts_with(surface.admitted()), "{again}");
             if let Surface::Proxy = surface {
                 assert_eq!(seen_uri(&again), Some(path.as_str()), "{again}");
@@ -142,7 +112,7 @@ async fn an_idle_connection_is_parked_and_its_next_request_served() {
             // The connection woken from parking stays open for the next.
             assert!(!again.to_ascii_lowercase().contains("connection: close"), "{again}");
             s.write_all(&surface.request("/next")).await.unwrap();
-            let next = response(&mut s, &mut rest, Duration::from_secs(5)).await;
+            let next = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
             assert!(
                 next.is_some_and(|r| r.starts_with(surface.admitted())),
                 "round {i}: the next request"
@@ -167,20 +137,28 @@ async fn a_request_begun_before_parking_is_finished_after_it() {
     let mut s = TcpStream::connect(tg.addr).await.unwrap();
     let mut rest = Vec::new();
     s.write_all(&Surface::Proxy.request("/one")).await.unwrap();
-    response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     // Half a head, then a pause long enough to park twice over.
     s.write_all(b"GET /two HTTP/1.1\r\nHo").await.unwrap();
     tokio::time::sleep(PARKED).await;
     s.write_all(b"st: t\r\n\r\n").await.unwrap();
-    let two = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    let two = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert_eq!(seen_uri(&two), Some("/two"), "{two}");
     // Two pipelined requests after a park: both answered, in order.
     tokio::time::sleep(PARKED).await;
     let mut both = Surface::Proxy.request("/three");
     both.extend(Surface::Proxy.request("/four"));
     s.write_all(&both).await.unwrap();
-    let three = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
-    let four = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    let three = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
+    let four = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert_eq!(seen_uri(&three), Some("/three"), "{three}");
     assert_eq!(seen_uri(&four), Some("/four"), "{four}");
     // A partial head does not make the connection spin: tollgate idles.
@@ -191,7 +169,9 @@ async fn a_request_begun_before_parking_is_finished_after_it() {
     let spent = process_cpu(tg.pid()) - cpu;
     assert!(spent < 0.2, "{spent} s of CPU in 2 s with one half-sent request");
     s.write_all(b"Host: t\r\n\r\n").await.unwrap();
-    let five = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    let five = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert_eq!(seen_uri(&five), Some("/five"), "{five}");
 }
 
@@ -244,7 +224,7 @@ async fn a_body_paused_longer_than_the_park_delay_arrives_whole() {
     let mut rest = Vec::new();
     for round in 0..2 {
         s.write_all(&Surface::Proxy.request("/stream")).await.unwrap();
-        let r = response(&mut s, &mut rest, Duration::from_secs(10)).await;
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(10), false).await;
         let r = r.unwrap_or_else(|| panic!("round {round}: response cut"));
         assert!(r.contains("first") && r.contains("second"), "{r}");
     }
@@ -258,10 +238,14 @@ async fn a_body_paused_longer_than_the_park_delay_arrives_whole() {
         .unwrap();
     tokio::time::sleep(PARKED).await;
     s.write_all(b"world").await.unwrap();
-    let r = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert!(r.ends_with("helloworld"), "{r}");
     s.write_all(&Surface::Proxy.request("/after")).await.unwrap();
-    let after = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    let after = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert_eq!(seen_uri(&after), Some("/after"), "{after}");
 }
 
@@ -283,7 +267,9 @@ async fn a_client_that_asked_to_close_is_closed_and_a_parked_one_at_shutdown() {
     let mut s = TcpStream::connect(tg.addr).await.unwrap();
     let mut rest = Vec::new();
     s.write_all(&Surface::Proxy.request("/x")).await.unwrap();
-    response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+    read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap();
     assert!(waiting_reaches(&tg, Surface::Proxy, 1).await);
     let asked = Instant::now();
     tg.signal("TERM");
@@ -299,19 +285,6 @@ async fn a_client_that_asked_to_close_is_closed_and_a_parked_one_at_shutdown() {
         matches!(read, Ok(Ok(0)) | Ok(Err(_))),
         "the parked connection is closed"
     );
-}
-
-/// A tiny deterministic generator, so a failing sequence can be replayed
-/// from its seed.
-struct Rng(u64);
-
-impl Rng {
-    fn below(&mut self, n: u64) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0 % n
-    }
 }
 
 /// One client's random life on `surface`: whole requests, heads split in
@@ -344,7 +317,7 @@ async fn random_client(addr: std::net::SocketAddr, surface: Surface, seed: u64) 
                 sent.push(path.clone());
                 sent.push(second);
                 while answered < sent.len() {
-                    let r = response(&mut s, &mut rest, Duration::from_secs(5)).await;
+                    let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
                     check(surface, seed, &sent[answered], r);
                     answered += 1;
                 }
@@ -353,7 +326,7 @@ async fn random_client(addr: std::net::SocketAddr, surface: Surface, seed: u64) 
             }
         }
         sent.push(path);
-        let r = response(&mut s, &mut rest, Duration::from_secs(5)).await;
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
         check(surface, seed, &sent[answered], r);
         answered += 1;
         tokio::time::sleep(pause(&mut rng)).await;
@@ -376,11 +349,9 @@ fn check(surface: Surface, seed: u64, path: &str, response: Option<String>) {
 async fn random_sequences_of_requests_and_pauses_are_each_answered_once_in_order() {
     let up = TestUpstream::start().await;
     // Both stores: parking is below them, but the answers come from them.
-    let redis = RedisServer::start();
-    let memory = Tollgate::start(NO_RULES, up.addr, &[]);
-    let shared = Tollgate::start(NO_RULES, up.addr, &["--redis", &redis.url()]);
+    let (_redis, stores) = on_both_stores(NO_RULES, up.addr);
     let mut clients = tokio::task::JoinSet::new();
-    for (i, tg) in [&memory, &shared].into_iter().enumerate() {
+    for (i, tg) in stores.iter().enumerate() {
         for seed in 1..=6u64 {
             let surface = if seed % 2 == 0 { Surface::Proxy } else { Surface::Check };
             clients.spawn(random_client(surface.addr(tg), surface, seed * 7919 + i as u64));
@@ -405,11 +376,13 @@ async fn a_request_that_carried_upgrade_leaves_an_ordinary_keep_alive_connection
             "GET /first HTTP/1.1\r\nHost: t\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: {upgrade}\r\nHTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n"
         );
         s.write_all(asking.as_bytes()).await.unwrap();
-        let first = response(&mut s, &mut rest, Duration::from_secs(5)).await.unwrap();
+        let first = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap();
         assert!(first.starts_with("HTTP/1.1 200"), "{first}");
         tokio::time::sleep(PARKED).await;
         s.write_all(b"GET /second HTTP/1.1\r\nHost: t\r\n\r\n").await.unwrap();
-        let second = response(&mut s, &mut rest, Duration::from_secs(5)).await;
+        let second = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
         assert!(
             second.as_deref().is_some_and(|r| r.starts_with("HTTP/1.1 200")),
             "Upgrade: {upgrade}: the connection still serves after an idle gap: {second:?}"
@@ -440,7 +413,7 @@ async fn keepalive_and_header_read_timeouts_hold_on_every_http_surface() {
                 .await
                 .unwrap();
             let mut rest = Vec::new();
-            let got = response(&mut s, &mut rest, Duration::from_secs(5))
+            let got = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
                 .await
                 .unwrap_or_default();
             assert!(got.starts_with(surface.admitted()), "{surface:?}: {got}");

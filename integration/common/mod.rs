@@ -743,3 +743,70 @@ where
         answered = Some(Instant::now());
     }
 }
+
+/// A tiny deterministic generator, so a failing random sequence can be
+/// replayed from its seed.
+pub struct Rng(pub u64);
+
+impl Rng {
+    /// The next number below `n`.
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0 % n
+    }
+}
+
+/// Reads one whole response from `s` (its head and `content-length` body,
+/// or chunked body; for an answer to HEAD, `head_only`, its head), keeping
+/// what follows in `rest`. `None`: closed or timed out.
+pub async fn read_response(
+    s: &mut tokio::net::TcpStream,
+    rest: &mut Vec<u8>,
+    limit: Duration,
+    head_only: bool,
+) -> Option<String> {
+    let deadline = Instant::now() + limit;
+    let mut buf = [0u8; 8192];
+    loop {
+        if let Some(end) = whole_response(rest, head_only) {
+            let text = String::from_utf8_lossy(&rest[..end]).into_owned();
+            rest.drain(..end);
+            return Some(text);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, s.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => rest.extend_from_slice(&buf[..n]),
+            _ => return None,
+        }
+    }
+}
+
+/// Where the first whole response in `bytes` ends.
+fn whole_response(bytes: &[u8], head_only: bool) -> Option<usize> {
+    let head_end = bytes.windows(4).position(|w| w == b"\r\n\r\n")? + 4;
+    if head_only {
+        return Some(head_end);
+    }
+    let head = String::from_utf8_lossy(&bytes[..head_end]).to_ascii_lowercase();
+    if head.contains("transfer-encoding: chunked") {
+        let end = bytes[head_end..].windows(5).position(|w| w == b"0\r\n\r\n")?;
+        return Some(head_end + end + 5);
+    }
+    let length = head
+        .lines()
+        .find_map(|l| l.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse::<usize>().unwrap());
+    (bytes.len() >= head_end + length).then_some(head_end + length)
+}
+
+/// One tollgate on the memory store and one on a Redis started here, with
+/// the same `limits` in front of `upstream` (the Redis server is returned
+/// to be kept alive as long as they are).
+pub fn on_both_stores(limits: &str, upstream: SocketAddr) -> (RedisServer, [Tollgate; 2]) {
+    let redis = RedisServer::start();
+    let memory = Tollgate::start(limits, upstream, &[]);
+    let shared = Tollgate::start(limits, upstream, &["--redis", &redis.url()]);
+    (redis, [memory, shared])
+}

@@ -53,6 +53,8 @@ use super::parking::Lot;
 use super::streams::{Progress, StreamExecutor};
 use crate::tls::{ClientStream, ClientTls};
 
+mod own;
+
 /// How long an HTTP/1 connection sits idle before hyper's state for it is
 /// dropped. Long enough that back-to-back keep-alive requests never pay
 /// for rebuilding it, short enough that idle clients cost almost nothing.
@@ -577,9 +579,9 @@ impl<S> Handler for S where
 
 /// An HTTP/1 connection between requests with no hyper state: the
 /// socket, the request handler, and where parking last left off.
-struct Parked<S> {
+struct Parked<A> {
     io: ClientIo,
-    service: S,
+    handler: A,
     /// Requests begun when hyper was last rebuilt after a park.
     rebuilt_at: u64,
 }
@@ -611,8 +613,7 @@ pub(super) async fn serve<A: App>(
     seat: Seat,
 ) {
     let activity = Arc::new(Activity::new(listener, peer, seat));
-    let service = service(&activity, handler);
-    if let Some(idle) = Box::pin(open(stream, service, stop.clone(), &activity)).await {
+    if let Some(idle) = Box::pin(open(stream, handler, stop.clone(), &activity)).await {
         park(idle);
     }
 }
@@ -657,13 +658,10 @@ pub(super) struct Idle {
 /// [`resume`] when its client sends; this task ends. A connection that
 /// cannot be parked is closed, as a keep-alive connection may be at any
 /// time between requests.
-fn park<S>(idle: Parked<S>)
-where
-    S: Handler,
-{
-    let Parked { io, service, rebuilt_at } = idle;
+fn park<A: App>(idle: Parked<A>) {
+    let Parked { io, handler, rebuilt_at } = idle;
     // The lot makes the handler again when the connection comes back.
-    drop(service);
+    drop(handler);
     let ClientIo { stream, activity, .. } = io;
     let peer = activity.peer;
     // TLS connections are never parked (see `serve_http1`).
@@ -684,14 +682,13 @@ where
 /// with `handler`, until it closes or parks again.
 pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, stop: watch::Receiver<bool>) {
     let Idle { activity, rebuilt_at } = idle;
-    let service = service(&activity, handler);
     let io = ClientIo {
         stream: ClientStream::Plain(stream),
         replay: Bytes::new(),
         activity,
         send_wait: SendWait::default(),
     };
-    let parked = Parked { io, service, rebuilt_at };
+    let parked = Parked { io, handler, rebuilt_at };
     if let Some(idle) = serve_http1(parked, stop).await {
         park(idle);
     }
@@ -699,15 +696,12 @@ pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, st
 
 /// Opens a connection (the TLS handshake, the protocol sniff) and serves
 /// it until it closes, or parks (HTTP/1 only).
-async fn open<S>(
+async fn open<A: App>(
     stream: TcpStream,
-    service: S,
+    handler: A,
     mut stop: watch::Receiver<bool>,
     activity: &Arc<Activity>,
-) -> Option<Parked<S>>
-where
-    S: Handler,
-{
+) -> Option<Parked<A>> {
     let (peer, shared) = (activity.peer, &*activity.listener);
     let (metrics, protocols, limits) = (&shared.metrics, &shared.protocols, &shared.limits);
     let tls_listener = protocols.tls.is_some();
@@ -786,13 +780,13 @@ where
         Ok(Some(Protocol::Http1)) => {
             let parked = Parked {
                 io,
-                service,
+                handler,
                 rebuilt_at: u64::MAX,
             };
             serve_http1(parked, stop).await
         }
         Ok(Some(Protocol::Http2)) => {
-            let conn = protocols.http2.serve_connection(TokioIo::new(io), service);
+            let conn = protocols.http2.serve_connection(TokioIo::new(io), service(activity, handler));
             watch_http2(conn, activity, peer, limits, stop).await;
             None
         }
@@ -806,13 +800,10 @@ where
 
 /// Serves HTTP/1 requests on a connection until it closes (`None`) or sits
 /// idle long enough to be parked.
-async fn serve_http1<S>(parked: Parked<S>, mut stop: watch::Receiver<bool>) -> Option<Parked<S>>
-where
-    S: Handler,
-{
+async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>) -> Option<Parked<A>> {
     let Parked {
         mut io,
-        mut service,
+        handler,
         rebuilt_at,
     } = parked;
     let activity = io.activity.clone();
@@ -830,6 +821,19 @@ where
     // handed part of a request would spin until the rest came.
     let mut rebuilt_at = rebuilt_at;
     loop {
+        // Plain GETs are served by our own HTTP/1.1 server; hyper takes
+        // the first request that is not one, until the connection parks.
+        if keep_alive {
+            match own::serve(&mut io, &handler, &mut stop, rebuilt_at).await {
+                own::Served::Closed => return None,
+                own::Served::Park => {
+                    let rebuilt_at = activity.begun.load(Ordering::Relaxed);
+                    return Some(Parked { io, handler, rebuilt_at });
+                }
+                own::Served::Hyper => rebuilt_at = activity.begun.load(Ordering::Relaxed),
+            }
+        }
+        let service = service(&activity, handler.clone());
         let mut conn = http1.serve_connection(TokioIo::new(io), service).with_upgrades();
         activity.parking.store(false, Ordering::Relaxed);
         activity.read_while_parking.store(false, Ordering::Relaxed);
@@ -901,10 +905,9 @@ where
         drop(parts.read_buf);
         io = parts.io.into_inner();
         io.replay = replay;
-        service = parts.service;
         rebuilt_at = activity.begun.load(Ordering::Relaxed);
         if io.replay.is_empty() {
-            return Some(Parked { io, service, rebuilt_at });
+            return Some(Parked { io, handler, rebuilt_at });
         }
         // The client has begun its next request: serve it at once, its
         // header read timeout running since it began.

@@ -1,0 +1,386 @@
+//! A plain GET (HTTP/1.1, no body, nothing hop-by-hop but `Connection:
+//! keep-alive`) is served by tollgate's own HTTP/1.1 server; any other
+//! request by hyper's, which then keeps the connection until it parks. A
+//! client must not be able to tell which answered: the same bytes for the
+//! same upstream answer (but the date), the same connection afterwards,
+//! the same order on a connection that mixes both, the same cancel when
+//! the client leaves, the same close when the server stops.
+//!
+//! Each request that should go to hyper is the plain one with `Connection:
+//! keep-alive, keep-alive`, which means what the plain one means.
+
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::common::*;
+
+const NO_RULES: &str = "domain: d\nrules: []\n";
+const TO_HYPER: &str = "Connection: keep-alive, keep-alive\r\n";
+
+/// An upstream that answers each path with set bytes: every framing an
+/// HTTP/1.1 server may use.
+async fn shaped_upstream() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        let mut chunk = [0u8; 4096];
+                        match s.read(&mut chunk).await {
+                            Ok(n) if n > 0 => buf.extend_from_slice(&chunk[..n]),
+                            _ => return,
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end + 4);
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    let (answer, close) = shaped(&path);
+                    if s.write_all(&answer).await.is_err() || close {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The upstream's answer for `path`, and whether it closes after it.
+fn shaped(path: &str) -> (Vec<u8>, bool) {
+    let big = pattern(100_000);
+    let text = |s: &str| (s.as_bytes().to_vec(), false);
+    match path {
+        "/length" => text("HTTP/1.1 200 OK\r\nDate: x\r\nContent-Length: 5\r\nX-A: 1\r\n\r\nhello"),
+        "/chunked" => text("HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"),
+        "/trailers" => text(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: x-sum\r\n\r\n3\r\nabc\r\n0\r\nx-sum: 9\r\n\r\n",
+        ),
+        "/empty" => text("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"),
+        "/no-content" => text("HTTP/1.1 204 No Content\r\nX-B: 2\r\n\r\n"),
+        "/not-modified" => text("HTTP/1.1 304 Not Modified\r\nContent-Length: 10\r\nETag: \"e\"\r\n\r\n"),
+        "/reason" => text("HTTP/1.1 200 Fine Thanks\r\nContent-Length: 2\r\n\r\nok"),
+        "/unknown-status" => text("HTTP/1.1 599 Whatever\r\nContent-Length: 2\r\n\r\nok"),
+        "/cookies" => text("HTTP/1.1 200 OK\r\nSet-Cookie: a=1\r\nSet-Cookie: b=2\r\nContent-Length: 0\r\n\r\n"),
+        "/keep-alive" => {
+            text("HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\nok")
+        }
+        "/close" => (
+            "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok".into(),
+            true,
+        ),
+        "/until-close" => ("HTTP/1.0 200 OK\r\n\r\nread to the end".into(), true),
+        "/big" => {
+            let mut a = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", big.len()).into_bytes();
+            a.extend_from_slice(&big);
+            (a, false)
+        }
+        "/big-chunked" => {
+            let mut a = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+            for piece in big.chunks(30_000) {
+                a.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+                a.extend_from_slice(piece);
+                a.extend_from_slice(b"\r\n");
+            }
+            a.extend_from_slice(b"0\r\n\r\n");
+            (a, false)
+        }
+        "/gzip-chunked" => text("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"),
+        "/short" => ("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc".into(), true),
+        _ => text("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
+    }
+}
+
+/// What a client sees of a conversation: each request sent in turn (once
+/// the answer before has stopped coming), the bytes back, and whether the
+/// server closed. A `date` value is the one thing that may differ.
+async fn transcript(addr: SocketAddr, requests: &[Vec<u8>]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut seen = Vec::new();
+    let mut closed = false;
+    for request in requests {
+        if s.write_all(request).await.is_err() {
+            closed = true;
+            break;
+        }
+        let mut quiet_since = Instant::now();
+        let started = Instant::now();
+        while quiet_since.elapsed() < Duration::from_millis(300) && started.elapsed() < Duration::from_secs(5) {
+            let mut buf = [0u8; 65536];
+            match tokio::time::timeout(Duration::from_millis(50), s.read(&mut buf)).await {
+                Ok(Ok(0)) | Ok(Err(_)) => {
+                    closed = true;
+                    break;
+                }
+                Ok(Ok(n)) => {
+                    seen.extend_from_slice(&buf[..n]);
+                    quiet_since = Instant::now();
+                }
+                Err(_) => {}
+            }
+        }
+        if closed {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&seen)
+        .lines()
+        .map(|l| {
+            if l.to_ascii_lowercase().starts_with("date: ") {
+                "date: -"
+            } else {
+                l
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    format!("{text}\n[closed: {closed}]")
+}
+
+fn get(path: &str, extra: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: t\r\n{extra}\r\n").into_bytes()
+}
+
+#[tokio::test]
+async fn every_upstream_answer_reaches_a_plain_get_as_hyper_sends_it() {
+    let up = shaped_upstream().await;
+    let tg = Tollgate::start(NO_RULES, up, &[]);
+    for path in [
+        "/length",
+        "/chunked",
+        "/trailers",
+        "/empty",
+        "/no-content",
+        "/not-modified",
+        "/reason",
+        "/unknown-status",
+        "/cookies",
+        "/keep-alive",
+        "/close",
+        "/until-close",
+        "/big",
+        "/big-chunked",
+        "/gzip-chunked",
+        "/short",
+        "/missing",
+    ] {
+        // Then a second request on the same connection, if it is still open.
+        let ours = transcript(tg.addr, &[get(path, ""), get("/length", "")]).await;
+        let hypers = transcript(tg.addr, &[get(path, TO_HYPER), get("/length", TO_HYPER)]).await;
+        assert_eq!(ours, hypers, "{path}");
+        assert!(ours.starts_with("HTTP/1.1 "), "{path}: {ours}");
+    }
+}
+
+#[tokio::test]
+async fn tollgate_s_own_answers_are_the_same_from_either_server() {
+    let limits = "\
+domain: d
+rules:
+  - name: one-each
+    by: [header:x-who]
+    limits: [{ requests: 1, per: 1h }]
+";
+    let up = shaped_upstream().await;
+    let tg = Tollgate::start(limits, up, &[]);
+    // An admission with its RateLimit headers, then a refusal (429, its
+    // body and Retry-After), each caller its own counter.
+    let ours = transcript(
+        tg.addr,
+        &[get("/length", "X-Who: a\r\n"), get("/length", "X-Who: a\r\n")],
+    )
+    .await;
+    let hypers = transcript(
+        tg.addr,
+        &[
+            get("/length", &format!("X-Who: b\r\n{TO_HYPER}")),
+            get("/length", &format!("X-Who: b\r\n{TO_HYPER}")),
+        ],
+    )
+    .await;
+    assert_eq!(ours, hypers);
+    assert!(ours.contains("HTTP/1.1 429 Too Many Requests"), "{ours}");
+    // A request no rule can be matched against (two hosts): 400.
+    let ours = transcript(tg.addr, &[get("/length", "Host: u\r\n")]).await;
+    let hypers = transcript(tg.addr, &[get("/length", &format!("Host: u\r\n{TO_HYPER}"))]).await;
+    assert_eq!(ours, hypers);
+    assert!(ours.starts_with("HTTP/1.1 400"), "{ours}");
+    // The check listener: admitted (204), refused (403, as NGINX's
+    // auth_request takes it, the 429 in x-tollgate-status).
+    let check = tg.check.unwrap();
+    let ask = |who: &str, extra: &str| {
+        format!("GET /auth_request HTTP/1.1\r\nHost: t\r\nX-Original-URI: /x\r\nX-Who: {who}\r\n{extra}\r\n")
+            .into_bytes()
+    };
+    let ours = transcript(check, &[ask("c", ""), ask("c", "")]).await;
+    let hypers = transcript(check, &[ask("d", TO_HYPER), ask("d", TO_HYPER)]).await;
+    assert_eq!(ours, hypers);
+    assert!(
+        ours.starts_with("HTTP/1.1 204") && ours.contains("HTTP/1.1 403"),
+        "{ours}"
+    );
+}
+
+/// A request of one kind, for `path`: (bytes, method, whether its answer
+/// has a body).
+fn kind_of(kind: u64, path: &str, check: bool) -> (Vec<u8>, &'static str, bool) {
+    if check {
+        let extra = match kind % 3 {
+            0 => String::new(),
+            1 => TO_HYPER.to_string(),
+            _ => (0..40).map(|i| format!("X-F{i}: {i}\r\n")).collect(),
+        };
+        let req = format!("GET /auth_request HTTP/1.1\r\nHost: t\r\nX-Original-URI: {path}\r\n{extra}\r\n");
+        return (req.into_bytes(), "GET", true);
+    }
+    match kind % 5 {
+        0 => (get(path, ""), "GET", true),
+        1 => (get(path, TO_HYPER), "GET", true),
+        2 => (
+            format!("POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 3\r\n\r\nabc").into_bytes(),
+            "POST",
+            true,
+        ),
+        3 => (
+            format!("HEAD {path} HTTP/1.1\r\nHost: t\r\n\r\n").into_bytes(),
+            "HEAD",
+            false,
+        ),
+        // More fields than tollgate's own server reads: hyper's.
+        _ => {
+            let many: String = (0..40).map(|i| format!("X-F{i}: {i}\r\n")).collect();
+            (get(path, &many), "GET", true)
+        }
+    }
+}
+
+/// One client: random kinds of requests on one connection, sent whole,
+/// split with a pause (parking may fall in it) or two at once; every one
+/// must be answered once, in order, for its own path and method.
+async fn mixed_client(addr: SocketAddr, check: bool, seed: u64) {
+    let mut rng = Rng(seed);
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut rest = Vec::new();
+    let pause = |rng: &mut Rng| Duration::from_millis([0, 0, 30, 300, 1300][rng.below(5) as usize]);
+    for step in 0..10 {
+        let mut batch = Vec::new();
+        for n in 0..=(rng.below(3) / 2) {
+            let path = format!("/m{seed}/{step}/{n}");
+            let (bytes, method, body) = kind_of(rng.below(100), &path, check);
+            batch.push((bytes, method, body, path));
+        }
+        let bytes: Vec<u8> = batch.iter().flat_map(|b| b.0.clone()).collect();
+        if rng.below(3) == 0 {
+            let cut = 1 + rng.below(bytes.len() as u64 - 1) as usize;
+            s.write_all(&bytes[..cut]).await.unwrap();
+            tokio::time::sleep(pause(&mut rng)).await;
+            s.write_all(&bytes[cut..]).await.unwrap();
+        } else {
+            s.write_all(&bytes).await.unwrap();
+        }
+        for (_, method, body, path) in &batch {
+            let r = read_response(&mut s, &mut rest, Duration::from_secs(5), !body)
+                .await
+                .unwrap_or_else(|| panic!("seed {seed}: no answer for {method} {path}"));
+            if check {
+                assert!(r.starts_with("HTTP/1.1 204"), "seed {seed}, {path}: {r}");
+            } else {
+                assert!(r.starts_with("HTTP/1.1 200"), "seed {seed}, {method} {path}: {r}");
+                assert!(r.contains(&format!("x-seen-uri: {path}\r\n")), "seed {seed}: {r}");
+                assert!(r.contains(&format!("x-seen-method: {method}\r\n")), "seed {seed}: {r}");
+                if *method == "POST" {
+                    assert!(r.ends_with("\r\n\r\nabc"), "seed {seed}: {r}");
+                }
+            }
+        }
+        tokio::time::sleep(pause(&mut rng)).await;
+    }
+    let mut extra = [0u8; 64];
+    let more = tokio::time::timeout(Duration::from_millis(200), s.read(&mut extra)).await;
+    assert!(rest.is_empty() && more.is_err(), "seed {seed}: unasked bytes");
+}
+
+#[tokio::test]
+async fn random_mixes_of_plain_gets_and_other_requests_are_each_answered_once_in_order() {
+    let up = TestUpstream::start().await;
+    let (_redis, stores) = on_both_stores(NO_RULES, up.addr);
+    let mut clients = tokio::task::JoinSet::new();
+    for (i, tg) in stores.iter().enumerate() {
+        for seed in 1..=4u64 {
+            clients.spawn(mixed_client(tg.addr, false, seed * 104_729 + i as u64));
+        }
+        clients.spawn(mixed_client(tg.check.unwrap(), true, 7 + i as u64));
+    }
+    while let Some(done) = clients.join_next().await {
+        done.unwrap();
+    }
+}
+
+/// An upstream that reads requests and never answers; reports when each
+/// connection it accepted was closed by tollgate.
+async fn silent_upstream() -> (SocketAddr, tokio::sync::mpsc::UnboundedReceiver<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                while let Ok(n) = s.read(&mut buf).await {
+                    if n == 0 {
+                        break;
+                    }
+                }
+                let _ = tx.send(());
+            });
+        }
+    });
+    (addr, rx)
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_request_cancels_its_upstream_request_either_way() {
+    let (up, mut closed) = silent_upstream().await;
+    let tg = Tollgate::start(NO_RULES, up, &[]);
+    for extra in ["", TO_HYPER] {
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        s.write_all(&get("/hang", extra)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        drop(s);
+        let seen = tokio::time::timeout(Duration::from_secs(3), closed.recv()).await;
+        assert!(seen.is_ok(), "{extra:?}: the upstream request was not cancelled");
+    }
+}
+
+#[tokio::test]
+async fn a_plain_get_in_flight_when_the_server_stops_is_answered_with_connection_close() {
+    let up = TestUpstream::start().await;
+    for extra in ["", TO_HYPER] {
+        let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        s.write_all(&get("/slow/800", extra)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tg.signal("TERM");
+        let mut rest = Vec::new();
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap_or_default();
+        assert!(r.starts_with("HTTP/1.1 200"), "{extra:?}: {r}");
+        assert!(
+            r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+            "{extra:?}: {r}"
+        );
+        assert!(
+            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
+            "{extra:?}: not closed"
+        );
+        assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+    }
+}
