@@ -360,6 +360,43 @@ async fn a_client_that_leaves_mid_request_cancels_its_upstream_request_either_wa
 }
 
 #[tokio::test]
+async fn a_request_whose_client_has_shut_its_side_is_neither_decided_nor_forwarded() {
+    // `printf 'GET ...' | nc -N`: requests, then the client's FIN. hyper
+    // finds the FIN before its handler first runs for a request, and drops
+    // it; NGINX logs 499 without going upstream. So must tollgate's own
+    // server: the 24th attack found it forwarding (and charging) the
+    // request pipelined behind one being answered when the client had
+    // shut its side meanwhile. (A lone request is raced by its own FIN,
+    // with either server.)
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: all\n    limits: [{ requests: 1000, per: 1h }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    for extra in ["", TO_HYPER] {
+        let before = up.hits();
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        s.write_all(&[get("/slow/300", extra), get("/gone", extra)].concat())
+            .await
+            .unwrap();
+        s.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        let first = read_response(&mut s, &mut rest, Duration::from_secs(3), false).await;
+        assert!(first.is_some_and(|r| r.starts_with("HTTP/1.1 200")), "{extra:?}");
+        assert!(
+            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
+            "{extra:?}: not closed"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            up.hits() - before,
+            1,
+            "{extra:?}: only the answered request went upstream"
+        );
+    }
+    let decided = metric(&tg, "tollgate_requests_total{surface=\"proxy\",verdict=\"allowed\"}").await;
+    assert_eq!(decided, 2, "only the two answered requests were decided");
+}
+
+#[tokio::test]
 async fn a_plain_get_in_flight_when_the_server_stops_is_answered_with_connection_close() {
     let up = TestUpstream::start().await;
     for extra in ["", TO_HYPER] {

@@ -91,14 +91,16 @@ pub(super) async fn serve<A: App>(
             let mut answer = Box::pin(handler.call(req, activity.peer));
             // hyper ends a connection whose client leaves while its request
             // is handled (its handler dropped: an upstream request it
-            // started is cancelled); bytes that come meanwhile wait.
+            // started is cancelled); bytes that come meanwhile wait. It
+            // looks before the handler first runs: a client that sent its
+            // request and at once shut its side (`nc -N`) has its request
+            // neither decided nor forwarded, as NGINX's 499.
             loop {
                 if buf.capacity() == buf.len() {
                     buf.reserve(READ_AT_LEAST);
                 }
                 tokio::select! {
                     biased;
-                    response = answer.as_mut() => break Some(response),
                     read = io.read_buf(&mut buf), if buf.is_empty() => match read {
                         Ok(0) | Err(_) => {
                             tracing::debug!(peer = %activity.peer, "client left while its request was handled");
@@ -106,6 +108,7 @@ pub(super) async fn serve<A: App>(
                         }
                         Ok(_) => {}
                     },
+                    response = answer.as_mut() => break Some(response),
                 }
             }
         } else {
