@@ -421,3 +421,37 @@ async fn a_plain_get_in_flight_when_the_server_stops_is_answered_with_connection
         assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
     }
 }
+
+#[tokio::test]
+async fn a_head_begun_when_the_server_stops_is_read_on_and_answered_with_connection_close() {
+    // NGINX and hyper close idle connections at once when they stop, but
+    // read on a request whose head has begun, and answer it before
+    // closing; tollgate's own server closed it unanswered (review of the
+    // 24th stop).
+    let up = TestUpstream::start().await;
+    for extra in ["", TO_HYPER] {
+        let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
+        let request = get("/late", extra);
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        s.write_all(&request[..10]).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        tg.signal("TERM");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(&request[10..]).await.unwrap();
+        let mut rest = Vec::new();
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap_or_default();
+        assert!(r.starts_with("HTTP/1.1 200"), "{extra:?}: {r}");
+        assert!(r.contains("x-seen-uri: /late\r\n"), "{extra:?}: {r}");
+        assert!(
+            r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+            "{extra:?}: {r}"
+        );
+        assert!(
+            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
+            "{extra:?}: not closed"
+        );
+        assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+    }
+}

@@ -861,7 +861,11 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>)
                 let park_in = if fresh { None } else { activity.park_in() };
                 wake = wake.min(park_in.unwrap_or(PARK_AFTER));
             }
+            // The connection first: a request it was handed (a head read by
+            // our own server, or left over from a park) is begun before a
+            // stop can find it idle and close it unanswered.
             tokio::select! {
+                biased;
                 result = Pin::new(&mut conn) => break result,
                 _ = stopped(&mut stop), if !closing => {
                     Pin::new(&mut conn).graceful_shutdown();

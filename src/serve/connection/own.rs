@@ -14,6 +14,7 @@
 //! serves the connection until it parks: every answer to an odd or malformed
 //! request is hyper's own.
 
+use std::future::Future;
 use std::mem::MaybeUninit;
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -39,6 +40,10 @@ const READ_AT_LEAST: usize = 4096;
 /// A body piece at most this long is copied beside what waits to be
 /// written, so a small response goes out in one write.
 const COPY_UP_TO: usize = 16 * 1024;
+/// Most bytes of a response held unsent while its body keeps coming
+/// (hyper's write buffer bound): a body that fails before then sends
+/// nothing of what was held, as with hyper.
+const HOLD_UP_TO: usize = 8192 + 4096 * 100;
 
 /// How serving a connection here ended.
 pub(super) enum Served {
@@ -65,7 +70,13 @@ pub(super) async fn serve<A: App>(
     let limits = activity.listener.limits;
     let max_head = limits.max_header_bytes.max(8192);
     let fields = limits.max_headers.min(MAX_FIELDS);
-    let mut buf = BytesMut::new();
+    // What was read before (the protocol sniff, or a head hyper had begun
+    // when it parked) is taken whole: handed back to hyper, none of it may
+    // be left behind.
+    let mut buf = BytesMut::from(&std::mem::take(&mut io.replay)[..]);
+    // Left set by hyper's last park: this is not one.
+    activity.parking.store(false, Ordering::Relaxed);
+    activity.read_while_parking.store(false, Ordering::Relaxed);
     let mut alarm = Alarm::new();
     loop {
         let req = loop {
@@ -87,8 +98,11 @@ pub(super) async fn serve<A: App>(
             }
         };
         let busy = activity.began(false);
-        let response = if limits.admits(req.headers()) {
-            let mut answer = Box::pin(handler.call(req, activity.peer));
+        // Past the header bounds: 431 (no handler), as hyper's path answers.
+        let mut answer = limits
+            .admits(req.headers())
+            .then(|| Box::pin(handler.call(req, activity.peer)));
+        let response = {
             // hyper ends a connection whose client leaves while its request
             // is handled (its handler dropped: an upstream request it
             // started is cancelled); bytes that come meanwhile wait. It
@@ -108,11 +122,12 @@ pub(super) async fn serve<A: App>(
                         }
                         Ok(_) => {}
                     },
-                    response = answer.as_mut() => break Some(response),
+                    response = std::future::poll_fn(|cx| match answer.as_mut() {
+                        Some(answer) => answer.as_mut().poll(cx).map(Some),
+                        None => Poll::Ready(None),
+                    }) => break response,
                 }
             }
-        } else {
-            None
         };
         let response = until_sent(response, false, busy);
         let stopping = *stop.borrow();
@@ -214,7 +229,9 @@ async fn wait_for_bytes(
                     }
                 };
             }
-            _ = stopped(stop) => return Waited::Closed,
+            // Idle: closed at once. A head begun is read on and answered
+            // (with `Connection: close`), as hyper and NGINX do.
+            _ = stopped(stop), if buf.is_empty() => return Waited::Closed,
             _ = alarm.rung() => {
                 let served = activity.served.load(Ordering::Relaxed);
                 let head_due = !served || activity.head_begun().is_some();
@@ -383,10 +400,16 @@ where
         // hyper sends nothing for a response it cannot frame, and closes.
         return Err(std::io::Error::other("the response's framing fields contradict each other"));
     };
+    let mut unsent = Unsent {
+        queue: Vec::new(),
+        tail: out,
+        len: 0,
+    };
     // Bytes still owed, for a body of known length.
     let (mut left, chunked) = match framing {
         Framing::Length(0) => {
-            io.write_all(&out).await?;
+            drop(body);
+            unsent.write_to(io).await?;
             return Ok(last);
         }
         Framing::Length(n) => (Some(n), false),
@@ -397,17 +420,16 @@ where
         let frame = match std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut body).poll_frame(cx))).await {
             Poll::Ready(frame) => frame,
             Poll::Pending => {
-                // Out with what is ready, then wait for more, watching for
+                // Out with what is held, then wait for more, watching for
                 // the client leaving (as hyper does mid-message).
-                if !out.is_empty() {
-                    io.write_all(&out).await?;
-                    out.clear();
-                }
+                unsent.write_to(io).await?;
                 wait_for_frame(io, &mut body, buf).await?
             }
         };
         let mut data = match frame {
             None => break,
+            // What is held is not sent: hyper's connection ends with the
+            // body's error, its write buffer unsent.
             Some(Err(e)) => return Err(std::io::Error::other(format!("response body failed: {e}"))),
             // Trailers: an HTTP/1.1 client gets none (hyper sends only
             // those a `Trailer` field names, which the proxy removes as
@@ -426,35 +448,67 @@ where
             *n = n.saturating_sub(data.len() as u64);
         }
         if chunked {
-            chunk_size(&mut out, data.len());
+            chunk_size(&mut unsent.tail, data.len());
         }
-        if data.len() <= COPY_UP_TO {
-            out.extend_from_slice(&data);
-        } else {
-            io.write_all(&out).await?;
-            out.clear();
-            io.write_all(&data).await?;
-        }
+        unsent.push(data);
         if chunked {
-            out.extend_from_slice(b"\r\n");
+            unsent.tail.extend_from_slice(b"\r\n");
         }
         if left == Some(0) {
             // Whole: the rest of the body is neither sent nor waited for.
             break;
         }
-    }
-    match left {
-        None if chunked => out.extend_from_slice(b"0\r\n\r\n"),
-        None | Some(0) => {}
-        // Short of its length: the client must not read the next
-        // response's bytes as the rest of this one.
-        Some(_) => {
-            io.write_all(&out).await?;
-            return Err(std::io::Error::other("the response body ended before its length"));
+        if unsent.len >= HOLD_UP_TO {
+            unsent.write_to(io).await?;
         }
     }
-    io.write_all(&out).await?;
+    match left {
+        None if chunked => unsent.tail.extend_from_slice(b"0\r\n\r\n"),
+        None | Some(0) => {}
+        // Short of its length: hyper ends the connection, what it held
+        // unsent.
+        Some(_) => return Err(std::io::Error::other("the response body ended before its length")),
+    }
+    // The response is done once it is all handed over, as hyper lets go of
+    // a body once its end is buffered.
+    drop(body);
+    unsent.write_to(io).await?;
     Ok(last)
+}
+
+/// A response's bytes not written yet, in order: pieces too long to copy,
+/// then what was copied after them.
+struct Unsent {
+    queue: Vec<Bytes>,
+    tail: Vec<u8>,
+    /// Body bytes held (for the hold bound).
+    len: usize,
+}
+
+impl Unsent {
+    fn push(&mut self, data: Bytes) {
+        self.len = self.len.saturating_add(data.len());
+        if data.len() <= COPY_UP_TO {
+            self.tail.extend_from_slice(&data);
+            return;
+        }
+        if !self.tail.is_empty() {
+            self.queue.push(Bytes::from(std::mem::take(&mut self.tail)));
+        }
+        self.queue.push(data);
+    }
+
+    async fn write_to(&mut self, io: &mut ClientIo) -> std::io::Result<()> {
+        for piece in self.queue.drain(..) {
+            io.write_all(&piece).await?;
+        }
+        if !self.tail.is_empty() {
+            io.write_all(&self.tail).await?;
+            self.tail.clear();
+        }
+        self.len = 0;
+        Ok(())
+    }
 }
 
 /// Waits for a response body's next frame; the client leaving meanwhile
@@ -495,16 +549,18 @@ fn encode_head(
     out: &mut Vec<u8>,
 ) -> Option<(Framing, bool)> {
     let status = parts.status;
-    // A 1xx is not a response hyper sends: a 500 instead, and the
-    // connection ends.
-    if status.is_informational() {
+    // A 1xx other than 101 is not a response hyper sends: a 500 instead,
+    // and the connection ends.
+    if status.is_informational() && status != StatusCode::SWITCHING_PROTOCOLS {
         out.extend_from_slice(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n");
         date_line(out);
         out.extend_from_slice(b"\r\n");
         return Some((Framing::Length(0), true));
     }
-    // No body, and neither length nor coding said (RFC 9110 §6.4.1).
-    let bodiless = matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
+    // No body, and neither length nor coding said (RFC 9110 §6.4.1); after
+    // a 101 the connection is the upgrade's, so hyper closes it here.
+    let switching = status == StatusCode::SWITCHING_PROTOCOLS;
+    let bodiless = switching || matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED);
     let reason = parts.extensions.get::<hyper::ext::ReasonPhrase>();
     let old = parts.version == Version::HTTP_10;
     if !old && status == StatusCode::OK && reason.is_none() {
@@ -520,7 +576,7 @@ fn encode_head(
         out.extend_from_slice(b"\r\n");
     }
     let mut framing = None;
-    let mut last = stopping;
+    let mut last = stopping || switching;
     let mut wrote_date = false;
     let mut wrote_connection = false;
     let headers = &parts.headers;
