@@ -396,29 +396,52 @@ async fn a_request_whose_client_has_shut_its_side_is_neither_decided_nor_forward
     assert_eq!(decided, 2, "only the two answered requests were decided");
 }
 
+/// Sends `path` as a plain GET (or hyper's, with `extra`) in two parts
+/// with `gap` between them, and stops tollgate `stop_after` after the first
+/// part: the request must be answered, with `Connection: close`, for its
+/// path, and then the connection closed and tollgate gone.
+async fn answered_while_stopping(
+    up: &TestUpstream,
+    path: &str,
+    extra: &str,
+    cut: usize,
+    stop_after: Duration,
+    gap: Duration,
+) {
+    let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    let request = get(path, extra);
+    let cut = cut.min(request.len());
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(&request[..cut]).await.unwrap();
+    tokio::time::sleep(stop_after).await;
+    tg.signal("TERM");
+    tokio::time::sleep(gap).await;
+    s.write_all(&request[cut..]).await.unwrap();
+    let mut rest = Vec::new();
+    let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+        .await
+        .unwrap_or_default();
+    assert!(r.starts_with("HTTP/1.1 200"), "{extra:?}: {r}");
+    // The echo upstream names the path; its slow answers say "slow".
+    let for_it = r.contains(&format!("x-seen-uri: {path}\r\n")) || path.starts_with("/slow/") && r.ends_with("slow");
+    assert!(for_it, "{extra:?}: {r}");
+    assert!(
+        r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+        "{extra:?}: {r}"
+    );
+    assert!(
+        closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
+        "{extra:?}: not closed"
+    );
+    assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+}
+
 #[tokio::test]
 async fn a_plain_get_in_flight_when_the_server_stops_is_answered_with_connection_close() {
     let up = TestUpstream::start().await;
     for extra in ["", TO_HYPER] {
-        let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
-        let mut s = TcpStream::connect(tg.addr).await.unwrap();
-        s.write_all(&get("/slow/800", extra)).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        tg.signal("TERM");
-        let mut rest = Vec::new();
-        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
-            .await
-            .unwrap_or_default();
-        assert!(r.starts_with("HTTP/1.1 200"), "{extra:?}: {r}");
-        assert!(
-            r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
-            "{extra:?}: {r}"
-        );
-        assert!(
-            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
-            "{extra:?}: not closed"
-        );
-        assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+        let ms = Duration::from_millis;
+        answered_while_stopping(&up, "/slow/800", extra, usize::MAX, ms(200), ms(0)).await;
     }
 }
 
@@ -427,31 +450,10 @@ async fn a_head_begun_when_the_server_stops_is_read_on_and_answered_with_connect
     // NGINX and hyper close idle connections at once when they stop, but
     // read on a request whose head has begun, and answer it before
     // closing; tollgate's own server closed it unanswered (review of the
-    // 24th stop).
+    // 24th stop), and hyper too once our server had handed it the head.
     let up = TestUpstream::start().await;
     for extra in ["", TO_HYPER] {
-        let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
-        let request = get("/late", extra);
-        let mut s = TcpStream::connect(tg.addr).await.unwrap();
-        s.write_all(&request[..10]).await.unwrap();
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        tg.signal("TERM");
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        s.write_all(&request[10..]).await.unwrap();
-        let mut rest = Vec::new();
-        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
-            .await
-            .unwrap_or_default();
-        assert!(r.starts_with("HTTP/1.1 200"), "{extra:?}: {r}");
-        assert!(r.contains("x-seen-uri: /late\r\n"), "{extra:?}: {r}");
-        assert!(
-            r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
-            "{extra:?}: {r}"
-        );
-        assert!(
-            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
-            "{extra:?}: not closed"
-        );
-        assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+        let ms = Duration::from_millis;
+        answered_while_stopping(&up, "/late", extra, 10, ms(200), ms(300)).await;
     }
 }
