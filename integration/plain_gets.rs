@@ -399,9 +399,11 @@ async fn a_request_whose_client_has_shut_its_side_is_neither_decided_nor_forward
 /// Sends `path` as a plain GET (or hyper's, with `extra`) in two parts
 /// with `gap` between them, and stops tollgate `stop_after` after the first
 /// part: the request must be answered, with `Connection: close`, for its
-/// path, and then the connection closed and tollgate gone.
+/// path, and then the connection closed and tollgate gone. `before`: a
+/// request answered first on the same connection.
 async fn answered_while_stopping(
     up: &TestUpstream,
+    before: &[u8],
     path: &str,
     extra: &str,
     cut: usize,
@@ -412,12 +414,18 @@ async fn answered_while_stopping(
     let request = get(path, extra);
     let cut = cut.min(request.len());
     let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    let mut rest = Vec::new();
+    if !before.is_empty() {
+        s.write_all(before).await.unwrap();
+        let first = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
+        assert!(first.is_some_and(|r| r.starts_with("HTTP/1.1 200")));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     s.write_all(&request[..cut]).await.unwrap();
     tokio::time::sleep(stop_after).await;
     tg.signal("TERM");
     tokio::time::sleep(gap).await;
     s.write_all(&request[cut..]).await.unwrap();
-    let mut rest = Vec::new();
     let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
         .await
         .unwrap_or_default();
@@ -441,7 +449,7 @@ async fn a_plain_get_in_flight_when_the_server_stops_is_answered_with_connection
     let up = TestUpstream::start().await;
     for extra in ["", TO_HYPER] {
         let ms = Duration::from_millis;
-        answered_while_stopping(&up, "/slow/800", extra, usize::MAX, ms(200), ms(0)).await;
+        answered_while_stopping(&up, b"", "/slow/800", extra, usize::MAX, ms(200), ms(0)).await;
     }
 }
 
@@ -454,6 +462,19 @@ async fn a_head_begun_when_the_server_stops_is_read_on_and_answered_with_connect
     let up = TestUpstream::start().await;
     for extra in ["", TO_HYPER] {
         let ms = Duration::from_millis;
-        answered_while_stopping(&up, "/late", extra, 10, ms(200), ms(300)).await;
+        answered_while_stopping(&up, b"", "/late", extra, 10, ms(200), ms(300)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_head_begun_on_a_connection_hyper_holds_when_the_server_stops_is_answered_too() {
+    // The 25th attack: within a second of a request only hyper serves (a
+    // POST here), hyper holds the connection, and closed a head begun
+    // there unanswered when the server stopped.
+    let up = TestUpstream::start().await;
+    let post = b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi";
+    for extra in ["", TO_HYPER] {
+        let ms = Duration::from_millis;
+        answered_while_stopping(&up, post, "/late", extra, 10, ms(200), ms(300)).await;
     }
 }

@@ -868,6 +868,14 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>)
                 biased;
                 result = Pin::new(&mut conn) => break result,
                 _ = stopped(&mut stop), if !closing => {
+                    // A head begun between requests would be closed
+                    // unanswered by hyper; NGINX reads it on. It is handed
+                    // over as at a park, to be read on and answered with
+                    // `Connection: close`.
+                    if keep_alive && activity.head_begun().is_some() && activity.park_in().is_some() {
+                        activity.parking.store(true, Ordering::Relaxed);
+                        parking = true;
+                    }
                     Pin::new(&mut conn).graceful_shutdown();
                     closing = true;
                 }
