@@ -478,3 +478,37 @@ async fn a_head_begun_on_a_connection_hyper_holds_when_the_server_stops_is_answe
         answered_while_stopping(&up, post, "/late", extra, 10, ms(200), ms(300)).await;
     }
 }
+
+#[tokio::test]
+async fn a_head_past_the_byte_bound_is_refused_and_its_connection_closed_whoever_reads_it() {
+    // The 25th attack: a head just past 64 KB (in one write) was refused
+    // 431 and its connection closed when our own server had read it, but
+    // kept open when hyper held the connection (a 431 from the bound
+    // check, where hyper's own 431 closes).
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    let post = b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nhi".to_vec();
+    for (before, size) in [(get("/first", ""), 65_600), (post.clone(), 65_600), (post, 70_000)] {
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        let mut rest = Vec::new();
+        s.write_all(&before).await.unwrap();
+        let first = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
+        assert!(first.is_some_and(|r| r.starts_with("HTTP/1.1 200")));
+        let pad = "a".repeat(size);
+        let big = [get("/f", &format!("X-Pad: {pad}\r\n")), get("/next", "")].concat();
+        s.write_all(&big).await.unwrap();
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap_or_default();
+        assert!(r.starts_with("HTTP/1.1 431"), "{size}: {r}");
+        assert!(
+            r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"),
+            "{size}: {r}"
+        );
+        let closed = closes_after(&mut s, Duration::from_secs(3)).await;
+        assert!(
+            closed.is_some() && rest.is_empty(),
+            "{size}: /next must not be answered"
+        );
+    }
+}

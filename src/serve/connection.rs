@@ -1019,6 +1019,14 @@ fn until_sent<B: Body>(response: Option<Response<B>>, head: bool, busy: Busy) ->
     let Some(response) = response else {
         let mut refused = Response::new(Either::Right(Empty::new()));
         *refused.status_mut() = http::StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE;
+        // Over HTTP/1 the connection closes after it, as after hyper's own
+        // 431 for a head past its buffer (this one is a head past the byte
+        // bound by less than a read), and NGINX's 400 for a head too large.
+        if Progress::current().is_none() {
+            refused
+                .headers_mut()
+                .insert(http::header::CONNECTION, http::HeaderValue::from_static("close"));
+        }
         return refused;
     };
     response.map(|body| {
