@@ -335,7 +335,7 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Http1Error>
 }
 
 /// Whether `value`'s comma-separated tokens hold `token` (in any case).
-fn has_token(value: &HeaderValue, token: &str) -> bool {
+pub(crate) fn has_token(value: &HeaderValue, token: &str) -> bool {
     // Nearly every answer says `keep-alive` or `close` alone.
     value.as_bytes().eq_ignore_ascii_case(token.as_bytes())
         || value

@@ -28,6 +28,8 @@ use hyper::body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::watch;
 
+use crate::upstream::has_token;
+
 use super::{Activity, App, ClientIo, PARK_AFTER, RequestBody, stopped, until_sent};
 
 /// Most header fields a head may have here (browsers send 10-20); more go
@@ -723,13 +725,6 @@ fn last_token_is(value: &HeaderValue, token: &str) -> bool {
         .ok()
         .and_then(|s| s.rsplit(',').next())
         .is_some_and(|t| t.trim().eq_ignore_ascii_case(token))
-}
-
-/// Whether any comma-separated token of `value` is `token`.
-fn has_token(value: &HeaderValue, token: &str) -> bool {
-    value
-        .to_str()
-        .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
 }
 
 /// `date: <now>\r\n`, formatted once a second per thread, as hyper caches it.
