@@ -196,10 +196,30 @@ pub fn admission_headers(decision: &Decision, headers: &mut HeaderMap) {
 }
 
 fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOutcome)]) {
-    if windows.is_empty() {
-        return;
+    let (policy, state) = match windows {
+        [] => return,
+        // Most admissions: one window, whose policy is built once.
+        [(rule, w)] => (
+            single_policy(&rule.rule.name, w.window.requests, w.window.period_secs()),
+            HeaderValue::from_maybe_shared(Bytes::from(one_state(&sf_string(&rule.rule.name), w))).ok(),
+        ),
+        _ => {
+            let (policy, state) = ratelimit_values(windows);
+            (
+                HeaderValue::from_maybe_shared(Bytes::from(policy)).ok(),
+                HeaderValue::from_maybe_shared(Bytes::from(state)).ok(),
+            )
+        }
+    };
+    if let (Some(p), Some(s)) = (policy, state) {
+        headers.insert(RATELIMIT_POLICY, p);
+        headers.insert(RATELIMIT, s);
     }
-    // Built on every admitted request: push_str and itoa, not format!.
+}
+
+/// `RateLimit-Policy` and `RateLimit` for `windows`, one item each.
+fn ratelimit_values(windows: &[(&RuleOutcome, &WindowOutcome)]) -> (String, String) {
+    // Built on every refusal: push_str and itoa, not format!.
     let mut policy = String::with_capacity(64);
     let mut state = String::with_capacity(64);
     let mut n = itoa::Buffer::new();
@@ -225,10 +245,52 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
             out.push_str(n.format(y));
         }
     }
-    if let (Ok(p), Ok(s)) = (HeaderValue::from_str(&policy), HeaderValue::from_str(&state)) {
-        headers.insert(RATELIMIT_POLICY, p);
-        headers.insert(RATELIMIT, s);
+    (policy, state)
+}
+
+/// The `RateLimit` item of one window: `"name";r=R;t=T`.
+fn one_state(name: &str, w: &WindowOutcome) -> String {
+    let mut n = itoa::Buffer::new();
+    let mut state = String::with_capacity(name.len().saturating_add(32));
+    state.push('"');
+    state.push_str(name);
+    state.push_str("\";r=");
+    state.push_str(n.format(w.remaining));
+    state.push_str(";t=");
+    state.push_str(n.format(ceil_secs(w.retry_ms.unwrap_or(w.reset_ms))));
+    state
+}
+
+/// The `RateLimit-Policy` of one window, built once per thread while the
+/// same rule and window are told again (nearly every admission of a
+/// proxy's busy rule): it changes only with the limits.
+fn single_policy(rule: &str, requests: u64, period_secs: u64) -> Option<HeaderValue> {
+    use std::cell::RefCell;
+    thread_local! {
+        static LAST: RefCell<Option<(String, u64, u64, HeaderValue)>> = const { RefCell::new(None) };
     }
+    LAST.with(|last| {
+        let mut last = last.borrow_mut();
+        if let Some((name, q, w, value)) = last.as_ref()
+            && name == rule
+            && *q == requests
+            && *w == period_secs
+        {
+            return Some(value.clone());
+        }
+        let mut n = itoa::Buffer::new();
+        let name = sf_string(rule);
+        let mut policy = String::with_capacity(name.len().saturating_add(32));
+        policy.push('"');
+        policy.push_str(&name);
+        policy.push_str("\";q=");
+        policy.push_str(n.format(requests));
+        policy.push_str(";w=");
+        policy.push_str(n.format(period_secs));
+        let value = HeaderValue::from_maybe_shared(Bytes::from(policy)).ok()?;
+        *last = Some((rule.to_owned(), requests, period_secs, value.clone()));
+        Some(value)
+    })
 }
 
 /// `name` as the inside of a structured-field string: `\` and `"` escaped,
@@ -575,5 +637,38 @@ mod tests {
         admission_headers(&d, &mut h);
         assert_eq!(h[RATELIMIT_POLICY], "\"login\";q=5;w=3");
         assert_eq!(h[RATELIMIT], "\"login\";r=2;t=2");
+    }
+
+    proptest::proptest! {
+        /// One window's values, built apart (its policy kept per thread),
+        /// read as the general path writes them, rule after rule, with a
+        /// reload's changes between.
+        #[test]
+        fn one_window_is_told_as_the_general_path_tells_it(
+            told in proptest::collection::vec(
+                ("[ab\"\\\\\u{e9} ]{0,4}", 0u64..4, 1u64..5_000, 0u64..4, 0u64..5_000, proptest::option::of(0u64..5_000)),
+                1..12,
+            )
+        ) {
+            for (name, requests, period_ms, remaining, reset_ms, retry_ms) in told {
+                let mut d = decision();
+                let mut rule = (*d.rules[0].rule).clone();
+                rule.name = name;
+                d.rules[0].rule = Arc::new(rule);
+                d.rules[0].windows.truncate(1);
+                let w = &mut d.rules[0].windows[0];
+                w.window.requests = requests;
+                w.window.period_ms = period_ms;
+                w.remaining = remaining;
+                w.reset_ms = reset_ms;
+                w.retry_ms = retry_ms;
+                let one = [(&d.rules[0], &d.rules[0].windows[0])];
+                let mut h = HeaderMap::new();
+                insert_ratelimit(&mut h, &one);
+                let (policy, state) = ratelimit_values(&one);
+                proptest::prop_assert_eq!(h[RATELIMIT_POLICY].as_bytes(), policy.as_bytes());
+                proptest::prop_assert_eq!(h[RATELIMIT].as_bytes(), state.as_bytes());
+            }
+        }
     }
 }

@@ -73,7 +73,7 @@ impl MemoryStore {
         // Units earlier checks of this decision take from a key: a counter
         // named twice is checked against both costs, not twice against one.
         let mut claims: Vec<(&str, u64)> = Vec::new();
-        for check in checks {
+        for (i, check) in checks.iter().enumerate() {
             let claim = claims.iter().find(|c| c.0 == check.key).map_or(0, |c| c.1);
             let counter = state
                 .counters
@@ -99,7 +99,9 @@ impl MemoryStore {
             } else {
                 admitted &= fits || check.shadow;
             }
-            if fits {
+            // Only a later check can read a claim: a decision of one check
+            // (most) makes none, and no allocation for it.
+            if fits && i < checks.len().saturating_sub(1) {
                 match claims.iter_mut().find(|c| c.0 == check.key) {
                     Some(c) => c.1 = c.1.saturating_add(check.cost),
                     None => claims.push((check.key, check.cost)),

@@ -341,7 +341,11 @@ fn for_here(field: &httparse::Header<'_>) -> bool {
 fn request(head: &Bytes, target: [u32; 2], spans: &[[u32; 4]]) -> Option<Request<RequestBody>> {
     let [start, end] = target.map(|n| n as usize);
     let uri = Uri::from_maybe_shared(head.slice_ref(head.get(start..end)?)).ok()?;
-    let mut headers = HeaderMap::with_capacity(spans.len());
+    // Room for the forwarding fields the proxy adds (`X-Forwarded-For`,
+    // `-Proto`, `-Host`, `Host`): a map made only as large as the head
+    // grew, rehashing every field, on each proxied request (BENCHMARKS.md
+    // §57).
+    let mut headers = HeaderMap::with_capacity(spans.len().saturating_add(4));
     for span in spans {
         let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
         let name = HeaderName::from_bytes(head.get(name_start..name_end)?).ok()?;
