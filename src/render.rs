@@ -261,36 +261,48 @@ fn one_state(name: &str, w: &WindowOutcome) -> String {
     state
 }
 
-/// The `RateLimit-Policy` of one window, built once per thread while the
-/// same rule and window are told again (nearly every admission of a
-/// proxy's busy rule): it changes only with the limits.
+/// The `RateLimit-Policy` of one window, kept per thread for the last few
+/// rules and windows told (nearly every admission of a proxy's busy rules
+/// tells the same again): it changes only with the limits.
 fn single_policy(rule: &str, requests: u64, period_secs: u64) -> Option<HeaderValue> {
     use std::cell::RefCell;
+    /// Policies kept per thread: a few busy rules in turn still hit.
+    const KEPT: usize = 4;
+    type Kept = (String, u64, u64, HeaderValue);
     thread_local! {
-        static LAST: RefCell<Option<(String, u64, u64, HeaderValue)>> = const { RefCell::new(None) };
+        static LAST: RefCell<([Option<Kept>; KEPT], usize)> = const { RefCell::new(([None, None, None, None], 0)) };
     }
-    LAST.with(|last| {
-        let mut last = last.borrow_mut();
-        if let Some((name, q, w, value)) = last.as_ref()
-            && name == rule
-            && *q == requests
-            && *w == period_secs
-        {
-            return Some(value.clone());
+    let kept = LAST
+        .try_with(|last| {
+            last.borrow().0.iter().flatten().find_map(|(name, q, w, value)| {
+                (name == rule && *q == requests && *w == period_secs).then(|| value.clone())
+            })
+        })
+        .ok()
+        .flatten();
+    if kept.is_some() {
+        return kept;
+    }
+    let mut n = itoa::Buffer::new();
+    let name = sf_string(rule);
+    let mut policy = String::with_capacity(name.len().saturating_add(32));
+    policy.push('"');
+    policy.push_str(&name);
+    policy.push_str("\";q=");
+    policy.push_str(n.format(requests));
+    policy.push_str(";w=");
+    policy.push_str(n.format(period_secs));
+    let value = HeaderValue::from_maybe_shared(Bytes::from(policy)).ok()?;
+    // The oldest kept one makes room; a thread past its locals (being
+    // torn down) keeps nothing.
+    let _ = LAST.try_with(|last| {
+        let (slots, next) = &mut *last.borrow_mut();
+        if let Some(slot) = slots.get_mut(*next % KEPT) {
+            *slot = Some((rule.to_owned(), requests, period_secs, value.clone()));
         }
-        let mut n = itoa::Buffer::new();
-        let name = sf_string(rule);
-        let mut policy = String::with_capacity(name.len().saturating_add(32));
-        policy.push('"');
-        policy.push_str(&name);
-        policy.push_str("\";q=");
-        policy.push_str(n.format(requests));
-        policy.push_str(";w=");
-        policy.push_str(n.format(period_secs));
-        let value = HeaderValue::from_maybe_shared(Bytes::from(policy)).ok()?;
-        *last = Some((rule.to_owned(), requests, period_secs, value.clone()));
-        Some(value)
-    })
+        *next = next.wrapping_add(1);
+    });
+    Some(value)
 }
 
 /// `name` as the inside of a structured-field string: `\` and `"` escaped,
