@@ -140,11 +140,18 @@ pub fn fits<B: Body>(req: &Request<B>) -> bool {
 /// HTTP/1.0 is spoken HTTP/1.0 to, asking for keep-alive, as hyper's
 /// client does. `req` is only borrowed: when nothing answered
 /// ([`Http1Error::unanswered`]) it can go again on another connection.
-pub async fn exchange<T, B>(mut io: T, req: &Request<B>, peer: Version) -> Result<Response<ResponseBody<T>>, Http1Error>
+/// `fields`, when given, are the request's header fields as written
+/// (`name: value\r\n` lines), in place of `req`'s map.
+pub async fn exchange<T, B>(
+    mut io: T,
+    req: &Request<B>,
+    fields: Option<&[u8]>,
+    peer: Version,
+) -> Result<Response<ResponseBody<T>>, Http1Error>
 where
     T: AsyncRead + AsyncWrite + Unpin,
 {
-    let head = request_head(req, peer == Version::HTTP_10);
+    let head = request_head(req, fields, peer == Version::HTTP_10);
     if let Err(e) = io.write_all(&head).await {
         return Err(Http1Error::Unanswered(Some(e)));
     }
@@ -193,32 +200,41 @@ where
     }
 }
 
-/// `req`'s head as HTTP/1.1 writes it, or as HTTP/1.0 asking for
-/// keep-alive when `http10`. `Transfer-Encoding` is left out: the request
-/// has no body (hyper's client drops it the same way).
-fn request_head<B>(req: &Request<B>, http10: bool) -> Vec<u8> {
+/// `req`'s head as HTTP/1.1 writes it (its fields from its map, or
+/// `fields` already written), or as HTTP/1.0 asking for keep-alive when
+/// `http10`. `Transfer-Encoding` is left out: the request has no body
+/// (hyper's client drops it the same way).
+fn request_head<B>(req: &Request<B>, fields: Option<&[u8]>, http10: bool) -> Vec<u8> {
     let target = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
     let method = req.method().as_str();
-    let fields = req
-        .headers()
-        .iter()
-        .fold(0usize, |n, (name, value)| n.saturating_add(name.as_str().len()).saturating_add(value.len()).saturating_add(4));
-    let size = method.len().saturating_add(target.len()).saturating_add(13).saturating_add(fields).saturating_add(2);
+    let written = match fields {
+        Some(fields) => fields.len(),
+        None => req.headers().iter().fold(0usize, |n, (name, value)| {
+            n.saturating_add(name.as_str().len()).saturating_add(value.len()).saturating_add(4)
+        }),
+    };
+    let size = method.len().saturating_add(target.len()).saturating_add(13).saturating_add(written).saturating_add(26);
     let mut head = Vec::with_capacity(size);
     head.extend_from_slice(method.as_bytes());
     head.push(b' ');
     head.extend_from_slice(target.as_bytes());
     head.extend_from_slice(if http10 { b" HTTP/1.0\r\n" } else { b" HTTP/1.1\r\n" });
-    for (name, value) in req.headers() {
-        if name == header::TRANSFER_ENCODING {
-            continue;
+    match fields {
+        Some(fields) => head.extend_from_slice(fields),
+        None => {
+            for (name, value) in req.headers() {
+                if name == header::TRANSFER_ENCODING {
+                    continue;
+                }
+                head.extend_from_slice(name.as_str().as_bytes());
+                head.extend_from_slice(b": ");
+                head.extend_from_slice(value.as_bytes());
+                head.extend_from_slice(b"\r\n");
+            }
         }
-        head.extend_from_slice(name.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(value.as_bytes());
-        head.extend_from_slice(b"\r\n");
     }
-    // HTTP/1.0 closes after each answer unless asked not to.
+    // HTTP/1.0 closes after each answer unless asked not to. (Written
+    // fields are a proxy's: `Connection` is never among them.)
     if http10 && !req.headers().get_all(header::CONNECTION).iter().any(|v| has_token(v, "keep-alive")) {
         head.extend_from_slice(b"connection: keep-alive\r\n");
     }
@@ -1187,7 +1203,7 @@ mod tests {
         for asked in asked {
             let Some((conn, peer)) = io.take() else { break };
             let request = asked.request();
-            let Ok((head, mut body, read)) = answer_to(exchange(conn, &request, peer)).await.map_err(|o| outcomes.push(o)) else { break };
+            let Ok((head, mut body, read)) = answer_to(exchange(conn, &request, None, peer)).await.map_err(|o| outcomes.push(o)) else { break };
             let hung = read.hung;
             settle().await;
             io = body.reusable().filter(|_| !hung);
@@ -1233,7 +1249,7 @@ mod tests {
             target: "/".into(),
             fields: Vec::new(),
         };
-        exchange(client, &asked.request(), Version::HTTP_11).await
+        exchange(client, &asked.request(), None, Version::HTTP_11).await
     }
 
     #[tokio::test]

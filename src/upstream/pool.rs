@@ -367,10 +367,10 @@ impl UpstreamPool {
     /// plain `http://` upstream, with prior knowledge (h2c), as gRPC
     /// servers speak no HTTP/1.1.
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
-        let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
-        if !h2c && self.inner.tls.is_none() && ours::fits(&req) {
-            return self.send_own(req).await;
+        if self.sends_own(needs_h2) && ours::fits(&req) {
+            return self.send_own(req, None).await;
         }
+        let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
         // A protocol switch gets a connection of its own, which hyper hands
         // to the tunnel on a 101: a parkable one would not be handed over.
         let switching = req.headers().contains_key(http::header::UPGRADE);
@@ -491,6 +491,20 @@ impl UpstreamPool {
         }
     }
 
+    /// Whether a body-less request (no protocol switch, not CONNECT) goes
+    /// by our own HTTP/1.1 client: to a plain `http://` upstream, unless
+    /// it must go over HTTP/2 (`h2c://`, or `needs_h2`, see [`Self::send`]).
+    pub fn sends_own(&self, needs_h2: bool) -> bool {
+        !self.inner.h2c && !needs_h2 && self.inner.tls.is_none()
+    }
+
+    /// Sends a body-less `req` whose header fields are `fields`, already
+    /// written (`name: value\r\n` lines; `req`'s map is not read), by our
+    /// own HTTP/1.1 client: for a request [`Self::sends_own`] says so of.
+    pub async fn send_written(&self, req: Request<ClientBody>, fields: Vec<u8>) -> Result<Response<UpstreamBody>, SendError> {
+        self.send_own(req, Some(fields)).await
+    }
+
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
     /// recently used idle connection or a new one. When a kept one ends
     /// before a whole head answers (as the request goes out, or with part
@@ -498,7 +512,7 @@ impl UpstreamPool {
     /// NGINX's `proxy_next_upstream error` does on a kept connection, and
     /// as hyper's path does (see `send`). The request is only borrowed, so
     /// going again costs nothing until it is needed.
-    async fn send_own(&self, req: Request<ClientBody>) -> Result<Response<UpstreamBody>, SendError> {
+    async fn send_own(&self, req: Request<ClientBody>, fields: Option<Vec<u8>>) -> Result<Response<UpstreamBody>, SendError> {
         let mut fresh_only = false;
         loop {
             let taken = if fresh_only { None } else { self.take_own() };
@@ -510,7 +524,7 @@ impl UpstreamPool {
                     (io, open, http::Version::HTTP_11, false)
                 }
             };
-            match ours::exchange(io, &req, peer).await {
+            match ours::exchange(io, &req, fields.as_deref(), peer).await {
                 Ok(response) => return Ok(self.own_lease(response, open)),
                 Err(e) if e.head_lost() && reused && req.method().is_idempotent() => {
                     tracing::debug!(error = %e, "a kept upstream connection ended before the response head; sending the request again on a new one");
