@@ -1204,18 +1204,19 @@ mod tests {
                 (
                     proptest::sample::select(vec![
                         "host", "cookie", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x_forwarded_for",
-                        "x-forwarded_host", "x-real-ip", "forwarded", "te", "connection", "keep-alive", "upgrade",
-                        "proxy-authorization", "x-a", "x-b", "user-agent", "accept", "trailer", "transfer-encoding",
+                        "x-forwarded_host", "x_forwarded_proto", "x-real-ip", "forwarded", "te", "connection", "keep-alive",
+                        "upgrade", "proxy-authorization", "x-a", "x-b", "user-agent", "accept", "trailer", "transfer-encoding",
                     ]),
                     proptest::sample::select(vec![
                         "a", " b ", "trailers", "x-a", "keep-alive", "1.2.3.4", "c=1", "te, trailers", "x-b, close",
-                        "host", "cookie", "x-forwarded-for", "https", "",
+                        "host", "cookie", "x-forwarded-for", "x-forwarded-proto", "X-Forwarded-Host, x-a", "https", "",
+                        "deflate,  Trailers ", "TRAILERS", "x-a-field-name-longer-than-thirty-two-bytes",
                     ]),
                 ),
                 0..10,
             ),
             trusted in proptest::bool::ANY,
-            host in proptest::option::of(proptest::sample::select(vec!["api.example", "api.example:8443", "[::1]"])),
+            host in proptest::option::of(proptest::sample::select(vec!["api.example", "api.example:8443", "[::1]", "bad\u{1}host"])),
             tls in proptest::bool::ANY,
             v6 in proptest::bool::ANY,
         ) {

@@ -1252,6 +1252,20 @@ mod tests {
         exchange(client, &asked.request(), None, Version::HTTP_11).await
     }
 
+    #[test]
+    fn written_fields_go_out_as_given_and_an_http10_peer_is_asked_to_keep_alive() {
+        let req = Request::get("/a?b").body(Empty::<Bytes>::new()).unwrap();
+        let fields = b"host: api\r\nx-forwarded-for: 10.0.0.1\r\n";
+        assert_eq!(
+            request_head(&req, Some(fields), false),
+            b"GET /a?b HTTP/1.1\r\nhost: api\r\nx-forwarded-for: 10.0.0.1\r\n\r\n"
+        );
+        assert_eq!(
+            request_head(&req, Some(fields), true),
+            b"GET /a?b HTTP/1.0\r\nhost: api\r\nx-forwarded-for: 10.0.0.1\r\nconnection: keep-alive\r\n\r\n"
+        );
+    }
+
     #[tokio::test]
     async fn a_request_with_a_body_or_a_protocol_switch_is_left_to_hyper() {
         let plain = Request::get("/a?b").body(Empty::<Bytes>::new()).unwrap();
