@@ -512,3 +512,40 @@ async fn a_head_past_the_byte_bound_is_refused_and_its_connection_closed_whoever
         );
     }
 }
+
+#[tokio::test]
+async fn a_head_written_tightly_is_held_to_the_byte_bound_as_its_fields_count() {
+    // The bound counts each field as `name: value\r\n`; a head may write
+    // it as `name:value\n`, two bytes shorter a field. Our own server
+    // skips counting for a head short enough that its fields must fit: a
+    // tight head just past the bound once counted must still be 431.
+    // An upstream that reads a head of any size (hyper's refuses this one).
+    let up = shaped_upstream().await;
+    let tg = Tollgate::start(NO_RULES, up, &[]);
+    const BOUND: usize = 64 * 1024;
+    // 32 fields (as many as our own server takes); `counted` is the sum
+    // of name + value + 4 over them.
+    let tight = |counted: usize| {
+        let mut head = b"GET /length HTTP/1.1\nHost:t\n".to_vec();
+        let mut sum = "host".len() + 1 + 4;
+        for i in 0..30 {
+            let line = format!("x{i:02}:v\n");
+            sum += 3 + 1 + 4;
+            head.extend_from_slice(line.as_bytes());
+        }
+        let pad = counted - sum - (3 + 4);
+        head.extend_from_slice(format!("x99:{}\n\n", "p".repeat(pad)).as_bytes());
+        head
+    };
+    for (counted, status) in [(BOUND, "HTTP/1.1 200"), (BOUND + 1, "HTTP/1.1 431")] {
+        let head = tight(counted);
+        assert!(head.len() < counted, "the head is shorter than it counts");
+        let mut s = TcpStream::connect(tg.addr).await.unwrap();
+        s.write_all(&head).await.unwrap();
+        let mut rest = Vec::new();
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap_or_default();
+        assert!(r.starts_with(status), "{counted}: {r}");
+    }
+}
