@@ -1024,3 +1024,43 @@ GET /status/202 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
     assert_eq!(statuses, ["200", "202"], "{answer}");
     assert_eq!(up.hits(), 2, "the swallowed request went nowhere");
 }
+
+#[tokio::test]
+async fn an_absolute_target_without_a_path_reaches_the_upstream_as_the_path_its_rules_saw() {
+    // The 26th attack: `http://a.example?x=1` was matched as `/` but went
+    // upstream as `GET ?x=1` by our own client (not origin-form; a POST
+    // with a body went as `/?x=1` by hyper's), and `http://a.example#f`
+    // with a body as an empty target (`POST  HTTP/1.1`).
+    let up = TestUpstream::start().await;
+    let limits = "\
+domain: d
+rules:
+  - name: root
+    match: { path: / }
+    limits: [{ requests: 1000, per: 60s }]
+";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    for (target, seen) in [
+        ("http://a.example?x=1", "/?x=1"),
+        ("http://a.example?", "/?"),
+        ("http://a.example#f", "/"),
+        ("http://a.example#f?x", "/"),
+        ("http://a.example", "/"),
+    ] {
+        for body in ["", "a"] {
+            let method = if body.is_empty() { "GET" } else { "POST" };
+            let request = format!(
+                "{method} {target} HTTP/1.1\r\nHost: a.example\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let answer = exchange(&tg, &request).await;
+            assert_eq!(status_of(&answer), 200, "{method} {target}: {answer}");
+            assert!(
+                answer
+                    .to_ascii_lowercase()
+                    .contains(&format!("\r\nx-seen-uri: {seen}\r\n")),
+                "{method} {target}: {answer}"
+            );
+        }
+    }
+}

@@ -1112,11 +1112,16 @@ async fn an_untrusted_client_cannot_claim_https_in_another_header() {
         ("x-forwarded_proto", "https"),
         ("x-real-ip", "7.7.7.7"),
         ("x-forwarded-client-cert", "Subject=\"CN=admin\""),
+        // Rails' remote_ip reads Client-IP; IIS-style frameworks take
+        // X-Original-URL for the path (the 26th attack).
+        ("client-ip", "7.7.7.7"),
+        ("true-client-ip", "7.7.7.7"),
+        ("x-original-url", "/admin"),
         ("x-api_key", "k1"),
     ];
     let answer = get(&client(), &tg.url("/echo"), &claims).await;
     assert_eq!(answer.status, 200);
-    for (name, _) in &claims[..7] {
+    for (name, _) in &claims[..10] {
         assert_eq!(
             answer.header(&format!("x-seen-{name}")),
             None,

@@ -52,8 +52,12 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 
 /// Other ways a request claims who the client is and how it came (Rack
 /// reads `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`,
-/// NGINX's real_ip `X-Real-IP`, Envoy's `X-Forwarded-Client-Cert`...):
-/// believed only from a trusted proxy, as `X-Forwarded-Proto` is.
+/// NGINX's real_ip `X-Real-IP`, Envoy's `X-Forwarded-Client-Cert`, Rails'
+/// `remote_ip` `Client-IP`, PHP code `X-Client-IP`, Akamai's
+/// `True-Client-IP`...), and what it asked for (IIS and the frameworks
+/// that copied it take `X-Original-URL` and `X-Rewrite-URL` for the path,
+/// so the upstream would serve a path no rule saw): believed only from a
+/// trusted proxy, as `X-Forwarded-Proto` is.
 fn is_scheme_claim(name: &str) -> bool {
     matches!(
         name,
@@ -66,6 +70,12 @@ fn is_scheme_claim(name: &str) -> bool {
             | "front-end-https"
             | "x-forwarded-port"
             | "x-url-scheme"
+            | "client-ip"
+            | "x-client-ip"
+            | "true-client-ip"
+            | "x-cluster-client-ip"
+            | "x-original-url"
+            | "x-rewrite-url"
     )
 }
 
@@ -452,8 +462,13 @@ impl Proxy {
         // (less the `;params` matching ignores: the upstream reads them).
         let normal = crate::path::normalize(parts.uri.path());
         let path = match (&normal, parts.uri.path_and_query()) {
-            // Already normal: the same bytes, shared rather than parsed again.
-            (Cow::Borrowed(_), Some(pq)) => Ok(pq.clone()),
+            // Already normal: the same bytes, shared rather than parsed
+            // again. Only from an origin-form target: an absolute one's (and
+            // HTTP/2's) may begin without the path (`http://a.example?x=1`,
+            // a `:path` of `?x=1`, nothing before a `#`), which the rules
+            // matched as `/`, and origin-form begins with `/` (RFC 9112
+            // §3.2.1); shared, it went upstream as `?x=1` or as nothing.
+            (Cow::Borrowed(_), Some(pq)) if parts.uri.scheme().is_none() && pq.as_str().starts_with('/') => Ok(pq.clone()),
             (_, _) => match parts.uri.query() {
                 Some(q) => PathAndQuery::try_from(format!("{normal}?{q}")),
                 None => PathAndQuery::try_from(normal.as_ref()),
@@ -1093,6 +1108,13 @@ mod tests {
             ("x-real-ip", b"1.2.3.4"),
             ("x-api_key", b"kept"),
             ("x-forwarded-proto", b"https"),
+            ("client-ip", b"1.2.3.4"),
+            ("client_ip", b"1.2.3.4"),
+            ("true-client-ip", b"1.2.3.4"),
+            ("x-client-ip", b"1.2.3.4"),
+            ("x-cluster-client-ip", b"1.2.3.4"),
+            ("x-original-url", b"/admin"),
+            ("x-rewrite-url", b"/admin"),
         ]);
         strip_claims(&mut h);
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
