@@ -219,45 +219,46 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
 
 /// `RateLimit-Policy` and `RateLimit` for `windows`, one item each.
 fn ratelimit_values(windows: &[(&RuleOutcome, &WindowOutcome)]) -> (String, String) {
-    // Built on every refusal: push_str and itoa, not format!.
     let mut policy = String::with_capacity(64);
     let mut state = String::with_capacity(64);
-    let mut n = itoa::Buffer::new();
     for (i, (rule, w)) in windows.iter().enumerate() {
         let sep = if i == 0 { "" } else { ", " };
         let name = sf_string(&rule.rule.name);
-        for (out, a, x, b, y) in [
-            (&mut policy, "\";q=", w.window.requests, ";w=", w.window.period_secs()),
-            (
-                &mut state,
-                "\";r=",
-                w.remaining,
-                ";t=",
-                ceil_secs(w.retry_ms.unwrap_or(w.reset_ms)),
-            ),
-        ] {
-            out.push_str(sep);
-            out.push('"');
-            out.push_str(&name);
-            out.push_str(a);
-            out.push_str(n.format(x));
-            out.push_str(b);
-            out.push_str(n.format(y));
-        }
+        policy.push_str(sep);
+        push_policy(&mut policy, &name, w.window.requests, w.window.period_secs());
+        state.push_str(sep);
+        push_state(&mut state, &name, w);
     }
     (policy, state)
 }
 
-/// The `RateLimit` item of one window: `"name";r=R;t=T`.
-fn one_state(name: &str, w: &WindowOutcome) -> String {
+/// `"name";q=Q;w=W`, one window's policy item (`name` escaped already).
+fn push_policy(out: &mut String, name: &str, requests: u64, period_secs: u64) {
+    // Built on every decision told: push_str and itoa, not format!.
     let mut n = itoa::Buffer::new();
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";q=");
+    out.push_str(n.format(requests));
+    out.push_str(";w=");
+    out.push_str(n.format(period_secs));
+}
+
+/// `"name";r=R;t=T`, one window's state item (`name` escaped already).
+fn push_state(out: &mut String, name: &str, w: &WindowOutcome) {
+    let mut n = itoa::Buffer::new();
+    out.push('"');
+    out.push_str(name);
+    out.push_str("\";r=");
+    out.push_str(n.format(w.remaining));
+    out.push_str(";t=");
+    out.push_str(n.format(ceil_secs(w.retry_ms.unwrap_or(w.reset_ms))));
+}
+
+/// The `RateLimit` item of one window.
+fn one_state(name: &str, w: &WindowOutcome) -> String {
     let mut state = String::with_capacity(name.len().saturating_add(32));
-    state.push('"');
-    state.push_str(name);
-    state.push_str("\";r=");
-    state.push_str(n.format(w.remaining));
-    state.push_str(";t=");
-    state.push_str(n.format(ceil_secs(w.retry_ms.unwrap_or(w.reset_ms))));
+    push_state(&mut state, name, w);
     state
 }
 
@@ -283,15 +284,9 @@ fn single_policy(rule: &str, requests: u64, period_secs: u64) -> Option<HeaderVa
     if kept.is_some() {
         return kept;
     }
-    let mut n = itoa::Buffer::new();
     let name = sf_string(rule);
     let mut policy = String::with_capacity(name.len().saturating_add(32));
-    policy.push('"');
-    policy.push_str(&name);
-    policy.push_str("\";q=");
-    policy.push_str(n.format(requests));
-    policy.push_str(";w=");
-    policy.push_str(n.format(period_secs));
+    push_policy(&mut policy, &name, requests, period_secs);
     let value = HeaderValue::from_maybe_shared(Bytes::from(policy)).ok()?;
     // The oldest kept one makes room; a thread past its locals (being
     // torn down) keeps nothing.

@@ -534,10 +534,7 @@ impl Forwarding<'_> {
         let Forwarding { peer, trusted, host, tls, upstream_host } = *self;
         // `TE: trailers` says the client takes trailers: gRPC servers ask
         // for it, and tollgate passes trailers through, so it is kept.
-        let trailers = headers
-            .get_all(header::TE)
-            .iter()
-            .any(|v| v.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers")));
+        let trailers = headers.get_all(header::TE).iter().any(says_trailers);
         strip_hop_by_hop(headers, upgrade);
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
@@ -604,8 +601,7 @@ impl Forwarding<'_> {
             current = Some(name);
             if is_hop_by_hop(name.as_str()) || named.contains(name) {
                 // `TE: trailers` says the client takes trailers: kept.
-                trailers |= *name == header::TE
-                    && value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"));
+                trailers |= *name == header::TE && says_trailers(value);
                 continue;
             }
             if !trusted && is_claim(name.as_str()) {
@@ -627,13 +623,7 @@ impl Forwarding<'_> {
                 _ if *name == X_FORWARDED_FOR => {
                     if first {
                         has_for = true;
-                        let mut folded = Vec::new();
-                        for v in headers.get_all(&X_FORWARDED_FOR) {
-                            folded.extend_from_slice(v.as_bytes());
-                            folded.extend_from_slice(b", ");
-                        }
-                        folded.extend_from_slice(peer.ip().to_canonical().to_string().as_bytes());
-                        line("x-forwarded-for", &folded);
+                        line("x-forwarded-for", &forwarded_for(headers, peer));
                     }
                 }
                 _ if *name == X_FORWARDED_PROTO && !trusted => {
@@ -660,6 +650,7 @@ impl Forwarding<'_> {
         if trailers {
             line("te", b"trailers");
         }
+        // None passed on (none sent, or `Connection` named it): the peer.
         if !has_for {
             line("x-forwarded-for", crate::client_ip::ip_text(peer.ip().to_canonical()).as_bytes());
         }
@@ -889,23 +880,28 @@ fn join_cookies(headers: &mut HeaderMap) {
 
 /// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
 fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_canonical();
-    if !headers.contains_key(&X_FORWARDED_FOR) {
-        if let Ok(v) = HeaderValue::try_from(crate::client_ip::ip_text(ip)) {
-            headers.insert(X_FORWARDED_FOR, v);
-        }
-        return;
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(forwarded_for(headers, peer))) {
+        headers.insert(X_FORWARDED_FOR, v);
     }
-    let peer = ip.to_string();
+}
+
+/// `X-Forwarded-For` as the upstream gets it: the client's lines folded
+/// into one, `, ` and the peer after them, or the peer alone.
+fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> Vec<u8> {
+    let ip = crate::client_ip::ip_text(peer.ip().to_canonical());
     let mut value = Vec::new();
     for v in headers.get_all(&X_FORWARDED_FOR) {
         value.extend_from_slice(v.as_bytes());
         value.extend_from_slice(b", ");
     }
-    value.extend_from_slice(peer.as_bytes());
-    if let Ok(v) = HeaderValue::from_bytes(&value) {
-        headers.insert(X_FORWARDED_FOR, v);
-    }
+    value.extend_from_slice(ip.as_bytes());
+    value
+}
+
+/// Whether a `TE` value names `trailers` (in any case): the client takes
+/// trailers, which gRPC servers ask for and tollgate passes on.
+fn says_trailers(value: &HeaderValue) -> bool {
+    value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
 }
 
 /// An admitted request: its decision (for the RateLimit headers), host,
