@@ -1063,6 +1063,20 @@ rules:
             );
         }
     }
+
+    // Over HTTP/2 the same target is a `:path` of `?x=1` (malformed, RFC
+    // 9113 §8.3.1, and passed on as given before): it goes as `/?x=1`.
+    let mut sender = h2_sender(tg.addr).await;
+    for body in ["", "a"] {
+        let request = http::Request::builder()
+            .method(if body.is_empty() { "GET" } else { "POST" })
+            .uri("http://a.example?x=1")
+            .body(http_body_util::Full::new(bytes::Bytes::from_static(body.as_bytes())))
+            .unwrap();
+        let response = sender.send_request(request).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK, "body {body:?}");
+        assert_eq!(response.headers()["x-seen-uri"], "/?x=1", "body {body:?}");
+    }
 }
 
 #[tokio::test]
