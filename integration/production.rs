@@ -711,6 +711,41 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
     stall("paused", 0, 6).await;
     // A longer stall: the calls made seconds into it are late as well.
     stall("long", 2_500, 3).await;
+
+    // Requests for one key that wait together go in one call, as a run of
+    // alike decisions: a run that comes late charges nothing either. Two
+    // take the thread's call slots and wait on the stopped Redis; the
+    // rest, queued behind them, go out together when those two give up.
+    let calls = || -> u64 {
+        let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
+        stats
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .and_then(|l| l.split("calls=").nth(1)?.split(',').next()?.parse().ok())
+            .unwrap_or_else(|| panic!("{stats}"))
+    };
+    let before = calls();
+    redis.signal("STOP");
+    let mut waiting = tokio::task::JoinSet::new();
+    for wave in [2, 8] {
+        for _ in 0..wave {
+            let (c, url) = (c.clone(), tg.url("/"));
+            waiting.spawn(async move { get(&c, &url, &[("x-key", "together")]).await.status.as_u16() });
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    let refused = waiting.join_all().await;
+    assert_eq!(refused, [503; 10], "fails closed while Redis is stopped");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sent = calls() - before;
+    assert!(sent < 10, "the queued decisions went in a shared call ({sent} calls)");
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(get(&c, &tg.url("/"), &[("x-key", "together")]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
 }
 
 #[tokio::test]

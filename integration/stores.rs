@@ -405,6 +405,46 @@ fn batches() -> impl Strategy<Value = Vec<Batch>> {
     prop::collection::vec((0u64..700, prop::collection::vec(request, 1..8)), 1..30)
 }
 
+/// Each batch decided in one script call and, one request at a time, by
+/// the memory store at the same instant: the answers must be the same.
+/// A pick is (key, window set, cost, role).
+fn decide_batches(
+    pair: &StorePair,
+    prefix: &str,
+    form: Form,
+    windows: &[[Vec<Window>; 2]],
+    batches: Vec<Batch>,
+) -> Result<(), TestCaseError> {
+    let (clock, memory, redis_store, keys) = pair.case(prefix, form);
+    let runtime = &pair.runtime;
+    for (dt, requests) in batches {
+        clock.advance(dt);
+        let requests: Vec<Vec<Check<'_>>> = requests
+            .into_iter()
+            .map(|picks| {
+                picks
+                    .into_iter()
+                    .map(|(k, set, cost, role)| Check {
+                        key: &keys[k],
+                        windows: &windows[k][set],
+                        cost,
+                        shadow: role & 1 == 1,
+                        quota: role & 2 == 2,
+                    })
+                    .collect()
+            })
+            .collect();
+        let expected: Vec<StoreAnswer> = requests
+            .iter()
+            .map(|checks| runtime.block_on(memory.decide(checks)).unwrap())
+            .collect();
+        let together: Vec<&[Check<'_>]> = requests.iter().map(|c| &c[..]).collect();
+        let got = runtime.block_on(redis_store.decide_in_order(&together)).unwrap();
+        prop_assert_eq!(got, expected);
+    }
+    Ok(())
+}
+
 #[test]
 fn decisions_sharing_one_script_call_answer_as_if_alone() {
     // Under load several decisions go in one script call, and the script
@@ -412,9 +452,7 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
     // every answer must still equal the memory store's, deciding the same
     // requests one at a time at the same instant.
     let pair = StorePair::new();
-    let runtime = &pair.runtime;
     proptest!(property_cases(), |(batches in batches(), form in form())| {
-        let (clock, memory, redis_store, keys) = pair.case("batch", form);
         // The second set keeps the longest window (how long entries are kept
         // may differ between the stores otherwise) and changes the others.
         let windows: Vec<[Vec<Window>; 2]> = vec![
@@ -424,29 +462,40 @@ fn decisions_sharing_one_script_call_answer_as_if_alone() {
             // A raised limit widens a bucketed window's counts in Redis.
             [windows_of(3), vec![w(2, 250), bucketed(9, 1_000, 300), bucketed(40, 600, 20)]],
         ];
-        for (dt, requests) in batches {
-            clock.advance(dt);
-            let requests: Vec<Vec<Check<'_>>> = requests
-                .into_iter()
-                .map(|picks| {
-                    picks
-                        .into_iter()
-                        .map(|(k, set, cost, role)| Check {
-                            key: &keys[k],
-                            windows: &windows[k][set],
-                            cost,
-                            shadow: role & 1 == 1,
-                            quota: role & 2 == 2,
-                        })
-                        .collect()
-                })
-                .collect();
-            let expected: Vec<StoreAnswer> =
-                requests.iter().map(|checks| runtime.block_on(memory.decide(checks)).unwrap()).collect();
-            let together: Vec<&[Check<'_>]> = requests.iter().map(|c| &c[..]).collect();
-            let got = runtime.block_on(redis_store.decide_in_order(&together)).unwrap();
-            prop_assert_eq!(got, expected);
-        }
+        decide_batches(&pair, "batch", form, &windows, batches)?;
+    });
+}
+
+/// A batch whose requests mostly repeat one counter: (key, window set,
+/// cost, role) per check, a request of two checks now and then.
+fn hot_batches() -> impl Strategy<Value = Vec<Batch>> {
+    let cost = prop_oneof![6 => Just(1u64), 2 => Just(2), 1 => Just(3), 1 => Just(0), 1 => Just(7)];
+    let role = prop_oneof![12 => Just(0u8), 1 => Just(1), 1 => Just(2)];
+    let key = prop_oneof![6 => Just(0usize), 2 => Just(1), 1 => Just(2)];
+    let pick = (key, prop_oneof![4 => Just(0usize), 1 => Just(1)], cost, role);
+    let request = prop_oneof![8 => prop::collection::vec(pick.clone(), 1..2), 1 => prop::collection::vec(pick, 2..3)];
+    prop::collection::vec((0u64..900, prop::collection::vec(request, 1..24)), 1..20)
+}
+
+#[test]
+fn a_hot_counters_decisions_in_one_call_answer_as_if_alone() {
+    // Alike decisions in a row on one counter go to the script as one run
+    // and come back as a count of admissions: each answer must still be
+    // the memory store's, deciding the same requests one at a time, with
+    // runs cut short by the limit, broken by another cost, a shadow or
+    // quota check, a request of two checks or a bucketed window between
+    // them, across clock steps, a compact counter turning into a stream,
+    // and a window set changed by a reload.
+    let pair = StorePair::new();
+    proptest!(property_cases(), |(batches in hot_batches(), form in form())| {
+        // A set's longest exact window is the other's (how long entries
+        // are kept may differ between the stores otherwise).
+        let windows: Vec<[Vec<Window>; 2]> = vec![
+            [vec![w(7, 2_000)], vec![w(3, 300), w(9, 2_000)]],
+            [vec![w(2, 250), w(5, 1_000)], vec![w(4, 1_000)]],
+            [vec![w(6, 600)], vec![w(3, 600), bucketed(4, 1_000, 300)]],
+        ];
+        decide_batches(&pair, "hot", form, &windows, batches)?;
     });
 }
 

@@ -42,7 +42,10 @@
 -- then     the number of decision shapes, then each: dry run (0/1: check
 --          with the real costs but charge nothing), key count, and the
 --          check shape of each key
--- then     the number of decisions, then each one's decision shape
+-- then     the number of entries, then each: a decision's shape, or a run:
+--          -n followed by a decision shape, for n decisions of that shape in
+--          a row on one counter (one key, exact windows only, neither
+--          shadow nor quota, a cost above 0), sent with its key once
 -- last     a time in ms on this server's clock after which the call is too
 --          late to charge (0: none): its callers have given up on it and
 --          applied their failure mode (a Redis paused or stopped ran it
@@ -57,7 +60,15 @@
 -- unit leaves), retry_ms (until this cost fits; -1 when it fits now, -2 when
 -- it never will: it asks more than the window's whole limit); last, the
 -- clock the call decided at (which the caller learns this server's clock
--- from, for the bound above).
+-- from, for the bound above). A run's decisions, one after the other, are
+-- a prefix admitted and the rest refused (a refusal charges nothing, so
+-- the ones after it meet the same counts): its reply is how many were
+-- admitted, whether they were charged (0 when dry or late), then per
+-- window: used before the first, reset_ms (the same for all: a window's
+-- first entry stays while the run admits), and the refused ones' retry_ms
+-- (-1 when none was refused). Their used grows by the cost per charge.
+-- A hot counter's decisions then cost Redis a few lines each rather than
+-- two arguments and five reply integers.
 --
 -- A bucketed window (a `precision`) is not kept in the counter's entries
 -- but in a ring of its own, key `<counter>|<period>/<precision>` (the same
@@ -677,7 +688,39 @@ for i = 1, num(ARGV[a]) do
   kinds[i] = kind
   a = a + 2 + #kind - 1
 end
-a = a + 1 -- the number of decisions
+a = a + 1 -- the number of entries
+
+-- Charges counter s (`key`) `times` charges of `cost`, one after the other,
+-- to the entry this call appends; `longest` is the longest exact window of
+-- the check charged, which the counter must outlive.
+local function charge(key, s, cost, times, longest)
+  if s.pend_n == 0 then
+    -- The entry carries this call's clock (never before the last entry,
+    -- which a clock step back could otherwise ask for), so no later call
+    -- can see an entry from its own future. The whole ID is spelled out:
+    -- `ms-*` would need Redis 7.
+    local ms, seq = now, 0
+    if s.last_ms >= ms then
+      ms, seq = s.last_ms, s.last_seq + 1
+    end
+    s.pend_ms, s.pend_seq = ms, seq
+    touched[#touched + 1] = key
+  end
+  -- Every window of this counter that had no entry has this one now,
+  -- including windows other decisions in this call asked about. Its c - n
+  -- stays the total before this call's first charge, which is what counts
+  -- from it: the first charge's total and cost.
+  if s.empty then
+    local first_total = (s.total + cost) % M
+    for period, f in pairs(s.first) do
+      if f == false then s.first[period] = { first_total, cost, s.pend_ms } end
+    end
+    s.empty = false
+  end
+  s.pend_n = s.pend_n + times * cost
+  s.total = (s.total + times * cost) % M
+  if longest > s.longest then s.longest = longest end
+end
 
 -- Per key of the decision being made, three slots each (its counter,
 -- whether it fits, its rings), reused from decision to decision.
@@ -685,118 +728,151 @@ local held = {}
 local reply = {}
 local r = 0
 local k = 0
-for d = 1, num(ARGV[a]) do
-  local kind = kinds[num(ARGV[a + d])]
-  local dry = kind[1] or late
-  local nkeys = #kind - 1
-  local admitted = 1
-  local quotas, quota_room = false, false
-  local base = r + 1
-  r = r + 1
-  -- Units earlier keys of this decision take from a counter: a counter
-  -- named twice is checked against both costs, not twice against one.
-  local claims = false
-  if nkeys > 1 then claims = {} end
-  for i = 1, nkeys do
-    local key = KEYS[k + i]
-    local shape = kind[i + 1]
+-- Where the next entry's arguments begin.
+local e = a + 1
+for _ = 1, num(ARGV[a]) do
+  local x = num(ARGV[e])
+  e = e + 1
+  if x < 0 then
+    -- A run of -x decisions of one shape on KEYS[k + 1], decided as that
+    -- many one after the other would be (see the reply above).
+    local kind = kinds[num(ARGV[e])]
+    e = e + 1
+    local n = -x
+    local key = KEYS[k + 1]
+    local shape = kind[2]
     local cost = shape[1]
-    local s = false
-    local claim = claims and claims[key] or 0
-    local fits = true
-    local bucketed = false
-    r = r + 1 -- charged, filled in below
+    local s = counter(key)
+    local room = n
+    -- Filled in order: a table written past its end keeps it in a hash.
+    reply[r + 1], reply[r + 2] = 0, 0
     for w = 1, shape[5] do
-      local limit, period, precision = shape[3 * w + 3], shape[3 * w + 4], shape[3 * w + 5]
-      local used, reset, retry = claim, period, -1
-      if precision > 0 then
-        if not ring then rings_setup() end
-        local rs = ring(key, limit, period, precision)
-        if not bucketed then bucketed = {} end
-        bucketed[#bucketed + 1] = rs
-        used, reset, retry = ring_window(rs, limit, claim, cost)
-        if retry ~= -1 then fits = false end
-      else
-        -- The entries are read only for a key with an exact window.
-        if not s then s = counter(key) end
-        local f = first_in_window(key, s, period)
-        if f then
-          used = (s.total - f[1]) % M + f[2] + claim
-          -- Never past a whole period, even if the clock stepped back.
-          reset = math.min(f[3] + period - now, period)
-        end
+      local limit, period = shape[3 * w + 3], shape[3 * w + 4]
+      local f = first_in_window(key, s, period)
+      local used, reset = 0, period
+      if f then
+        used = (s.total - f[1]) % M + f[2]
+        reset = math.min(f[3] + period - now, period)
+      end
+      local fit = 0
+      if used + cost <= limit then fit = math.floor((limit - used) / cost) end
+      if fit < room then room = fit end
+      reply[r + 3 * w], reply[r + 3 * w + 1], reply[r + 3 * w + 2] = used, reset, -1
+    end
+    local charged = 0
+    if kind[1] or late then
+      -- Nothing is charged: each meets the counts the first met.
+      if room > 0 then room = n end
+    elseif room > 0 then
+      charged = 1
+      charge(key, s, cost, room, shape[4])
+    end
+    reply[r + 1] = room
+    reply[r + 2] = charged
+    for w = 1, shape[5] do
+      local retry = -1
+      if room < n then
+        local limit, period = shape[3 * w + 3], shape[3 * w + 4]
+        local used = reply[r + 3 * w] + charged * room * cost
         if used + cost > limit then
-          fits = false
-          if claim + cost > limit then
+          if cost > limit then
             retry = -2
           else
-            retry = retry_after(key, s, f, period, used + cost - limit)
+            retry = retry_after(key, s, first_in_window(key, s, period), period, used + cost - limit)
           end
         end
       end
-      reply[r + 1] = used
-      reply[r + 2] = reset
-      reply[r + 3] = retry
-      r = r + 3
+      reply[r + 3 * w + 2] = retry
     end
-    if shape[3] then
-      quotas = true
-      if fits or shape[2] then quota_room = true end
-    elseif not fits and not shape[2] then
-      admitted = 0
+    r = r + 2 + 3 * shape[5]
+    k = k + 1
+  else
+    local kind = kinds[x]
+    local dry = kind[1] or late
+    local nkeys = #kind - 1
+    local admitted = 1
+    local quotas, quota_room = false, false
+    local base = r + 1
+    r = r + 1
+    -- Units earlier keys of this decision take from a counter: a counter
+    -- named twice is checked against both costs, not twice against one.
+    local claims = false
+    if nkeys > 1 then claims = {} end
+    for i = 1, nkeys do
+      local key = KEYS[k + i]
+      local shape = kind[i + 1]
+      local cost = shape[1]
+      local s = false
+      local claim = claims and claims[key] or 0
+      local fits = true
+      local bucketed = false
+      r = r + 1 -- charged, filled in below
+      for w = 1, shape[5] do
+        local limit, period, precision = shape[3 * w + 3], shape[3 * w + 4], shape[3 * w + 5]
+        local used, reset, retry = claim, period, -1
+        if precision > 0 then
+          if not ring then rings_setup() end
+          local rs = ring(key, limit, period, precision)
+          if not bucketed then bucketed = {} end
+          bucketed[#bucketed + 1] = rs
+          used, reset, retry = ring_window(rs, limit, claim, cost)
+          if retry ~= -1 then fits = false end
+        else
+          -- The entries are read only for a key with an exact window.
+          if not s then s = counter(key) end
+          local f = first_in_window(key, s, period)
+          if f then
+            used = (s.total - f[1]) % M + f[2] + claim
+            -- Never past a whole period, even if the clock stepped back.
+            reset = math.min(f[3] + period - now, period)
+          end
+          if used + cost > limit then
+            fits = false
+            if claim + cost > limit then
+              retry = -2
+            else
+              retry = retry_after(key, s, f, period, used + cost - limit)
+            end
+          end
+        end
+        reply[r + 1] = used
+        reply[r + 2] = reset
+        reply[r + 3] = retry
+        r = r + 3
+      end
+      if shape[3] then
+        quotas = true
+        if fits or shape[2] then quota_room = true end
+      elseif not fits and not shape[2] then
+        admitted = 0
+      end
+      if fits and claims then claims[key] = claim + cost end
+      local h = 3 * i
+      held[h - 2], held[h - 1], held[h] = s, fits, bucketed
     end
-    if fits and claims then claims[key] = claim + cost end
-    local h = 3 * i
-    held[h - 2], held[h - 1], held[h] = s, fits, bucketed
-  end
 
-  if quotas and not quota_room then admitted = 0 end
-  reply[base] = admitted
-  -- Each key's charged flag comes before its windows.
-  local at = base + 1
-  for i = 1, nkeys do
-    local h = 3 * i
-    local s, fits, bucketed = held[h - 2], held[h - 1], held[h]
-    local shape = kind[i + 1]
-    local cost = shape[1]
-    local charged = 0
-    if admitted == 1 and not dry and fits and cost > 0 then
-      charged = 1
-      if bucketed then
-        for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
-      end
-      if s then
-        if s.pend_n == 0 then
-          -- The entry carries this call's clock (never before the last
-          -- entry, which a clock step back could otherwise ask for), so no
-          -- later call can see an entry from its own future. The whole ID
-          -- is spelled out: `ms-*` would need Redis 7.
-          local ms, seq = now, 0
-          if s.last_ms >= ms then
-            ms, seq = s.last_ms, s.last_seq + 1
-          end
-          s.pend_ms, s.pend_seq = ms, seq
-          touched[#touched + 1] = KEYS[k + i]
+    if quotas and not quota_room then admitted = 0 end
+    reply[base] = admitted
+    -- Each key's charged flag comes before its windows.
+    local at = base + 1
+    for i = 1, nkeys do
+      local h = 3 * i
+      local s, fits, bucketed = held[h - 2], held[h - 1], held[h]
+      local shape = kind[i + 1]
+      local cost = shape[1]
+      local charged = 0
+      if admitted == 1 and not dry and fits and cost > 0 then
+        charged = 1
+        if bucketed then
+          for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
         end
-        s.pend_n = s.pend_n + cost
-        s.total = (s.total + cost) % M
-        -- Every window of this counter that had no entry has this one now,
-        -- including windows other decisions in this call asked about. Its
-        -- c - n stays the total before this call's first charge, which is
-        -- what counts from it.
-        if s.empty then
-          for period, f in pairs(s.first) do
-            if f == false then s.first[period] = { s.total, cost, s.pend_ms } end
-          end
-          s.empty = false
-        end
-        if shape[4] > s.longest then s.longest = shape[4] end
+        if s then charge(KEYS[k + i], s, cost, 1, shape[4]) end
       end
+      reply[at] = charged
+      at = at + 1 + 3 * shape[5]
     end
-    reply[at] = charged
-    at = at + 1 + 3 * shape[5]
+    k = k + nkeys
   end
-  k = k + nkeys
 end
 
 -- A pinned clock runs apart from real time; its keys are the test's to delete.

@@ -202,10 +202,25 @@ impl DecideScript {
                 call.arg(*shape);
             }
         }
-        call.arg(decisions.len());
-        for (checks, _) in decisions {
-            for check in checks.iter() {
-                call.key(&check.key);
+        let entries = entries(decisions);
+        call.arg(entries.len());
+        for entry in &entries {
+            let Some((checks, _)) = decisions.get(entry.first) else {
+                continue;
+            };
+            let shape = shapes.of_decision.get(entry.first).copied().unwrap_or(0);
+            if entry.count > 1 {
+                // Its decisions share one key: sent once.
+                if let Some(check) = checks.first() {
+                    call.key(&check.key);
+                }
+                call.arg(0i64.saturating_sub(i64::try_from(entry.count).unwrap_or(i64::MAX)))
+                    .arg(shape);
+            } else {
+                for check in checks.iter() {
+                    call.key(&check.key);
+                }
+                call.arg(shape);
             }
         }
         // The rings of bucketed windows, after every counter (the script
@@ -214,9 +229,6 @@ impl DecideScript {
         // moved, rather than run the script where one of them is missing.
         for ring in rings(decisions) {
             call.key(ring);
-        }
-        for shape in &shapes.of_decision {
-            call.arg(*shape);
         }
         call.arg(not_after);
         let mut reply: Vec<i64> = call.invoke_async(conn).await?;
@@ -229,8 +241,57 @@ impl DecideScript {
                 "a decision call ran in Redis after its callers had given up on it: it charged nothing"
             );
         }
-        parse_reply(&reply, decisions)
+        parse_reply(&reply, decisions, &entries)
     }
+}
+
+/// Decisions in a row that the script decides as one run: `count` of them
+/// from `first` (1: a decision alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Entry {
+    first: usize,
+    count: usize,
+}
+
+/// Whether a decision can be part of a run: one counter, exact windows
+/// only, neither shadow nor quota (whose admission does not follow the
+/// counts alone), a cost above 0 (a run's answers grow by it).
+fn runnable(checks: &[OwnedCheck]) -> Option<&OwnedCheck> {
+    match checks {
+        [c] if !c.shadow
+            && !c.quota
+            && c.cost > 0
+            && !c.windows.is_empty()
+            && c.windows.iter().all(|w| w.precision_ms == 0) =>
+        {
+            Some(c)
+        }
+        _ => None,
+    }
+}
+
+/// `decisions` as the script takes them: runs of alike decisions in a row
+/// on one counter (a hot key's requests waiting together), each other
+/// decision alone. The order is kept: the answers are those of deciding
+/// them one after the other.
+fn entries(decisions: &[(&[OwnedCheck], bool)]) -> Vec<Entry> {
+    let mut entries: Vec<Entry> = Vec::with_capacity(decisions.len());
+    let mut run: Option<(&OwnedCheck, bool)> = None;
+    for (i, (checks, dry_run)) in decisions.iter().enumerate() {
+        let this = runnable(checks);
+        let alike = match (run, this) {
+            (Some((a, dry_a)), Some(b)) => {
+                dry_a == *dry_run && a.key == b.key && a.cost == b.cost && a.windows == b.windows
+            }
+            _ => false,
+        };
+        match entries.last_mut() {
+            Some(last) if alike => last.count = last.count.saturating_add(1),
+            _ => entries.push(Entry { first: i, count: 1 }),
+        }
+        run = this.map(|c| (c, *dry_run));
+    }
+    entries
 }
 
 /// The ring keys of the bucketed windows of `decisions`, each once: the
@@ -318,15 +379,26 @@ impl<'a> Shapes<'a> {
     }
 }
 
-fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec<StoreAnswer>, StoreError> {
-    let expected: usize = decisions
+fn parse_reply(
+    reply: &[i64],
+    decisions: &[(&[OwnedCheck], bool)],
+    entries: &[Entry],
+) -> Result<Vec<StoreAnswer>, StoreError> {
+    let windows_of = |checks: &[OwnedCheck]| checks.first().map_or(0, |c| c.windows.len());
+    let expected: usize = entries
         .iter()
-        .map(|(c, _)| {
-            c.iter()
-                .map(|c| c.windows.len().saturating_mul(3).saturating_add(1))
-                .fold(1usize, usize::saturating_add)
+        .filter_map(|e| Some((e, decisions.get(e.first)?.0)))
+        .map(|(e, checks)| {
+            if e.count > 1 {
+                windows_of(checks).saturating_mul(3).saturating_add(2)
+            } else {
+                checks
+                    .iter()
+                    .map(|c| c.windows.len().saturating_mul(3).saturating_add(1))
+                    .fold(1usize, usize::saturating_add)
+            }
         })
-        .sum();
+        .fold(0usize, usize::saturating_add);
     if reply.len() != expected {
         return Err(super::bad_reply(format!(
             "{} integers, expected {expected}",
@@ -335,38 +407,83 @@ fn parse_reply(reply: &[i64], decisions: &[(&[OwnedCheck], bool)]) -> Result<Vec
     }
     let mut values = reply.iter().copied();
     let mut next = || values.next().unwrap_or(0);
-    let answers = decisions
-        .iter()
-        .map(|(checks, _)| {
-            let admitted = next() == 1;
-            let checks = checks
-                .iter()
-                .map(|check| {
-                    let charged = next() == 1;
-                    let windows = check
-                        .windows
-                        .iter()
-                        .map(|_| {
-                            let used = u64::try_from(next()).unwrap_or(0);
-                            let reset_ms = u64::try_from(next()).unwrap_or(0);
-                            let retry = next();
-                            WindowCount {
-                                used,
-                                reset_ms,
-                                retry_ms: u64::try_from(retry).ok(),
-                                never: retry == -2,
-                            }
-                        })
-                        .collect();
-                    CheckCount { charged, windows }
-                })
-                .collect();
-            StoreAnswer { admitted, checks }
-        })
-        .collect();
+    let mut answers = Vec::with_capacity(decisions.len());
+    for entry in entries {
+        let Some((checks, _)) = decisions.get(entry.first) else {
+            continue;
+        };
+        if entry.count > 1 {
+            let Some(check) = checks.first() else { continue };
+            answers.extend(run_answers(check, entry.count, &mut next));
+            continue;
+        }
+        let admitted = next() == 1;
+        let checks = checks
+            .iter()
+            .map(|check| {
+                let charged = next() == 1;
+                let windows = check
+                    .windows
+                    .iter()
+                    .map(|_| {
+                        let used = u64::try_from(next()).unwrap_or(0);
+                        let reset_ms = u64::try_from(next()).unwrap_or(0);
+                        window_count(used, reset_ms, next())
+                    })
+                    .collect();
+                CheckCount { charged, windows }
+            })
+            .collect();
+        answers.push(StoreAnswer { admitted, checks });
+    }
     Ok(answers)
 }
 
+fn window_count(used: u64, reset_ms: u64, retry: i64) -> WindowCount {
+    WindowCount {
+        used,
+        reset_ms,
+        retry_ms: u64::try_from(retry).ok(),
+        never: retry == -2,
+    }
+}
+
+/// The answers of a run of `count` decisions of `check` (decide.lua's run
+/// reply): the first `admitted` admitted, each meeting the counts the ones
+/// before it charged; the rest refused, all meeting the same counts.
+fn run_answers(check: &OwnedCheck, count: usize, next: &mut impl FnMut() -> i64) -> Vec<StoreAnswer> {
+    let admitted = usize::try_from(next()).unwrap_or(0).min(count);
+    let charged = next() == 1;
+    let windows: Vec<(u64, u64, i64)> = check
+        .windows
+        .iter()
+        .map(|_| {
+            let used = u64::try_from(next()).unwrap_or(0);
+            let reset_ms = u64::try_from(next()).unwrap_or(0);
+            (used, reset_ms, next())
+        })
+        .collect();
+    (0..count)
+        .map(|i| {
+            let yes = i < admitted;
+            let charges = if charged { u64::try_from(i.min(admitted)).unwrap_or(u64::MAX) } else { 0 };
+            let counts = windows
+                .iter()
+                .map(|&(used, reset_ms, retry)| {
+                    let used = used.saturating_add(charges.saturating_mul(check.cost));
+                    window_count(used, reset_ms, if yes { -1 } else { retry })
+                })
+                .collect();
+            StoreAnswer {
+                admitted: yes,
+                checks: vec![CheckCount {
+                    charged: yes && charged,
+                    windows: counts,
+                }],
+            }
+        })
+        .collect()
+}
 
 #[cfg(test)]
 impl OwnedCheck {
@@ -415,5 +532,43 @@ mod tests {
             vec![(false, &[1][..]), (false, &[1, 2][..]), (true, &[1][..]), (false, &[3][..])]
         );
         assert_eq!(shapes.of_decision, vec![1, 2, 1, 3, 4]);
+    }
+
+    #[test]
+    fn only_alike_decisions_in_a_row_on_one_counter_make_a_run() {
+        let hot = [check("a", 1, 10)];
+        let costlier = [check("a", 2, 10)];
+        let other = [check("b", 1, 10)];
+        let two = [check("a", 1, 10), check("a", 1, 10)];
+        let shadow = [OwnedCheck::per_minute("a", 10, 1, true)];
+        let free = [check("a", 0, 10)];
+        let mut bucketed = [check("a", 1, 10)];
+        bucketed[0].windows[0].precision_ms = 1_000;
+        let decisions: Vec<(&[OwnedCheck], bool)> = vec![
+            (&hot, false),
+            (&hot, false),
+            (&hot, false),
+            (&costlier, false),
+            (&hot, false),
+            (&hot, true),
+            (&hot, true),
+            (&other, false),
+            (&hot, false),
+            (&two, false),
+            (&two, false),
+            (&shadow, false),
+            (&shadow, false),
+            (&free, false),
+            (&free, false),
+            (&bucketed, false),
+            (&bucketed, false),
+            (&hot, false),
+        ];
+        let got: Vec<(usize, usize)> = entries(&decisions).iter().map(|e| (e.first, e.count)).collect();
+        // A run breaks at another cost, a dry run, another key; decisions
+        // of two keys, shadow, free or bucketed ones go alone.
+        let mut want = vec![(0, 3), (3, 1), (4, 1), (5, 2), (7, 1), (8, 1)];
+        want.extend((9..18).map(|i| (i, 1)));
+        assert_eq!(got, want);
     }
 }
