@@ -690,10 +690,11 @@ for i = 1, num(ARGV[a]) do
 end
 a = a + 1 -- the number of entries
 
--- Charges counter s (`key`) `times` charges of `cost`, one after the other,
--- to the entry this call appends; `longest` is the longest exact window of
--- the check charged, which the counter must outlive.
-local function charge(key, s, cost, times, longest)
+-- Before a charge of `cost` to counter s (`key`) that is the call's first
+-- to it, or that gives windows without an entry their first: the entry
+-- this call appends, and those windows' first entry. The charge itself is
+-- inlined where it is made (a Lua call costs as much as the charge).
+local function open(key, s, cost)
   if s.pend_n == 0 then
     -- The entry carries this call's clock (never before the last entry,
     -- which a clock step back could otherwise ask for), so no later call
@@ -717,9 +718,6 @@ local function charge(key, s, cost, times, longest)
     end
     s.empty = false
   end
-  s.pend_n = s.pend_n + times * cost
-  s.total = (s.total + times * cost) % M
-  if longest > s.longest then s.longest = longest end
 end
 
 -- Per key of the decision being made, three slots each (its counter,
@@ -765,7 +763,10 @@ for _ = 1, num(ARGV[a]) do
       if room > 0 then room = n end
     elseif room > 0 then
       charged = 1
-      charge(key, s, cost, room, shape[4])
+      if s.pend_n == 0 or s.empty then open(key, s, cost) end
+      s.pend_n = s.pend_n + room * cost
+      s.total = (s.total + room * cost) % M
+      if shape[4] > s.longest then s.longest = shape[4] end
     end
     reply[r + 1] = room
     reply[r + 2] = charged
@@ -866,7 +867,12 @@ for _ = 1, num(ARGV[a]) do
         if bucketed then
           for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
         end
-        if s then charge(KEYS[k + i], s, cost, 1, shape[4]) end
+        if s then
+          if s.pend_n == 0 or s.empty then open(KEYS[k + i], s, cost) end
+          s.pend_n = s.pend_n + cost
+          s.total = (s.total + cost) % M
+          if shape[4] > s.longest then s.longest = shape[4] end
+        end
       end
       reply[at] = charged
       at = at + 1 + 3 * shape[5]
