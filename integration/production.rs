@@ -713,9 +713,9 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
     stall("long", 2_500, 3).await;
 
     // Requests for one key that wait together go in one call, as a run of
-    // alike decisions: a run that comes late charges nothing either. Two
-    // take the thread's call slots and wait on the stopped Redis; the
-    // rest, queued behind them, go out together when those two give up.
+    // alike decisions: a run that comes late charges nothing either. The
+    // first takes the thread's call slot and waits on the stopped Redis;
+    // the rest, queued behind it, go out together when it gives up.
     let calls = || -> u64 {
         let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
         stats
