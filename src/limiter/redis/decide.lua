@@ -30,8 +30,9 @@
 -- the last decision. A hot counter shared by a batch of decisions costs one
 -- XADD, one trim and one expiry per call, whatever the batch size.
 --
--- KEYS     every decision's counters, decision after decision, then the rings
---          of its bucketed windows (declared for Redis Cluster; found by name)
+-- KEYS     every decision's counters, decision after decision (a run's once),
+--          then the rings of its bucketed windows (declared for Redis
+--          Cluster; found by name)
 -- ARGV[1]  a pinned clock in ms for tests, or 0 for the server's TIME
 -- ARGV[2]  the most entries a compact counter keeps (0: streams only)
 -- ARGV[3]  the number of check shapes, then each: cost, role (bit 1:
@@ -690,9 +691,9 @@ for i = 1, num(ARGV[a]) do
 end
 a = a + 1 -- the number of entries
 
--- Before a charge of `cost` to counter s (`key`) that is the call's first
--- to it, or that gives windows without an entry their first: the entry
--- this call appends, and those windows' first entry. The charge itself is
+-- Before the call's first charge of `cost` to counter s (`key`): the entry
+-- this call appends, and the first entry of windows that had none (a
+-- counter is only found empty before its first charge). The charge itself is
 -- inlined where it is made (a Lua call costs as much as the charge).
 local function open(key, s, cost)
   if s.pend_n == 0 then
@@ -733,7 +734,10 @@ for _ = 1, num(ARGV[a]) do
   e = e + 1
   if x < 0 then
     -- A run of -x decisions of one shape on KEYS[k + 1], decided as that
-    -- many one after the other would be (see the reply above).
+    -- many one after the other would be (see the reply above). Only the
+    -- caller checks that the shape may make a run (script.rs, `runnable`):
+    -- a cost of 0, or a shadow, quota or bucketed check, would be answered
+    -- wrongly here.
     local kind = kinds[num(ARGV[e])]
     e = e + 1
     local n = -x
@@ -763,7 +767,7 @@ for _ = 1, num(ARGV[a]) do
       if room > 0 then room = n end
     elseif room > 0 then
       charged = 1
-      if s.pend_n == 0 or s.empty then open(key, s, cost) end
+      if s.pend_n == 0 then open(key, s, cost) end
       s.pend_n = s.pend_n + room * cost
       s.total = (s.total + room * cost) % M
       if shape[4] > s.longest then s.longest = shape[4] end
@@ -868,7 +872,7 @@ for _ = 1, num(ARGV[a]) do
           for _, rs in ipairs(bucketed) do ring_charge(rs, cost) end
         end
         if s then
-          if s.pend_n == 0 or s.empty then open(KEYS[k + i], s, cost) end
+          if s.pend_n == 0 then open(KEYS[k + i], s, cost) end
           s.pend_n = s.pend_n + cost
           s.total = (s.total + cost) % M
           if shape[4] > s.longest then s.longest = shape[4] end
