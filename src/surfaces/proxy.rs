@@ -183,10 +183,13 @@ impl Proxy {
             // http2 cluster).
             needs_h2: grpc && req.version() == Version::HTTP_2,
         };
-        let answer = async {
+        // Pinned where it is made: awaited by value, the whole future (the
+        // decision's and the upstream exchange's states, ~KBs) was copied
+        // once more every request.
+        let answer = std::pin::pin!(async {
             let admitted = self.decide(&req, peer).await?;
             self.forward(req, peer, admitted, call).await
-        };
+        });
         let answer = match deadline.flatten() {
             None => answer.await,
             Some(deadline) => match tokio::time::timeout_at(deadline, answer).await {

@@ -501,8 +501,14 @@ impl UpstreamPool {
     /// Sends a body-less `req` whose header fields are `fields`, already
     /// written (`name: value\r\n` lines; `req`'s map is not read), by our
     /// own HTTP/1.1 client: for a request [`Self::sends_own`] says so of.
-    pub async fn send_written(&self, req: Request<ClientBody>, fields: Vec<u8>) -> Result<Response<UpstreamBody>, SendError> {
-        self.send_own(req, Some(fields)).await
+    /// Not an `async fn` of its own: a second state machine around
+    /// `send_own`'s would be one more copy of it per request.
+    pub fn send_written(
+        &self,
+        req: Request<ClientBody>,
+        fields: Vec<u8>,
+    ) -> impl Future<Output = Result<Response<UpstreamBody>, SendError>> + Send + '_ {
+        self.send_own(req, Some(fields))
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
