@@ -170,10 +170,15 @@ impl Limiter {
         // Nothing to wait for in process: no deadline timer on the hot path.
         let answer = match self.store.in_process() {
             true => self.store.decide(&checks).await,
-            false => match tokio::time::timeout(self.deadline, self.store.decide(&checks)).await {
-                Ok(answer) => answer,
-                Err(_) => Err(StoreError::Timeout(self.deadline)),
-            },
+            false => {
+                // Pinned where it is made: the deadline's wrapper then holds
+                // a pointer, not another copy of the store's future.
+                let decide = std::pin::pin!(self.store.decide(&checks));
+                match tokio::time::timeout(self.deadline, decide).await {
+                    Ok(answer) => answer,
+                    Err(_) => Err(StoreError::Timeout(self.deadline)),
+                }
+            }
         };
         match answer.and_then(|a| self.one_count_per_hit(hits, a)) {
             Ok(answer) => {
