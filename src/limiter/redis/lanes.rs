@@ -87,7 +87,7 @@ impl LaneLink {
     /// One script call of `decisions` on the connection, the PING a quiet
     /// one is sent first included, given up past the script's call limit:
     /// a Redis that stopped answering would otherwise hold the call's slot,
-    /// and with both held, every later decision of the thread would wait.
+    /// and with it held, every later decision of the thread would wait.
     pub(super) async fn call(
         &self,
         script: &DecideScript,

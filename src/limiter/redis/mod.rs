@@ -9,9 +9,10 @@
 //! clocks agree.
 //!
 //! On one node (standalone, or the master Sentinel names), decisions waiting
-//! for Redis are sent together in one `EVALSHA` (up to `lanes::MAX_BATCH`, a few
-//! calls in flight): the script decides them one after the other, each
-//! atomically, and the per-call cost on both sides is paid once per batch.
+//! for Redis are sent together in one `EVALSHA` (up to `lanes::MAX_BATCH`, one
+//! call in flight per thread): the script decides them one after the other,
+//! each atomically, and the per-call cost on both sides is paid once per
+//! batch; alike decisions in a row on one counter go as one run.
 //! An idle caller waits for no one: a batch is whatever is queued when a call
 //! can go out. Each thread that decides has its own lane to the node (its
 //! connection, queue and batching task), as NGINX workers keep their own
@@ -481,12 +482,14 @@ impl Drop for RenewIfAbandoned<'_> {
 
 /// A script call bounded by `limit`: one Redis never answers (frozen, or
 /// cut off without a reset) would hold its lane's call slot for good, and
-/// with both slots held no decision of that thread could go out, to this
-/// master or to the one Sentinel names next.
+/// with it held no decision of that thread could go out, to this master or
+/// to the one Sentinel names next.
 pub(super) async fn bounded<T>(
     limit: Duration,
     call: impl std::future::Future<Output = Result<T, StoreError>>,
 ) -> Result<T, StoreError> {
+    // Pinned in place: the timeout wraps a pointer, not a copy of the call.
+    let call = std::pin::pin!(call);
     tokio::time::timeout(limit, call)
         .await
         .unwrap_or_else(|_| Err(failed(format!("no answer within {limit:?}; the call was given up"))))
