@@ -44,7 +44,7 @@ use tokio::net::TcpStream;
 use tokio_rustls::TlsAcceptor;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::Histogram;
+use crate::metrics::Histogram;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
 use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, stopped};
@@ -180,7 +180,7 @@ impl Activity {
         self.head_ms.store(0, Ordering::Relaxed);
         if self.begun.fetch_add(1, Ordering::Relaxed) == 0 {
             let waited = now.saturating_duration_since(self.opened);
-            self.listener.metrics.first_request_seconds.observe(waited.as_secs_f64());
+            self.listener.metrics.first_request_seconds.observe(waited);
         }
         if never_park {
             self.never_park.store(true, Ordering::Relaxed);
@@ -291,7 +291,7 @@ impl Drop for Busy {
         let now = Instant::now();
         self.0.touch(now);
         let took = now.saturating_duration_since(self.1);
-        self.0.listener.metrics.response_seconds.observe(took.as_secs_f64());
+        self.0.listener.metrics.response_seconds.observe(took);
     }
 }
 
