@@ -662,12 +662,10 @@ async fn a_redis_connection_closed_while_quiet_fails_no_decision() {
     assert!(!tg.logged("counter store unavailable"), "{}", tg.log_text());
 }
 
-#[tokio::test]
-async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes() {
-    // From the twelfth attack: calls already written to a Redis that was
-    // stopped (SIGSTOP, CLIENT PAUSE during a failover) ran when it came
-    // back, after their callers had been told 503 ("retry in 1 s"): every
-    // one was charged, and the caller was locked out for the whole window.
+/// A Redis, an upstream and tollgate on one proxy thread with a rule of 5 a
+/// minute per `x-key` that fails closed, deciding within `timeout`; Redis's
+/// clock learned from quick replies.
+async fn closed_on_one_thread(timeout: &str) -> (RedisServer, TestUpstream, Tollgate, TestClient) {
     let redis = RedisServer::start();
     let upstream = TestUpstream::start().await;
     let limits = "domain: d\nrules:\n  - name: c\n    by: [header:x-key]\n    failure_mode: closed\n    limits: [{ requests: 5, per: 60s }]\n";
@@ -678,17 +676,26 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
             "--redis",
             &redis.url(),
             "--redis-timeout",
-            "50ms",
+            timeout,
             "--proxy-threads",
             "1",
         ],
     );
     let c = client();
-    // Redis's clock learned from quick replies.
     for i in 0..3 {
         let k = format!("warm{i}");
         assert_eq!(get(&c, &tg.url("/"), &[("x-key", &k)]).await.status, 200);
     }
+    (redis, upstream, tg, c)
+}
+
+#[tokio::test]
+async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes() {
+    // From the twelfth attack: calls already written to a Redis that was
+    // stopped (SIGSTOP, CLIENT PAUSE during a failover) ran when it came
+    // back, after their callers had been told 503 ("retry in 1 s"): every
+    // one was charged, and the caller was locked out for the whole window.
+    let (redis, _upstream, tg, c) = closed_on_one_thread("50ms").await;
     // Redis stopped for `before` ms, then `refused` requests for `key`
     // (503: fail closed); resumed once the last caller gave up 100 ms ago;
     // then the key still has its whole limit of 5.
@@ -744,6 +751,51 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
     let mut statuses = Vec::new();
     for _ in 0..6 {
         statuses.push(get(&c, &tg.url("/"), &[("x-key", "together")]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
+}
+
+#[tokio::test]
+async fn a_call_that_waited_for_a_ping_through_a_stall_charges_nothing_its_callers_gave_up_on() {
+    // From the 27th attack: a call whose connection had been quiet for a
+    // second first sent a PING, and counted its late bound only from after
+    // it; through a stall the PING waited until Redis came back, and the
+    // call then charged decisions whose callers had had their failure
+    // mode's answer long before (up to a batch of 64 per stall).
+    let (redis, _upstream, tg, c) = closed_on_one_thread("600ms").await;
+    let wave = |n: usize| {
+        let mut waiting = tokio::task::JoinSet::new();
+        for _ in 0..n {
+            let (c, url) = (c.clone(), tg.url("/"));
+            waiting.spawn(async move { get(&c, &url, &[("x-key", "stalled")]).await.status.as_u16() });
+        }
+        waiting
+    };
+    // Redis stops. The first request's call waits on it; three more queue
+    // behind it and go out as one call when its caller gives up (600 ms),
+    // which holds the thread's call slot for its limit (1.2 s). Four more
+    // queue behind that; when it is given up they go out as the next call,
+    // on a connection quiet for a second: a PING goes first and waits.
+    let started = Instant::now();
+    redis.signal("STOP");
+    let first = wave(1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let second = wave(3);
+    tokio::time::sleep_until((started + Duration::from_millis(1_500)).into()).await;
+    let third = wave(4);
+    // Every caller has its answer (by 2.1 s) before Redis comes back at
+    // 2.35 s, while the last call's PING still waits.
+    tokio::time::sleep_until((started + Duration::from_millis(2_350)).into()).await;
+    let mut answered = Vec::new();
+    for w in [first, second, third] {
+        answered.extend(w.join_all().await);
+    }
+    assert_eq!(answered, [503; 8], "fails closed while Redis is stopped");
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let mut statuses = Vec::new();
+    for _ in 0..6 {
+        statuses.push(get(&c, &tg.url("/"), &[("x-key", "stalled")]).await.status.as_u16());
     }
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
 }

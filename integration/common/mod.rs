@@ -497,7 +497,10 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
 }
 
 /// An HTTP/1.1 client for tests.
-pub fn client() -> Client<HttpConnector, Full<Bytes>> {
+/// The HTTP client the tests use.
+pub type TestClient = Client<HttpConnector, Full<Bytes>>;
+
+pub fn client() -> TestClient {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }
 

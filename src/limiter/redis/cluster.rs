@@ -122,7 +122,7 @@ impl RedisStore {
         let mut conn = cluster.get().await?;
         let groups = tag_groups(&checks);
         if groups.len() == 1 {
-            return single(self.script.call(&mut conn, &[(&checks, false)]).await?);
+            return single(self.script.call(&mut conn, &[(&checks, false)], Instant::now()).await?);
         }
         let parts = parts(&groups, &checks);
         let dry = self.dry_run(&mut conn, &groups, &parts, &checks).await?;
@@ -141,7 +141,7 @@ impl RedisStore {
             let (Some(part), Some(idx)) = (parts.get(g), indexes.get(g)) else {
                 continue;
             };
-            let answer = single(self.script.call(&mut conn, &[(part, false)]).await?)?;
+            let answer = single(self.script.call(&mut conn, &[(part, false)], Instant::now()).await?)?;
             for (&i, count) in idx.iter().zip(answer.checks) {
                 if let Some(slot) = counts.get_mut(i) {
                     *slot = count;
@@ -176,7 +176,7 @@ impl RedisStore {
     ) -> Result<StoreAnswer, StoreError> {
         let mut answers = Vec::with_capacity(parts.len());
         for part in parts {
-            answers.push(single(self.script.call(conn, &[(part, true)]).await?)?);
+            answers.push(single(self.script.call(conn, &[(part, true)], Instant::now()).await?)?);
         }
         let enforced = answers.iter().all(|a| a.admitted);
         let counts = in_order(groups, answers, checks.len());

@@ -55,6 +55,8 @@ pub(super) struct LaneLink {
 /// One decision waiting for a call.
 pub(super) struct Pending {
     pub(super) checks: Vec<OwnedCheck>,
+    /// When it began to wait: its deadline counts from here.
+    pub(super) asked: Instant,
     pub(super) reply: oneshot::Sender<Result<StoreAnswer, StoreError>>,
 }
 
@@ -88,14 +90,16 @@ impl LaneLink {
     /// one is sent first included, given up past the script's call limit:
     /// a Redis that stopped answering would otherwise hold the call's slot,
     /// and with it held, every later decision of the thread would wait.
+    /// `asked`: when the first of them began to wait.
     pub(super) async fn call(
         &self,
         script: &DecideScript,
         decisions: &[(&[OwnedCheck], bool)],
+        asked: Instant,
     ) -> Result<Vec<StoreAnswer>, StoreError> {
         super::bounded(script.call_limit(), async {
             let mut conn = self.connection().await?;
-            script.call(&mut conn, decisions).await
+            script.call(&mut conn, decisions, asked).await
         })
         .await
     }
@@ -190,7 +194,8 @@ async fn send_batches(
         let (link, script) = (link.clone(), script.clone());
         tokio::spawn(async move {
             let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
-            let result = link.call(&script, &decisions).await;
+            let asked = batch.iter().map(|p| p.asked).min().unwrap_or_else(Instant::now);
+            let result = link.call(&script, &decisions, asked).await;
             drop(decisions);
             match result {
                 Ok(answers) => {

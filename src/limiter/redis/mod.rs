@@ -318,8 +318,9 @@ impl RedisStore {
         match &self.conn {
             Conn::Node(node) => {
                 let decisions: Vec<(&[OwnedCheck], bool)> = owned.iter().map(|c| (&c[..], false)).collect();
+                let asked = Instant::now();
                 let mut conn = self.lane(node).link.connection().await?;
-                self.script.call(&mut conn, &decisions).await
+                self.script.call(&mut conn, &decisions, asked).await
             }
             Conn::Cluster(cluster) => {
                 let mut answers = Vec::with_capacity(owned.len());
@@ -556,7 +557,11 @@ impl CounterStore for RedisStore {
                 if lane.queued.load(Ordering::Acquire) == 0
                     && let Ok(slot) = lane.slots.clone().try_acquire_owned()
                 {
-                    let result = lane.link.call(&self.script, &[(&checks, false)]).await.and_then(single);
+                    let result = lane
+                        .link
+                        .call(&self.script, &[(&checks, false)], Instant::now())
+                        .await
+                        .and_then(single);
                     drop(slot);
                     abandoned.0 = None;
                     if result.is_err() {
@@ -568,6 +573,7 @@ impl CounterStore for RedisStore {
                 let (reply, answer) = oneshot::channel();
                 let pending = Pending {
                     checks,
+                    asked: Instant::now(),
                     reply,
                 };
                 if lane.queue.send(pending).is_err() {
@@ -595,7 +601,7 @@ impl CounterStore for RedisStore {
         match &self.conn {
             Conn::Node(node) => {
                 let mut conn = self.lane(node).link.connection().await?;
-                single(self.script.call(&mut conn, &[(&checks, true)]).await?)
+                single(self.script.call(&mut conn, &[(&checks, true)], Instant::now()).await?)
             }
             Conn::Cluster(cluster) => self.peek_cluster(cluster, checks).await,
         }

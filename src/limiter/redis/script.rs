@@ -170,11 +170,15 @@ impl DecideScript {
     }
 
     /// One script call deciding `decisions` (each: its checks, and whether
-    /// it is a dry run that charges nothing).
+    /// it is a dry run that charges nothing), the first of which began to
+    /// wait at `asked`: the call charges nothing once that decision's
+    /// deadline has passed, however long the call took to go out (a PING
+    /// first, a connection made again).
     pub(super) async fn call<C: ConnectionLike + Send>(
         &self,
         conn: &mut C,
         decisions: &[(&[OwnedCheck], bool)],
+        asked: Instant,
     ) -> Result<Vec<StoreAnswer>, StoreError> {
         if !self.loaded.load(Ordering::Relaxed) {
             self.script.load_async(conn).await?;
@@ -182,7 +186,7 @@ impl DecideScript {
         }
         let pinned = self.pinned_clock.as_ref().map_or(0, |c| c.now_ms());
         let sent = Instant::now();
-        let not_after = self.not_after(sent);
+        let not_after = self.not_after(asked.min(sent));
         let shapes = Shapes::of(decisions);
         let mut call = self.script.prepare_invoke();
         call.arg(pinned).arg(self.compact_entries).arg(shapes.checks.len());
