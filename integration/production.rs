@@ -689,6 +689,25 @@ async fn closed_on_one_thread(timeout: &str) -> (RedisServer, TestUpstream, Toll
     (redis, upstream, tg, c)
 }
 
+/// The statuses of `n` requests for `key`, one after the other.
+async fn in_turn(c: &TestClient, tg: &Tollgate, key: &str, n: usize) -> Vec<u16> {
+    let mut statuses = Vec::with_capacity(n);
+    for _ in 0..n {
+        statuses.push(get(c, &tg.url("/"), &[("x-key", key)]).await.status.as_u16());
+    }
+    statuses
+}
+
+/// `n` requests for `key` at once, each a task answering its status.
+fn at_once(c: &TestClient, tg: &Tollgate, key: &'static str, n: usize) -> tokio::task::JoinSet<u16> {
+    let mut waiting = tokio::task::JoinSet::new();
+    for _ in 0..n {
+        let (c, url) = (c.clone(), tg.url("/"));
+        waiting.spawn(async move { get(&c, &url, &[("x-key", key)]).await.status.as_u16() });
+    }
+    waiting
+}
+
 #[tokio::test]
 async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes() {
     // From the twelfth attack: calls already written to a Redis that was
@@ -702,17 +721,13 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
     let stall = async |key: &str, before: u64, refused: usize| {
         redis.signal("STOP");
         tokio::time::sleep(Duration::from_millis(before)).await;
-        for _ in 0..refused {
-            let answer = get(&c, &tg.url("/"), &[("x-key", key)]).await;
-            assert_eq!(answer.status, 503, "fails closed while Redis is stopped");
+        for status in in_turn(&c, &tg, key, refused).await {
+            assert_eq!(status, 503, "fails closed while Redis is stopped");
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
         redis.signal("CONT");
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let mut statuses = Vec::new();
-        for _ in 0..6 {
-            statuses.push(get(&c, &tg.url("/"), &[("x-key", key)]).await.status.as_u16());
-        }
+        let statuses = in_turn(&c, &tg, key, 6).await;
         assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
     };
     stall("paused", 0, 6).await;
@@ -723,35 +738,20 @@ async fn requests_refused_while_redis_is_paused_are_not_charged_when_it_resumes(
     // alike decisions: a run that comes late charges nothing either. The
     // first takes the thread's call slot and waits on the stopped Redis;
     // the rest, queued behind it, go out together when it gives up.
-    let calls = || -> u64 {
-        let stats = redis.cli(&["INFO", "commandstats"]).unwrap();
-        stats
-            .lines()
-            .find(|l| l.starts_with("cmdstat_evalsha:"))
-            .and_then(|l| l.split("calls=").nth(1)?.split(',').next()?.parse().ok())
-            .unwrap_or_else(|| panic!("{stats}"))
-    };
-    let before = calls();
+    let before = evalsha_calls(&redis);
     redis.signal("STOP");
-    let mut waiting = tokio::task::JoinSet::new();
-    for wave in [2, 8] {
-        for _ in 0..wave {
-            let (c, url) = (c.clone(), tg.url("/"));
-            waiting.spawn(async move { get(&c, &url, &[("x-key", "together")]).await.status.as_u16() });
-        }
-        tokio::time::sleep(Duration::from_millis(15)).await;
-    }
-    let refused = waiting.join_all().await;
+    let first = at_once(&c, &tg, "together", 2);
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    let second = at_once(&c, &tg, "together", 8);
+    let mut refused = first.join_all().await;
+    refused.extend(second.join_all().await);
     assert_eq!(refused, [503; 10], "fails closed while Redis is stopped");
     tokio::time::sleep(Duration::from_millis(100)).await;
     redis.signal("CONT");
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let sent = calls() - before;
+    let sent = evalsha_calls(&redis) - before;
     assert!(sent < 10, "the queued decisions went in a shared call ({sent} calls)");
-    let mut statuses = Vec::new();
-    for _ in 0..6 {
-        statuses.push(get(&c, &tg.url("/"), &[("x-key", "together")]).await.status.as_u16());
-    }
+    let statuses = in_turn(&c, &tg, "together", 6).await;
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
 }
 
@@ -763,14 +763,6 @@ async fn a_call_that_waited_for_a_ping_through_a_stall_charges_nothing_its_calle
     // call then charged decisions whose callers had had their failure
     // mode's answer long before (up to a batch of 64 per stall).
     let (redis, _upstream, tg, c) = closed_on_one_thread("600ms").await;
-    let wave = |n: usize| {
-        let mut waiting = tokio::task::JoinSet::new();
-        for _ in 0..n {
-            let (c, url) = (c.clone(), tg.url("/"));
-            waiting.spawn(async move { get(&c, &url, &[("x-key", "stalled")]).await.status.as_u16() });
-        }
-        waiting
-    };
     // Redis stops. The first request's call waits on it; three more queue
     // behind it and go out as one call when its caller gives up (600 ms),
     // which holds the thread's call slot for its limit (1.2 s). Four more
@@ -778,11 +770,11 @@ async fn a_call_that_waited_for_a_ping_through_a_stall_charges_nothing_its_calle
     // on a connection quiet for a second: a PING goes first and waits.
     let started = Instant::now();
     redis.signal("STOP");
-    let first = wave(1);
+    let first = at_once(&c, &tg, "stalled", 1);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let second = wave(3);
+    let second = at_once(&c, &tg, "stalled", 3);
     tokio::time::sleep_until((started + Duration::from_millis(1_500)).into()).await;
-    let third = wave(4);
+    let third = at_once(&c, &tg, "stalled", 4);
     // Every caller has its answer (by 2.1 s) before Redis comes back at
     // 2.35 s, while the last call's PING still waits.
     tokio::time::sleep_until((started + Duration::from_millis(2_350)).into()).await;
@@ -793,10 +785,7 @@ async fn a_call_that_waited_for_a_ping_through_a_stall_charges_nothing_its_calle
     assert_eq!(answered, [503; 8], "fails closed while Redis is stopped");
     redis.signal("CONT");
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let mut statuses = Vec::new();
-    for _ in 0..6 {
-        statuses.push(get(&c, &tg.url("/"), &[("x-key", "stalled")]).await.status.as_u16());
-    }
+    let statuses = in_turn(&c, &tg, "stalled", 6).await;
     assert_eq!(statuses, [200, 200, 200, 200, 200, 429], "{}", tg.log_text());
 }
 

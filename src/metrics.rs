@@ -207,10 +207,6 @@ struct RuleHandles {
 /// Every class `upstream` is called with.
 const UPSTREAM_CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error", "timeout"];
 
-fn latency_buckets() -> Histogram {
-    Histogram::new()
-}
-
 /// Bounds of a latency histogram (then `+Inf`).
 const BOUNDS: usize = 32;
 /// Shards of a histogram's counts: threads that record into one take
@@ -265,8 +261,9 @@ impl Histogram {
     /// Records one time.
     pub fn observe(&self, d: Duration) {
         let inner = &*self.0;
+        let secs = d.as_secs_f64();
         // The first bound at or above it, as prometheus_client counts.
-        let bucket = inner.bounds.partition_point(|b| *b < d.as_secs_f64());
+        let bucket = inner.bounds.partition_point(|b| *b < secs);
         let Some(shard) = inner.shards.get(shard_of_thread()) else {
             return;
         };
@@ -352,13 +349,13 @@ impl Metrics {
         let m = Metrics {
             decisions: Family::default(),
             requests: Family::default(),
-            decision_seconds: latency_buckets(),
-            store_seconds: latency_buckets(),
+            decision_seconds: Histogram::new(),
+            store_seconds: Histogram::new(),
             store_errors: Family::default(),
             upstream: Family::default(),
-            upstream_seconds: latency_buckets(),
-            response_seconds: Family::new_with_constructor(latency_buckets),
-            first_request_seconds: Family::new_with_constructor(latency_buckets),
+            upstream_seconds: Histogram::new(),
+            response_seconds: Family::new_with_constructor(Histogram::new),
+            first_request_seconds: Family::new_with_constructor(Histogram::new),
             reloads: Family::default(),
             config: Family::default(),
             config_error: Family::default(),

@@ -206,7 +206,7 @@ impl DecideScript {
                 call.arg(*shape);
             }
         }
-        let entries = entries(decisions);
+        let entries = entries(decisions, &shapes.of_decision);
         call.arg(entries.len());
         for entry in &entries {
             let Some((checks, _)) = decisions.get(entry.first) else {
@@ -276,24 +276,19 @@ fn runnable(checks: &[OwnedCheck]) -> Option<&OwnedCheck> {
 
 /// `decisions` as the script takes them: runs of alike decisions in a row
 /// on one counter (a hot key's requests waiting together), each other
-/// decision alone. The order is kept: the answers are those of deciding
-/// them one after the other.
-fn entries(decisions: &[(&[OwnedCheck], bool)]) -> Vec<Entry> {
+/// decision alone. Alike: the same decision shape (`of_decision`, which
+/// holds dry run, cost, role and windows) and the same key. The order is
+/// kept: the answers are those of deciding them one after the other.
+fn entries(decisions: &[(&[OwnedCheck], bool)], of_decision: &[usize]) -> Vec<Entry> {
     let mut entries: Vec<Entry> = Vec::with_capacity(decisions.len());
-    let mut run: Option<(&OwnedCheck, bool)> = None;
-    for (i, (checks, dry_run)) in decisions.iter().enumerate() {
-        let this = runnable(checks);
-        let alike = match (run, this) {
-            (Some((a, dry_a)), Some(b)) => {
-                dry_a == *dry_run && a.key == b.key && a.cost == b.cost && a.windows == b.windows
-            }
-            _ => false,
-        };
+    let mut run: Option<(&str, usize)> = None;
+    for (i, ((checks, _), shape)) in decisions.iter().zip(of_decision).enumerate() {
+        let this = runnable(checks).map(|c| (c.key.as_str(), *shape));
         match entries.last_mut() {
-            Some(last) if alike => last.count = last.count.saturating_add(1),
+            Some(last) if this.is_some() && this == run => last.count = last.count.saturating_add(1),
             _ => entries.push(Entry { first: i, count: 1 }),
         }
-        run = this.map(|c| (c, *dry_run));
+        run = this;
     }
     entries
 }
@@ -568,7 +563,11 @@ mod tests {
             (&bucketed, false),
             (&hot, false),
         ];
-        let got: Vec<(usize, usize)> = entries(&decisions).iter().map(|e| (e.first, e.count)).collect();
+        let shapes = Shapes::of(&decisions);
+        let got: Vec<(usize, usize)> = entries(&decisions, &shapes.of_decision)
+            .iter()
+            .map(|e| (e.first, e.count))
+            .collect();
         // A run breaks at another cost, a dry run, another key; decisions
         // of two keys, shadow, free or bucketed ones go alone.
         let mut want = vec![(0, 3), (3, 1), (4, 1), (5, 2), (7, 1), (8, 1)];
