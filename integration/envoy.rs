@@ -634,3 +634,78 @@ async fn a_value_that_is_not_utf8_is_limited_and_leaves_nothing_unchecked() {
     assert_eq!(ask(&[&marketing(b"\x80\x81")]).await.unwrap(), Code::OverLimit as i32);
     assert_eq!(ask(&[&marketing(b"\x80\x82")]).await.unwrap(), Code::Ok as i32);
 }
+
+/// The remaining count a `RateLimit` field tells (`"rule";r=N;t=T`).
+fn told_remaining(field: &str) -> u64 {
+    field
+        .split(";r=")
+        .nth(1)
+        .and_then(|r| r.split(';').next())
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("{field}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_hot_keys_requests_at_once_are_each_told_their_own_remaining_on_every_surface() {
+    // Requests for one counter that wait together go to Redis as one run,
+    // and each answer is spelled out from the run's: exactly the limit is
+    // admitted, and each admitted request is told a remaining count of its
+    // own (a run told as its first decision would repeat one), on every
+    // surface.
+    let redis = RedisServer::start();
+    let rls = start_rls(&["--redis", &redis.url()]).await;
+    let mut calls = tokio::task::JoinSet::new();
+    for _ in 0..150 {
+        let mut client = rls.client.clone();
+        let req = request("messaging", vec![descriptor(&[("to_number", "555")])]);
+        calls.spawn(async move { client.should_rate_limit(req).await.unwrap().into_inner() });
+    }
+    let (mut remaining, mut over) = (Vec::new(), 0);
+    for r in calls.join_all().await {
+        if r.overall_code == Code::Ok as i32 {
+            remaining.push(u64::from(r.statuses[0].limit_remaining));
+        } else {
+            assert_eq!(r.overall_code, Code::OverLimit as i32);
+            over += 1;
+        }
+    }
+    remaining.sort_unstable();
+    assert_eq!(remaining, (0..100).collect::<Vec<u64>>(), "RLS");
+    assert_eq!(over, 50, "RLS");
+
+    let app = TestUpstream::start().await;
+    let limits =
+        "domain: it\nrules:\n  - name: hot\n    by: [header:x-key]\n    limits: [{ requests: 40, per: 60s }]\n";
+    let tg = Tollgate::start(limits, app.addr, &["--redis", &redis.url()]);
+    let check = tg.check.unwrap();
+    let surfaces = [
+        ("proxy", tg.url("/"), None),
+        ("ext_authz", format!("http://{check}/ext_authz/x"), None),
+        ("auth_request", format!("http://{check}/auth_request"), Some("/x")),
+    ];
+    let c = client();
+    for (surface, url, original_uri) in surfaces {
+        let mut waiting = tokio::task::JoinSet::new();
+        for _ in 0..100 {
+            let (c, url) = (c.clone(), url.clone());
+            waiting.spawn(async move {
+                let mut headers = vec![("x-key", surface)];
+                if let Some(uri) = original_uri {
+                    headers.push(("x-original-uri", uri));
+                }
+                let a = get(&c, &url, &headers).await;
+                (a.status, a.header("ratelimit").map(told_remaining))
+            });
+        }
+        let (mut remaining, mut refused) = (Vec::new(), 0);
+        for (status, told) in waiting.join_all().await {
+            match status.is_success() {
+                true => remaining.push(told.unwrap_or_else(|| panic!("{surface}: no RateLimit field"))),
+                false => refused += 1,
+            }
+        }
+        remaining.sort_unstable();
+        assert_eq!(remaining, (0..40).collect::<Vec<u64>>(), "{surface}");
+        assert_eq!(refused, 60, "{surface}");
+    }
+}
