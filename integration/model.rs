@@ -311,10 +311,7 @@ impl Rig {
             Gate::new("proxy", None),
             None,
             stopped,
-            move |req, peer| {
-                let proxy = proxy.clone();
-                async move { proxy.handle(req, peer).await }
-            },
+            move |req, peer| proxy.clone().handle(req, peer),
         ));
         Case {
             proxy: proxy_addr,

@@ -71,8 +71,7 @@ impl Worker {
                 };
                 let proxy = Arc::new(proxy);
                 serve(listener, limits, gate, tls, stop.clone(), move |req, peer| {
-                    let proxy = proxy.clone();
-                    async move { proxy.handle(req, peer).await }
+                    proxy.clone().handle(req, peer)
                 })
                 .await
             };

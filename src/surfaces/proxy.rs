@@ -140,7 +140,9 @@ impl Proxy {
     }
 
     /// Handles one client request: decide, then forward or refuse.
-    pub async fn handle(&self, req: Request<RequestBody>, peer: SocketAddr) -> Response<ProxyBody> {
+    /// Owns its handle on the proxy, so a listener's handler returns this
+    /// future itself, not one more future wrapping it.
+    pub async fn handle(self: Arc<Self>, req: Request<RequestBody>, peer: SocketAddr) -> Response<ProxyBody> {
         // A reverse proxy has no use for a forward proxy's tunnel (CONNECT)
         // or a question to the server as a whole (`OPTIONS *`): neither has
         // a path to limit or to forward (it went upstream as `/*`, or as a
@@ -398,13 +400,17 @@ impl Proxy {
             // HTTP/2) in boxes of their own, so its future is ~1.3 KB; boxed
             // here it was 8.5 KB, copied whole into the box on every request
             // (BENCHMARKS.md §36, §40).
+            // Both pinned where they are made: `select!` takes its futures
+            // by value, and moved into it they were copied once more.
+            let send = std::pin::pin!(async {
+                match fields {
+                    Some(fields) => self.pool.send_written(upstream_req, fields).await,
+                    None => self.pool.send(upstream_req, needs_h2).await,
+                }
+            });
+            let waited = std::pin::pin!(waited);
             tokio::select! {
-                answer = async {
-                    match fields {
-                        Some(fields) => self.pool.send_written(upstream_req, fields).await,
-                        None => self.pool.send(upstream_req, needs_h2).await,
-                    }
-                } => Ok(answer),
+                answer = send => Ok(answer),
                 waited = waited => Err(waited),
             }
         };
