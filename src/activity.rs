@@ -83,6 +83,11 @@ impl Activity {
         self.started.elapsed().as_secs()
     }
 
+    /// Seconds from start to `at`.
+    fn seconds_at(&self, at: Instant) -> u64 {
+        at.saturating_duration_since(self.started).as_secs()
+    }
+
     fn now_ms(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
@@ -183,9 +188,10 @@ impl Default for RuleActivity {
 }
 
 impl RuleActivity {
-    /// Records one decision of the rule.
-    pub fn record(&self, outcome: Outcome) {
-        self.record_at(get().now_s(), outcome);
+    /// Records one decision of the rule, made at `at` (read once for the
+    /// whole decision).
+    pub fn record(&self, outcome: Outcome, at: Instant) {
+        self.record_at(get().seconds_at(at), outcome);
     }
 
     fn record_at(&self, now_s: u64, outcome: Outcome) {

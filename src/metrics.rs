@@ -188,7 +188,9 @@ pub struct Metrics {
     versions: Mutex<HashMap<String, String>>,
     /// Per rule name, one counter handle per outcome and its recent
     /// activity for the admin page.
-    rule_counters: RwLock<HashMap<String, RuleHandles>>,
+    rule_counters: RwLock<HashMap<String, Arc<RuleHandles>>>,
+    /// Tells this registry's entries in [`RULES_SEEN`] from another's.
+    id: u64,
     /// Handles of `requests`, per surface and verdict, made on first use
     /// (so a series appears once it counts something) and then reused
     /// instead of hashing the labels on every request.
@@ -200,8 +202,21 @@ pub struct Metrics {
 /// What one rule name's decisions are recorded into.
 #[derive(Default)]
 struct RuleHandles {
-    counters: [Option<Counter>; RuleEvent::COUNT],
+    counters: [OnceLock<Counter>; RuleEvent::COUNT],
     activity: Arc<crate::activity::RuleActivity>,
+}
+
+/// A rule's handles as a thread keeps them: its registry's id, its name.
+type RuleSeen = (u64, Box<str>, Arc<RuleHandles>);
+
+/// Most rule names a thread keeps the handles of; past it, it starts over.
+const RULES_SEEN_MAX: usize = 64;
+
+thread_local! {
+    /// The handles of the rules this thread recorded lately (registry id,
+    /// rule name): a decision finds its rule's without the shared map's
+    /// lock, whose count every thread writes, and without hashing the name.
+    static RULES_SEEN: std::cell::RefCell<Vec<RuleSeen>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Every class `upstream` is called with.
@@ -375,6 +390,10 @@ impl Metrics {
             tls_handshake_failures: Family::default(),
             versions: Mutex::default(),
             rule_counters: RwLock::default(),
+            id: {
+                static NEXT: AtomicU64 = AtomicU64::new(0);
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            },
             request_counters: Default::default(),
             upstream_counters: Default::default(),
             registry: Registry::default(),
@@ -516,8 +535,8 @@ impl Metrics {
         out
     }
 
-    /// Records what one rule said.
-    pub fn rule(&self, rule: &str, outcome: RuleEvent) {
+    /// Records what one rule said about a request decided at `at`.
+    pub fn rule(&self, rule: &str, outcome: RuleEvent, at: std::time::Instant) {
         use crate::activity::Outcome;
         let recent = match outcome {
             RuleEvent::Allowed => Outcome::Allowed,
@@ -525,23 +544,44 @@ impl Metrics {
             RuleEvent::ShadowLimited => Outcome::ShadowLimited,
             RuleEvent::FailedOpen | RuleEvent::FailedClosed => Outcome::Failed,
         };
-        // The hot path reuses counter handles instead of building labels.
-        if let Some(handles) = self.rule_counters.read().unwrap_or_else(|e| e.into_inner()).get(rule)
-            && let Some(c) = &handles.counters[outcome as usize]
-        {
-            c.inc();
-            handles.activity.record(recent);
+        let record = |handles: &RuleHandles| {
+            // The hot path reuses counter handles instead of building labels.
+            let counter = handles.counters[outcome as usize].get_or_init(|| {
+                self.decisions.get_or_create_owned(&DecisionLabels {
+                    rule: rule.to_string(),
+                    outcome: outcome.as_str(),
+                })
+            });
+            counter.inc();
+            handles.activity.record(recent, at);
+        };
+        let seen = RULES_SEEN.with_borrow(|seen| {
+            let found = seen.iter().find(|(id, name, _)| *id == self.id && **name == *rule);
+            found.map(|(_, _, handles)| record(handles)).is_some()
+        });
+        if seen {
             return;
         }
-        let counter = self.decisions.get_or_create_owned(&DecisionLabels {
-            rule: rule.to_string(),
-            outcome: outcome.as_str(),
+        let found = self
+            .rule_counters
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(rule)
+            .cloned();
+        let handles = match found {
+            Some(handles) => handles,
+            None => {
+                let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
+                counters.entry(rule.to_string()).or_default().clone()
+            }
+        };
+        record(&handles);
+        RULES_SEEN.with_borrow_mut(|seen| {
+            if seen.len() >= RULES_SEEN_MAX {
+                seen.clear();
+            }
+            seen.push((self.id, rule.into(), handles));
         });
-        counter.inc();
-        let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
-        let handles = counters.entry(rule.to_string()).or_default();
-        handles.counters[outcome as usize] = Some(counter);
-        handles.activity.record(recent);
     }
 
     /// The recent activity of the rule named `rule`, if it decided anything.
@@ -721,6 +761,57 @@ impl Metrics {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Rule outcomes recorded from several threads, for more rule names
+    /// than a thread keeps handles of, and into two registries on one
+    /// thread: each series counts exactly what was recorded into it.
+    #[test]
+    fn every_rules_outcomes_are_counted_in_their_own_registry() {
+        let (a, b) = (Metrics::new(), Metrics::new());
+        let names: Vec<String> = (0..RULES_SEEN_MAX * 2 + 3).map(|i| format!("rule-{i}")).collect();
+        let now = std::time::Instant::now();
+        std::thread::scope(|s| {
+            for t in 0..3 {
+                let (a, b, names) = (&a, &b, &names);
+                s.spawn(move || {
+                    for round in 0..3 {
+                        for (i, name) in names.iter().enumerate() {
+                            a.rule(name, RuleEvent::Allowed, now);
+                            if (i + t + round) % 2 == 0 {
+                                b.rule(name, RuleEvent::Limited, now);
+                                b.rule(name, RuleEvent::Allowed, now);
+                            }
+                            if i % 5 == 0 {
+                                a.rule(name, RuleEvent::LimitedCached, now);
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let count = |text: &str, name: &str, outcome: &str| -> u64 {
+            let series = format!("tollgate_decisions_total{{rule=\"{name}\",outcome=\"{outcome}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(series.as_str()))
+                .map_or(0, |v| v.trim().parse().unwrap())
+        };
+        let (ta, tb) = (a.render(), b.render());
+        for (i, name) in names.iter().enumerate() {
+            assert_eq!(count(&ta, name, "allowed"), 9, "{name}");
+            assert_eq!(
+                count(&ta, name, "limited_cached"),
+                if i % 5 == 0 { 9 } else { 0 },
+                "{name}"
+            );
+            assert_eq!(count(&ta, name, "limited"), 0, "{name}");
+            let limited: u64 = (0..3)
+                .flat_map(|t| (0..3).map(move |r| (i + t + r) % 2 == 0))
+                .filter(|&x| x)
+                .count() as u64;
+            assert_eq!(count(&tb, name, "limited"), limited, "{name}");
+            assert_eq!(count(&tb, name, "allowed"), limited, "{name}");
+        }
+    }
 
     /// `metric` as `/metrics` shows it, under the name `t`.
     fn text(metric: impl prometheus_client::registry::Metric) -> String {

@@ -118,7 +118,7 @@ impl Limiter {
                 // come back to a fresh window.
                 self.store.touch(hits.iter().map(|h| h.key.as_str()));
                 for r in cached.rules.iter().filter(|r| r.over) {
-                    metrics.rule(&r.rule.name, metrics::RuleEvent::LimitedCached);
+                    metrics.rule(&r.rule.name, metrics::RuleEvent::LimitedCached, started);
                 }
                 cached
             }
@@ -134,7 +134,7 @@ impl Limiter {
                 }
                 for r in &decision.rules {
                     if let Some(outcome) = rule_outcome(decision.verdict, r) {
-                        metrics.rule(&r.rule.name, outcome);
+                        metrics.rule(&r.rule.name, outcome, started);
                     }
                 }
                 decision
