@@ -241,6 +241,11 @@ pub async fn serve<A: App>(
         tls: tls.map(|t| t.acceptor().clone()),
     };
     let mut connections = JoinSet::new();
+    // What this listener's connections watch for the stop: a copy of the
+    // flag on this thread. Each connection waiting for its next request
+    // watches it, and the server-wide channel is a lock and a waiter list
+    // that every thread's connections would write on every request.
+    let stop = relay_stop(&shutdown);
     let open = crate::metrics::get().client_connections(gate.name);
     let metrics = connection::ConnMetrics {
         waiting: crate::metrics::get().waiting_connections(gate.name),
@@ -251,10 +256,10 @@ pub async fn serve<A: App>(
     // Parked connections come back through `resumed` to be spawned here.
     let (resumed_tx, mut resumed) = tokio::sync::mpsc::unbounded_channel();
     let resume: parking::Resume<connection::Idle> = {
-        let (handler, stop) = (handler.clone(), shutdown.clone());
+        let (handler, stop) = (handler.clone(), stop.clone());
         Box::new(move |stream, idle| Box::pin(connection::resume(stream, idle, handler.clone(), stop.clone())))
     };
-    let lot = parking::Lot::start(resumed_tx, resume, metrics.waiting.clone(), shutdown.clone())
+    let lot = parking::Lot::start(resumed_tx, resume, metrics.waiting.clone(), stop.clone())
         .inspect_err(|e| tracing::warn!(listener = gate.name, error = %e, "idle connections will be closed, not parked"))
         .ok();
     if let Some(lot) = &lot {
@@ -303,7 +308,7 @@ pub async fn serve<A: App>(
         let Some(slot) = slot else { break };
         let seat = connection::Seat::new(slot, &open);
         // The slot and the gauge are given back when the connection closes.
-        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), shutdown.clone(), seat);
+        let fut = connection::serve(stream, peer, handler.clone(), shared.clone(), stop.clone(), seat);
         connections.spawn(fut);
     }
     drop(listener);
@@ -391,6 +396,23 @@ pub async fn accept(
             }
         }
     }
+}
+
+/// A receiver of `shutdown`'s flag through a channel of its own, on the
+/// calling task's runtime: set (and its sender gone) once `shutdown`'s is.
+/// Its task ends when the flag is set or every receiver is gone.
+fn relay_stop(shutdown: &watch::Receiver<bool>) -> watch::Receiver<bool> {
+    let mut shutdown = shutdown.clone();
+    let (tx, rx) = watch::channel(*shutdown.borrow());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = stopped(&mut shutdown) => {
+                let _ = tx.send(true);
+            }
+            _ = tx.closed() => {}
+        }
+    });
+    rx
 }
 
 /// Resolves once the shutdown flag is set (or its sender is gone).
