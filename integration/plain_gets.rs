@@ -396,6 +396,40 @@ async fn a_request_whose_client_has_shut_its_side_is_neither_decided_nor_forward
     assert_eq!(decided, 2, "only the two answered requests were decided");
 }
 
+#[tokio::test]
+async fn requests_pipelined_behind_a_slow_answer_are_not_served_once_the_client_has_left() {
+    // The 28th attack: a slow GET and three GETs behind it in one write,
+    // the client gone 300 ms into the slow answer. tollgate decided,
+    // charged and forwarded the pipelined ones after the slow answer, for
+    // nobody (a full buffer kept it from reading the client's FIN); NGINX
+    // forwards none of them.
+    let up = TestUpstream::start().await;
+    let limits =
+        "domain: d\nrules:\n  - name: tight\n    match: { path: /tight/* }\n    limits: [{ requests: 3, per: 60s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let before = up.hits();
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    let pipelined = [
+        get("/slow/1500", ""),
+        get("/tight/1", ""),
+        get("/tight/2", ""),
+        get("/tight/3", ""),
+    ]
+    .concat();
+    s.write_all(&pipelined).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(s);
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    assert_eq!(
+        up.hits() - before,
+        1,
+        "only the slow request went upstream\n{}",
+        tg.log_text()
+    );
+    let charged = metric(&tg, "tollgate_decisions_total{rule=\"tight\",outcome=\"allowed\"}").await;
+    assert_eq!(charged, 0, "no pipelined request was decided");
+}
+
 /// Sends `path` as a plain GET (or hyper's, with `extra`) in two parts
 /// with `gap` between them, and stops tollgate `stop_after` after the first
 /// part: the request must be answered, with `Connection: close`, for its

@@ -1463,6 +1463,9 @@ rules:
     match: { path: /closed }
     limits: [{ requests: 1, per: 30s }]
     failure_mode: closed
+  - name: everywhere
+    match: { path: \"/*\" }
+    limits: [{ requests: 100, per: 30s }]
 ";
     let upstream = TestUpstream::start().await;
     let url = format!("redis://127.0.0.1:{}/", free_port());
@@ -1479,6 +1482,54 @@ rules:
     let admin = get(&c, &format!("http://{}/readyz", tg.admin), &[]).await;
     assert_eq!(admin.status, StatusCode::SERVICE_UNAVAILABLE);
     assert!(tg.logged("counter store unavailable"));
+    // Each rule is counted by what it said: `everywhere` fails open, also
+    // in the requests `closed` refuses.
+    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    for line in [
+        "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
+        "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
+        "tollgate_decisions_total{rule=\"everywhere\",outcome=\"failed_open\"} 6",
+        "tollgate_requests_total{surface=\"proxy\",verdict=\"failed_closed\"} 3",
+    ] {
+        assert!(m.contains(line), "{line}\n{m}");
+    }
+    assert!(!m.contains("rule=\"everywhere\",outcome=\"failed_closed\""), "{m}");
+}
+
+/// A shadow rule never refuses, so it is never counted as refusing, also
+/// when the enforced rule beside it refuses from the denial cache.
+#[tokio::test]
+async fn a_shadow_rule_beside_a_cached_refusal_is_counted_shadow_limited() {
+    let limits = "\
+domain: it
+rules:
+  - name: enforced
+    match: { path: /tight }
+    limits: [{ requests: 3, per: 60s }]
+  - name: watching
+    match: { path: /tight }
+    shadow: true
+    limits: [{ requests: 1, per: 60s }]
+";
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(limits, upstream.addr, &[]);
+    let c = client();
+    let mut statuses = Vec::new();
+    for _ in 0..10 {
+        statuses.push(get(&c, &tg.url("/tight"), &[]).await.status.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
+    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    for line in [
+        "tollgate_decisions_total{rule=\"enforced\",outcome=\"allowed\"} 3",
+        "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited\"} 1",
+        "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited_cached\"} 6",
+        "tollgate_decisions_total{rule=\"watching\",outcome=\"allowed\"} 1",
+        "tollgate_decisions_total{rule=\"watching\",outcome=\"shadow_limited\"} 9",
+    ] {
+        assert!(m.contains(line), "{line}\n{m}");
+    }
+    assert!(!m.contains("rule=\"watching\",outcome=\"limited"), "{m}");
 }
 
 #[tokio::test]

@@ -117,8 +117,15 @@ impl Limiter {
                 // counters must not be the ones a flood evicts, or it would
                 // come back to a fresh window.
                 self.store.touch(hits.iter().map(|h| h.key.as_str()));
+                // As the store's decision told it, but for the enforced
+                // rules that refuse: a shadow rule over its limit never
+                // refuses, cached or not.
                 for r in cached.rules.iter().filter(|r| r.over) {
-                    metrics.rule(&r.rule.name, metrics::RuleEvent::LimitedCached, started);
+                    let event = match r.rule.shadow {
+                        true => metrics::RuleEvent::ShadowLimited,
+                        false => metrics::RuleEvent::LimitedCached,
+                    };
+                    metrics.rule(&r.rule.name, event, started);
                 }
                 cached
             }
@@ -295,8 +302,10 @@ fn decision_of(hits: &[Hit], answer: StoreAnswer) -> Decision {
 /// in a request another rule refused (it decided nothing).
 fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleEvent> {
     Some(match verdict {
-        Verdict::FailedOpen => metrics::RuleEvent::FailedOpen,
-        Verdict::FailedClosed => metrics::RuleEvent::FailedClosed,
+        // Each rule by its own failure mode: one that fails open admits,
+        // even in a request another rule's closed mode refuses.
+        Verdict::FailedOpen | Verdict::FailedClosed if fails_closed(&rule.rule) => metrics::RuleEvent::FailedClosed,
+        Verdict::FailedOpen | Verdict::FailedClosed => metrics::RuleEvent::FailedOpen,
         _ if rule.over && rule.rule.shadow => metrics::RuleEvent::ShadowLimited,
         _ if rule.over => metrics::RuleEvent::Limited,
         Verdict::Limited => return None,

@@ -80,6 +80,9 @@ pub(super) async fn serve<A: App>(
     activity.parking.store(false, Ordering::Relaxed);
     activity.read_while_parking.store(false, Ordering::Relaxed);
     let mut alarm = Alarm::new();
+    // The client shut its side while requests it sent were still held here
+    // unserved: the one being handled is answered, none after it is.
+    let mut shut = false;
     loop {
         let req = loop {
             if !buf.is_empty() {
@@ -110,17 +113,25 @@ pub(super) async fn serve<A: App>(
             // started is cancelled); bytes that come meanwhile wait. It
             // looks before the handler first runs: a client that sent its
             // request and at once shut its side (`nc -N`) has its request
-            // neither decided nor forwarded, as NGINX's 499.
+            // neither decided nor forwarded, as NGINX's 499. With requests
+            // pipelined behind it, it is answered, and those are not served:
+            // they are read on meanwhile (to the head bound), so a client
+            // that left during a slow answer is seen to have, and NGINX
+            // forwards none of them either.
             loop {
                 if buf.capacity() == buf.len() {
                     buf.reserve(READ_AT_LEAST);
                 }
                 tokio::select! {
                     biased;
-                    read = io.read_buf(&mut buf), if buf.is_empty() => match read {
-                        Ok(0) | Err(_) => {
+                    read = io.read_buf(&mut buf), if !shut && buf.len() < max_head => match read {
+                        Ok(0) | Err(_) if buf.is_empty() => {
                             tracing::debug!(peer = %activity.peer, "client left while its request was handled");
                             return Served::Closed;
+                        }
+                        Ok(0) | Err(_) => {
+                            tracing::debug!(peer = %activity.peer, "client left with requests pipelined: the one handled is answered, the rest not served");
+                            shut = true;
                         }
                         Ok(_) => {}
                     },
@@ -140,7 +151,7 @@ pub(super) async fn serve<A: App>(
                 return Served::Closed;
             }
         };
-        if last || *stop.borrow() {
+        if last || shut || *stop.borrow() {
             let _ = io.shutdown().await;
             return Served::Closed;
         }
