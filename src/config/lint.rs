@@ -13,7 +13,24 @@ pub fn warnings(limits: &Limits) -> Vec<String> {
     let mut out = never_matching(limits);
     out.extend(surface_warnings(limits));
     out.extend(large_counters(limits));
+    out.extend(shadows_failing_closed(limits));
     out
+}
+
+/// Shadow rules that say `failure_mode: closed`: a shadow rule never
+/// refuses, so it fails open, which its author may not expect.
+pub fn shadows_failing_closed(limits: &Limits) -> Vec<String> {
+    limits
+        .rules
+        .iter()
+        .filter(|r| r.shadow && r.failure_mode == FailureMode::Closed)
+        .map(|r| {
+            format!(
+                "rule \"{}\": a shadow rule never refuses, so it fails open when the store cannot answer, failure_mode: closed notwithstanding",
+                r.name
+            )
+        })
+        .collect()
 }
 
 /// What one admitted request costs an exact window's counter in Redis (a
@@ -277,6 +294,23 @@ fn unbounded_counters(limits: &Limits, rule: &Rule) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shadow_rule_failing_closed_is_told_it_fails_open() {
+        let file = |extra: &str| {
+            format!("domain: d\nrules:\n  - {{ name: watch, {extra}limits: [{{ requests: 5, per: 1m }}] }}\n")
+        };
+        let parsed = |extra: &str| crate::config::parse_str(&file(extra), "t.yaml").unwrap();
+        let told = warnings(&parsed("shadow: true, failure_mode: closed, "));
+        assert!(
+            told.iter()
+                .any(|w| w.contains("rule \"watch\": a shadow rule never refuses")),
+            "{told:?}"
+        );
+        for extra in ["shadow: true, ", "failure_mode: closed, ", ""] {
+            assert!(shadows_failing_closed(&parsed(extra)).is_empty(), "{extra}");
+        }
+    }
 
     #[test]
     fn exact_windows_that_make_large_counters_suggest_a_precision() {
