@@ -328,18 +328,19 @@ async fn metrics_describe_decisions_upstream_and_reloads() {
     get(&c, &tg.url("/load"), &[]).await;
     std::fs::write(&tg.config, "domain: prod\nrules: [oops").unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
-    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
-    for line in [
-        "tollgate_decisions_total{rule=\"probe\",outcome=\"allowed\"} 3",
-        "tollgate_decisions_total{rule=\"probe\",outcome=\"limited\"} 1",
-        "tollgate_requests_total{surface=\"proxy\",verdict=\"limited\"} 1",
-        "tollgate_upstream_responses_total{class=\"2xx\"} 4",
-        "tollgate_config_last_reload_failed{file=",
-        "tollgate_decision_seconds_bucket",
-        "tollgate_config_info{file=",
-    ] {
-        assert!(m.contains(line), "missing {line}:\n{m}");
-    }
+    let m = metrics_holding(
+        &tg,
+        &[
+            "tollgate_decisions_total{rule=\"probe\",outcome=\"allowed\"} 3",
+            "tollgate_decisions_total{rule=\"probe\",outcome=\"limited\"} 1",
+            "tollgate_requests_total{surface=\"proxy\",verdict=\"limited\"} 1",
+            "tollgate_upstream_responses_total{class=\"2xx\"} 4",
+            "tollgate_config_last_reload_failed{file=",
+            "tollgate_decision_seconds_bucket",
+            "tollgate_config_info{file=",
+        ],
+    )
+    .await;
     assert!(
         !m.contains("x-probe") && !m.contains("\"m\""),
         "caller values never become labels"

@@ -1484,15 +1484,16 @@ rules:
     assert!(tg.logged("counter store unavailable"));
     // Each rule is counted by what it said: `everywhere` fails open, also
     // in the requests `closed` refuses.
-    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
-    for line in [
-        "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
-        "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
-        "tollgate_decisions_total{rule=\"everywhere\",outcome=\"failed_open\"} 6",
-        "tollgate_requests_total{surface=\"proxy\",verdict=\"failed_closed\"} 3",
-    ] {
-        assert!(m.contains(line), "{line}\n{m}");
-    }
+    let m = metrics_holding(
+        &tg,
+        &[
+            "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
+            "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
+            "tollgate_decisions_total{rule=\"everywhere\",outcome=\"failed_open\"} 6",
+            "tollgate_requests_total{surface=\"proxy\",verdict=\"failed_closed\"} 3",
+        ],
+    )
+    .await;
     assert!(!m.contains("rule=\"everywhere\",outcome=\"failed_closed\""), "{m}");
 }
 
@@ -1512,24 +1513,33 @@ rules:
     limits: [{ requests: 1, per: 60s }]
 ";
     let upstream = TestUpstream::start().await;
-    let tg = Tollgate::start(limits, upstream.addr, &[]);
-    let c = client();
-    let mut statuses = Vec::new();
-    for _ in 0..10 {
-        statuses.push(get(&c, &tg.url("/tight"), &[]).await.status.as_u16());
+    let redis = RedisServer::start();
+    let redis_url = redis.url();
+    for store in [&[][..], &["--redis", redis_url.as_str()][..]] {
+        let tg = Tollgate::start(limits, upstream.addr, store);
+        let c = client();
+        let mut statuses = Vec::new();
+        for _ in 0..10 {
+            statuses.push(get(&c, &tg.url("/tight"), &[]).await.status.as_u16());
+        }
+        assert_eq!(
+            statuses,
+            [200, 200, 200, 429, 429, 429, 429, 429, 429, 429],
+            "{store:?}"
+        );
+        let m = metrics_holding(
+            &tg,
+            &[
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"allowed\"} 3",
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited\"} 1",
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited_cached\"} 6",
+                "tollgate_decisions_total{rule=\"watching\",outcome=\"allowed\"} 1",
+                "tollgate_decisions_total{rule=\"watching\",outcome=\"shadow_limited\"} 9",
+            ],
+        )
+        .await;
+        assert!(!m.contains("rule=\"watching\",outcome=\"limited"), "{store:?}\n{m}");
     }
-    assert_eq!(statuses, [200, 200, 200, 429, 429, 429, 429, 429, 429, 429]);
-    let m = String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
-    for line in [
-        "tollgate_decisions_total{rule=\"enforced\",outcome=\"allowed\"} 3",
-        "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited\"} 1",
-        "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited_cached\"} 6",
-        "tollgate_decisions_total{rule=\"watching\",outcome=\"allowed\"} 1",
-        "tollgate_decisions_total{rule=\"watching\",outcome=\"shadow_limited\"} 9",
-    ] {
-        assert!(m.contains(line), "{line}\n{m}");
-    }
-    assert!(!m.contains("rule=\"watching\",outcome=\"limited"), "{m}");
 }
 
 #[tokio::test]

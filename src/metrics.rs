@@ -206,17 +206,19 @@ struct RuleHandles {
     activity: Arc<crate::activity::RuleActivity>,
 }
 
-/// A rule's handles as a thread keeps them: its registry's id, its name.
-type RuleSeen = (u64, Box<str>, Arc<RuleHandles>);
+/// A thread's rule handles: per registry (by id), per rule name.
+type RulesSeen = Vec<(u64, HashMap<Box<str>, Arc<RuleHandles>>)>;
 
-/// Most rule names a thread keeps the handles of; past it, it starts over.
-const RULES_SEEN_MAX: usize = 64;
+/// Most rule names a thread keeps the handles of per registry; past it
+/// (names retired by reloads pile up), it starts over.
+const RULES_SEEN_MAX: usize = 4096;
 
 thread_local! {
-    /// The handles of the rules this thread recorded lately (registry id,
-    /// rule name): a decision finds its rule's without the shared map's
-    /// lock, whose count every thread writes, and without hashing the name.
-    static RULES_SEEN: std::cell::RefCell<Vec<RuleSeen>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// The handles of the rules this thread recorded: a decision finds its
+    /// rule's without the shared map's lock, whose count every thread
+    /// writes. A map, not a list, so that a file whose traffic spreads
+    /// over thousands of rules finds each as cheaply as a few.
+    static RULES_SEEN: std::cell::RefCell<RulesSeen> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Every class `upstream` is called with.
@@ -556,31 +558,33 @@ impl Metrics {
             handles.activity.record(recent, at);
         };
         let seen = RULES_SEEN.with_borrow(|seen| {
-            let found = seen.iter().find(|(id, name, _)| *id == self.id && **name == *rule);
-            found.map(|(_, _, handles)| record(handles)).is_some()
+            let mine = seen.iter().find(|(id, _)| *id == self.id);
+            mine.and_then(|(_, names)| names.get(rule)).map(|h| record(h)).is_some()
         });
         if seen {
             return;
         }
-        let found = self
-            .rule_counters
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(rule)
-            .cloned();
-        let handles = match found {
-            Some(handles) => handles,
-            None => {
-                let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
-                counters.entry(rule.to_string()).or_default().clone()
-            }
+        // Once per rule name and thread: the shared map, written only for
+        // a name no thread recorded before.
+        let handles = {
+            let mut counters = self.rule_counters.write().unwrap_or_else(|e| e.into_inner());
+            counters.entry(rule.to_string()).or_default().clone()
         };
         record(&handles);
         RULES_SEEN.with_borrow_mut(|seen| {
-            if seen.len() >= RULES_SEEN_MAX {
-                seen.clear();
+            let at = match seen.iter().position(|(id, _)| *id == self.id) {
+                Some(at) => at,
+                None => {
+                    seen.push((self.id, HashMap::new()));
+                    seen.len().saturating_sub(1)
+                }
+            };
+            if let Some((_, names)) = seen.get_mut(at) {
+                if names.len() >= RULES_SEEN_MAX {
+                    names.clear();
+                }
+                names.insert(rule.into(), handles);
             }
-            seen.push((self.id, rule.into(), handles));
         });
     }
 
@@ -789,13 +793,17 @@ mod tests {
                 });
             }
         });
-        let count = |text: &str, name: &str, outcome: &str| -> u64 {
-            let series = format!("tollgate_decisions_total{{rule=\"{name}\",outcome=\"{outcome}\"}} ");
+        let series = |text: String| -> HashMap<String, u64> {
             text.lines()
-                .find_map(|l| l.strip_prefix(series.as_str()))
-                .map_or(0, |v| v.trim().parse().unwrap())
+                .filter_map(|l| l.rsplit_once(' '))
+                .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+                .collect()
         };
-        let (ta, tb) = (a.render(), b.render());
+        let count = |all: &HashMap<String, u64>, name: &str, outcome: &str| -> u64 {
+            let key = format!("tollgate_decisions_total{{rule=\"{name}\",outcome=\"{outcome}\"}}");
+            all.get(&key).copied().unwrap_or(0)
+        };
+        let (ta, tb) = (series(a.render()), series(b.render()));
         for (i, name) in names.iter().enumerate() {
             assert_eq!(count(&ta, name, "allowed"), 9, "{name}");
             assert_eq!(

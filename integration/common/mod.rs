@@ -551,6 +551,16 @@ pub async fn get(client: &Client<HttpConnector, Full<Bytes>>, url: &str, headers
     send(client, Method::GET, url, headers, Vec::new()).await
 }
 
+/// `/metrics` as text, after checking that it holds each of `lines`.
+pub async fn metrics_holding(tg: &Tollgate, lines: &[&str]) -> String {
+    let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    for line in lines {
+        assert!(text.contains(line), "missing {line}:\n{text}");
+    }
+    text
+}
+
 /// The value of the first `/metrics` series starting with `name` (0 when absent).
 pub async fn metric(tg: &Tollgate, name: &str) -> u64 {
     let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
