@@ -709,3 +709,143 @@ async fn a_hot_keys_requests_at_once_are_each_told_their_own_remaining_on_every_
         assert_eq!(refused, 60, "{surface}");
     }
 }
+
+/// The three ways of asking that forward nothing.
+#[derive(Clone, Copy, Debug)]
+enum Asking {
+    ExtAuthz,
+    AuthRequest,
+    Rls,
+}
+
+/// A rules file `surface` reaches with what `passes` asks: HTTP rules on
+/// `/p` for ext_authz and auth_request; for RLS, where one descriptor meets
+/// one rule, descriptor rules on `p0` and `p1`.
+fn rules_for(surface: Asking, rules: &[(&str, &str)]) -> String {
+    let mut text = String::from("domain: it\nrules:\n");
+    for (i, (name, body)) in rules.iter().enumerate() {
+        let reach = match surface {
+            Asking::Rls => format!("descriptor: [{{ key: p{i} }}]"),
+            Asking::ExtAuthz | Asking::AuthRequest => "match: { path: /p }".into(),
+        };
+        text += &format!("  - name: {name}\n    {reach}\n{body}");
+    }
+    text
+}
+
+/// Asks once on `surface` for `/p` (or descriptors `p0` and `p1`): whether
+/// the request may pass.
+async fn passes(surface: Asking, tg: &Tollgate, c: &TestClient) -> bool {
+    let check = tg.check.unwrap();
+    match surface {
+        Asking::ExtAuthz => {
+            let a = get(c, &format!("http://{check}/ext_authz/p"), &[]).await;
+            // A 5xx refusal goes out as 403 (Envoy would take a 5xx for the
+            // service failing, and could let the request through).
+            match a.status {
+                StatusCode::OK => true,
+                StatusCode::TOO_MANY_REQUESTS => false,
+                StatusCode::FORBIDDEN => {
+                    assert_eq!(a.header("x-tollgate-status"), Some("503"));
+                    false
+                }
+                other => panic!("ext_authz answered {other}"),
+            }
+        }
+        Asking::AuthRequest => {
+            let a = get(c, &format!("http://{check}/auth_request"), &[("x-original-uri", "/p")]).await;
+            match a.status {
+                StatusCode::NO_CONTENT => true,
+                StatusCode::FORBIDDEN => {
+                    assert!(matches!(a.header("x-tollgate-status"), Some("429" | "503")));
+                    false
+                }
+                other => panic!("auth_request answered {other}"),
+            }
+        }
+        Asking::Rls => {
+            let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+                .await
+                .unwrap();
+            let r = rls
+                .should_rate_limit(request(
+                    "it",
+                    vec![descriptor(&[("p0", "")]), descriptor(&[("p1", "")])],
+                ))
+                .await
+                .unwrap()
+                .into_inner();
+            assert_ne!(r.overall_code, Code::Unknown as i32);
+            r.overall_code == Code::Ok as i32
+        }
+    }
+}
+
+/// A shadow rule never refuses, so it is never counted as refusing, also
+/// when the enforced rule beside it refuses from the denial cache: on the
+/// surfaces that only answer, as on the proxy.
+#[tokio::test]
+async fn a_shadow_rule_beside_a_cached_refusal_is_counted_shadow_limited_on_every_asking_surface() {
+    let rules = [
+        ("enforced", "    limits: [{ requests: 3, per: 60s }]\n"),
+        (
+            "watching",
+            "    shadow: true\n    limits: [{ requests: 1, per: 60s }]\n",
+        ),
+    ];
+    let app = TestUpstream::start().await;
+    let redis = RedisServer::start();
+    let redis_url = redis.url();
+    let c = client();
+    for store in [&[][..], &["--redis", redis_url.as_str()][..]] {
+        for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
+            redis.cli(&["flushall"]);
+            let tg = Tollgate::start(&rules_for(surface, &rules), app.addr, store);
+            let mut passed = Vec::new();
+            for _ in 0..10 {
+                passed.push(passes(surface, &tg, &c).await);
+            }
+            let expected: Vec<bool> = (0..10).map(|i| i < 3).collect();
+            assert_eq!(passed, expected, "{surface:?} {store:?}");
+            let m = metrics_holding(&tg, SHADOW_BESIDE_A_CACHED_REFUSAL).await;
+            assert!(
+                !m.contains("rule=\"watching\",outcome=\"limited"),
+                "{surface:?} {store:?}\n{m}"
+            );
+        }
+    }
+}
+
+/// With Redis unreachable each rule fails as it says and is counted by what
+/// it said, also in a request another rule refuses: on every asking surface.
+#[tokio::test]
+async fn redis_down_each_rule_fails_and_is_counted_by_its_own_mode_on_every_asking_surface() {
+    let rules = [
+        ("open", "    limits: [{ requests: 100, per: 30s }]\n"),
+        (
+            "closed",
+            "    limits: [{ requests: 100, per: 30s }]\n    failure_mode: closed\n",
+        ),
+    ];
+    let app = TestUpstream::start().await;
+    let nowhere = format!("redis://127.0.0.1:{}/", free_port());
+    let c = client();
+    for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
+        let tg = Tollgate::start(&rules_for(surface, &rules), app.addr, &["--redis", &nowhere]);
+        for _ in 0..3 {
+            assert!(!passes(surface, &tg, &c).await, "{surface:?}: `closed` refuses");
+        }
+        let m = metrics_holding(
+            &tg,
+            &[
+                "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
+                "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
+            ],
+        )
+        .await;
+        assert!(
+            !m.contains("rule=\"open\",outcome=\"failed_closed\""),
+            "{surface:?}\n{m}"
+        );
+    }
+}

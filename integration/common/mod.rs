@@ -561,6 +561,17 @@ pub async fn metrics_holding(tg: &Tollgate, lines: &[&str]) -> String {
     text
 }
 
+/// The decisions counted for ten requests to an `enforced` rule of 3 a
+/// minute beside a `watching` shadow rule of 1: three admitted, one refused
+/// by the store, six by the denial cache, and the shadow rule never refusing.
+pub const SHADOW_BESIDE_A_CACHED_REFUSAL: &[&str] = &[
+    "tollgate_decisions_total{rule=\"enforced\",outcome=\"allowed\"} 3",
+    "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited\"} 1",
+    "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited_cached\"} 6",
+    "tollgate_decisions_total{rule=\"watching\",outcome=\"allowed\"} 1",
+    "tollgate_decisions_total{rule=\"watching\",outcome=\"shadow_limited\"} 9",
+];
+
 /// The value of the first `/metrics` series starting with `name` (0 when absent).
 pub async fn metric(tg: &Tollgate, name: &str) -> u64 {
     let body = get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body;
