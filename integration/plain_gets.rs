@@ -583,3 +583,26 @@ async fn a_head_written_tightly_is_held_to_the_byte_bound_as_its_fields_count() 
         assert!(r.starts_with(status), "{counted}: {r}");
     }
 }
+
+#[tokio::test]
+async fn an_idle_keep_alive_connection_is_closed_at_once_when_the_server_stops() {
+    // NGINX and hyper close a connection between requests as soon as they
+    // stop; our own server's connections wait on a stop flag of their own
+    // (not the server-wide channel), which must wake them too, not leave
+    // them to close when they would have parked, a second later.
+    let up = TestUpstream::start().await;
+    let mut tg = Tollgate::start(NO_RULES, up.addr, &[]);
+    let mut s = TcpStream::connect(tg.addr).await.unwrap();
+    let mut rest = Vec::new();
+    s.write_all(&get("/first", "")).await.unwrap();
+    let first = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
+    assert!(first.is_some_and(|r| r.starts_with("HTTP/1.1 200")));
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    tg.signal("TERM");
+    let closed = closes_after(&mut s, Duration::from_secs(3)).await;
+    assert!(
+        closed.is_some_and(|after| after < Duration::from_millis(500)),
+        "closed after {closed:?}"
+    );
+    assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+}

@@ -47,7 +47,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use crate::metrics::Histogram;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
-use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, stopped};
+use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, Stop, stopped};
 use crate::metrics::Held;
 use super::parking::Lot;
 use super::streams::{Progress, StreamExecutor};
@@ -609,7 +609,7 @@ pub(super) async fn serve<A: App>(
     peer: SocketAddr,
     handler: A,
     listener: Arc<Listener>,
-    stop: watch::Receiver<bool>,
+    stop: Stop,
     seat: Seat,
 ) {
     let activity = Arc::new(Activity::new(listener, peer, seat));
@@ -680,7 +680,7 @@ fn park<A: App>(idle: Parked<A>) {
 
 /// Serves a connection its lot handed back (`stream`, and what it kept),
 /// with `handler`, until it closes or parks again.
-pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, stop: watch::Receiver<bool>) {
+pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, stop: Stop) {
     let Idle { activity, rebuilt_at } = idle;
     let io = ClientIo {
         stream: ClientStream::Plain(stream),
@@ -699,7 +699,7 @@ pub(super) async fn resume<A: App>(stream: TcpStream, idle: Idle, handler: A, st
 async fn open<A: App>(
     stream: TcpStream,
     handler: A,
-    mut stop: watch::Receiver<bool>,
+    mut stop: Stop,
     activity: &Arc<Activity>,
 ) -> Option<Parked<A>> {
     let (peer, shared) = (activity.peer, &*activity.listener);
@@ -769,7 +769,7 @@ async fn open<A: App>(
                     return None;
                 }
             }
-            _ = stopped(&mut stop) => return None,
+            _ = stopped(&mut stop.rx) => return None,
         }
     };
     drop(held);
@@ -787,7 +787,7 @@ async fn open<A: App>(
         }
         Ok(Some(Protocol::Http2)) => {
             let conn = protocols.http2.serve_connection(TokioIo::new(io), service(activity, handler));
-            watch_http2(conn, activity, peer, limits, stop).await;
+            watch_http2(conn, activity, peer, limits, stop.rx).await;
             None
         }
         Ok(None) => None,
@@ -800,7 +800,7 @@ async fn open<A: App>(
 
 /// Serves HTTP/1 requests on a connection until it closes (`None`) or sits
 /// idle long enough to be parked.
-async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>) -> Option<Parked<A>> {
+async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked<A>> {
     let Parked {
         mut io,
         handler,
@@ -820,11 +820,12 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>)
     // would answer that message with `Connection: close`; and parking one
     // handed part of a request would spin until the rest came.
     let mut rebuilt_at = rebuilt_at;
+    let mut seat = stop.seat();
     loop {
         // Plain GETs are served by our own HTTP/1.1 server; hyper takes
         // the first request that is not one, until the connection parks.
         if keep_alive {
-            match own::serve(&mut io, &handler, &mut stop, rebuilt_at).await {
+            match own::serve(&mut io, &handler, &mut seat, rebuilt_at).await {
                 own::Served::Closed => return None,
                 own::Served::Park => {
                     let rebuilt_at = activity.begun.load(Ordering::Relaxed);
@@ -867,7 +868,7 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: watch::Receiver<bool>)
             tokio::select! {
                 biased;
                 result = Pin::new(&mut conn) => break result,
-                _ = stopped(&mut stop), if !closing => {
+                _ = stopped(&mut stop.rx), if !closing => {
                     // A head begun between requests would be closed
                     // unanswered by hyper; NGINX reads it on. It is handed
                     // over as at a park, to be read on and answered with

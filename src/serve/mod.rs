@@ -28,7 +28,10 @@ mod connection;
 
 pub use connection::{App, RequestBody};
 mod parking;
+mod stop;
 mod streams;
+
+use stop::Stop;
 
 /// How long a connection must have done nothing before a full listener
 /// closes it to make room: a client that just connected has its request on
@@ -245,7 +248,7 @@ pub async fn serve<A: App>(
     // flag on this thread. Each connection waiting for its next request
     // watches it, and the server-wide channel is a lock and a waiter list
     // that every thread's connections would write on every request.
-    let stop = relay_stop(&shutdown);
+    let stop = Stop::relay(&shutdown);
     let open = crate::metrics::get().client_connections(gate.name);
     let metrics = connection::ConnMetrics {
         waiting: crate::metrics::get().waiting_connections(gate.name),
@@ -259,7 +262,7 @@ pub async fn serve<A: App>(
         let (handler, stop) = (handler.clone(), stop.clone());
         Box::new(move |stream, idle| Box::pin(connection::resume(stream, idle, handler.clone(), stop.clone())))
     };
-    let lot = parking::Lot::start(resumed_tx, resume, metrics.waiting.clone(), stop.clone())
+    let lot = parking::Lot::start(resumed_tx, resume, metrics.waiting.clone(), stop.rx.clone())
         .inspect_err(|e| tracing::warn!(listener = gate.name, error = %e, "idle connections will be closed, not parked"))
         .ok();
     if let Some(lot) = &lot {
@@ -396,23 +399,6 @@ pub async fn accept(
             }
         }
     }
-}
-
-/// A receiver of `shutdown`'s flag through a channel of its own, on the
-/// calling task's runtime: set (and its sender gone) once `shutdown`'s is.
-/// Its task ends when the flag is set or every receiver is gone.
-fn relay_stop(shutdown: &watch::Receiver<bool>) -> watch::Receiver<bool> {
-    let mut shutdown = shutdown.clone();
-    let (tx, rx) = watch::channel(*shutdown.borrow());
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = stopped(&mut shutdown) => {
-                let _ = tx.send(true);
-            }
-            _ = tx.closed() => {}
-        }
-    });
-    rx
 }
 
 /// Resolves once the shutdown flag is set (or its sender is gone).

@@ -26,11 +26,11 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::sync::watch;
 
 use crate::upstream::has_token;
 
-use super::{Activity, App, ClientIo, PARK_AFTER, RequestBody, stopped, until_sent};
+use super::super::stop::StopSeat;
+use super::{Activity, App, ClientIo, PARK_AFTER, RequestBody, until_sent};
 
 /// Most header fields a head may have here (browsers send 10-20); more go
 /// to hyper, which holds them to the listener's bound.
@@ -65,7 +65,7 @@ pub(super) enum Served {
 pub(super) async fn serve<A: App>(
     io: &mut ClientIo,
     handler: &A,
-    stop: &mut watch::Receiver<bool>,
+    stop: &mut StopSeat,
     rebuilt_at: u64,
 ) -> Served {
     let activity = io.activity.clone();
@@ -143,7 +143,7 @@ pub(super) async fn serve<A: App>(
             }
         };
         let response = until_sent(response, false, busy);
-        let stopping = *stop.borrow();
+        let stopping = stop.is_set();
         let last = match write_response(io, response, stopping, &mut buf).await {
             Ok(last) => last,
             Err(e) => {
@@ -151,7 +151,7 @@ pub(super) async fn serve<A: App>(
                 return Served::Closed;
             }
         };
-        if last || shut || *stop.borrow() {
+        if last || shut || stop.is_set() {
             let _ = io.shutdown().await;
             return Served::Closed;
         }
@@ -213,7 +213,7 @@ async fn wait_for_bytes(
     io: &mut ClientIo,
     buf: &mut BytesMut,
     activity: &Activity,
-    stop: &mut watch::Receiver<bool>,
+    stop: &mut StopSeat,
     alarm: &mut Alarm,
     fresh: bool,
 ) -> Waited {
@@ -244,7 +244,7 @@ async fn wait_for_bytes(
             }
             // Idle: closed at once. A head begun is read on and answered
             // (with `Connection: close`), as hyper and NGINX do.
-            _ = stopped(stop), if buf.is_empty() => return Waited::Closed,
+            _ = stop.stopped(), if buf.is_empty() => return Waited::Closed,
             _ = alarm.rung() => {
                 let served = activity.served.load(Ordering::Relaxed);
                 let head_due = !served || activity.head_begun().is_some();
