@@ -1307,3 +1307,40 @@ async fn a_get_to_an_https_upstream_closing_its_kept_connection_is_sent_again() 
         }
     }
 }
+
+#[tokio::test]
+async fn a_head_begun_on_a_tls_connection_when_the_server_stops_is_answered_with_connection_close() {
+    // The 30th attack: over TLS (always hyper's connection) the next
+    // request's head, begun when the server stopped, was closed unanswered,
+    // where a plain connection's is read on and answered, as NGINX does.
+    use tokio::io::AsyncWriteExt;
+    let pki = Pki::new();
+    let (cert, key) = pki.leaf("server", "localhost", Some(LOCAL));
+    let up = TestUpstream::start().await;
+    let get = b"GET /first HTTP/1.1\r\nHost: localhost\r\n\r\n".as_slice();
+    let post = b"POST /first HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2\r\n\r\nhi".as_slice();
+    for first in [get, post] {
+        let mut tg = Tollgate::start(LIMITS, up.addr, &tls_args(&cert, &key));
+        let mut s = connect_tls(tg.addr, &pki.ca(), None).await.unwrap();
+        let mut rest = Vec::new();
+        s.write_all(first).await.unwrap();
+        let answered = read_response(&mut s, &mut rest, Duration::from_secs(5), false).await;
+        assert!(answered.is_some_and(|r| r.starts_with("HTTP/1.1 200")));
+        s.write_all(b"GET /late HTTP/1.1\r\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tg.signal("TERM");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        s.write_all(b"Host: localhost\r\n\r\n").await.unwrap();
+        let r = read_response(&mut s, &mut rest, Duration::from_secs(5), false)
+            .await
+            .unwrap_or_default();
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert!(r.contains("x-seen-uri: /late\r\n"), "{r}");
+        assert!(r.to_ascii_lowercase().contains("\r\nconnection: close\r\n"), "{r}");
+        assert!(
+            closes_after(&mut s, Duration::from_secs(3)).await.is_some(),
+            "not closed"
+        );
+        assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+    }
+}

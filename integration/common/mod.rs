@@ -584,7 +584,7 @@ pub async fn metric(tg: &Tollgate, name: &str) -> u64 {
 
 /// How long after now the server closes `s` (reading and dropping what
 /// comes), or `None` within `limit`.
-pub async fn closes_after(s: &mut tokio::net::TcpStream, limit: Duration) -> Option<Duration> {
+pub async fn closes_after<S: tokio::io::AsyncRead + Unpin>(s: &mut S, limit: Duration) -> Option<Duration> {
     let started = Instant::now();
     let mut buf = [0u8; 4096];
     loop {
@@ -785,8 +785,8 @@ impl Rng {
 /// Reads one whole response from `s` (its head and `content-length` body,
 /// or chunked body; for an answer to HEAD, `head_only`, its head), keeping
 /// what follows in `rest`. `None`: closed or timed out.
-pub async fn read_response(
-    s: &mut tokio::net::TcpStream,
+pub async fn read_response<S: tokio::io::AsyncRead + Unpin>(
+    s: &mut S,
     rest: &mut Vec<u8>,
     limit: Duration,
     head_only: bool,

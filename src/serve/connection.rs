@@ -835,10 +835,22 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked
             }
         }
         let service = service(&activity, handler.clone());
-        let mut conn = http1.serve_connection(TokioIo::new(io), service).with_upgrades();
+        // Stopping already: a head handed over at the stop (over TLS, which
+        // our own server does not serve, or one it passed on) is read on
+        // and answered with `Connection: close`, and the connection closes.
+        // Left to the stop below, it would be handed over again, and again,
+        // until the head was whole.
+        let stopping = seat.is_set();
+        let mut conn = if stopping {
+            let mut last = http1.clone();
+            last.keep_alive(false);
+            last.serve_connection(TokioIo::new(io), service).with_upgrades()
+        } else {
+            http1.serve_connection(TokioIo::new(io), service).with_upgrades()
+        };
         activity.parking.store(false, Ordering::Relaxed);
         activity.read_while_parking.store(false, Ordering::Relaxed);
-        let mut closing = false;
+        let mut closing = stopping;
         let mut parking = false;
         let ended = loop {
             // A request beginning or ending does not wake the watchdog, so
@@ -873,7 +885,10 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked
                     // unanswered by hyper; NGINX reads it on. It is handed
                     // over as at a park, to be read on and answered with
                     // `Connection: close`.
-                    if keep_alive && activity.head_begun().is_some() && activity.park_in().is_some() {
+                    // Over TLS too: the session goes with the socket, and
+                    // what hyper had decrypted with the bytes it hands back.
+                    let kept_alive = !limits.keepalive_timeout.is_zero();
+                    if kept_alive && activity.head_begun().is_some() && activity.park_in().is_some() {
                         activity.parking.store(true, Ordering::Relaxed);
                         parking = true;
                     }
