@@ -16,13 +16,9 @@ use std::task::{Context, Poll};
 
 use tokio::time::{Instant, Sleep};
 
-/// Most timers kept, beyond which a finished exchange's timer is dropped:
-/// as many exchanges as wait at once on a thread under steady load (64
-/// connections over two threads keep 32), not a burst's thousand, whose
-/// timers (~130 bytes each) would stay for good (the 1,000 idle
-/// connections of `bench/idle` measured 0.8-1.0 KB each with 1,024 kept,
-/// 0.7 KB before).
-const MOST_KEPT: usize = 64;
+/// Most timers kept: a proxy thread's exchanges waiting at once, beyond
+/// which a finished one's timer is dropped.
+const MOST_KEPT: usize = 1024;
 
 /// Timers of finished exchanges, for one proxy thread (one runtime: a
 /// timer belongs to the runtime it was made on).
