@@ -27,7 +27,7 @@ use crate::serve::RequestBody;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
-use crate::upstream::{BodyProgress, ClientBody, SpareTimers, Upstream, UpstreamBody, UpstreamPool};
+use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
@@ -105,8 +105,6 @@ pub struct Proxy {
     catalog: SharedCatalog,
     pool: UpstreamPool,
     options: ProxyOptions,
-    /// What waits for the upstream's answer waits on.
-    timers: SpareTimers,
 }
 
 /// Why the wait for the upstream ended before its answer.
@@ -138,7 +136,6 @@ impl Proxy {
             catalog,
             pool,
             options,
-            timers: SpareTimers::default(),
         }
     }
 
@@ -396,12 +393,7 @@ impl Proxy {
                 if let Some(whole) = told {
                     let _ = body_told.set(whole);
                 }
-                // A timer kept from an earlier exchange (see SpareTimers).
-                let deadline = tokio::time::Instant::now().checked_add(timeout);
-                match deadline {
-                    Some(deadline) => self.timers.until(deadline).await,
-                    None => std::future::pending().await,
-                }
+                tokio::time::sleep(timeout).await;
                 Waited::NoAnswer
             };
             // Not boxed: the send keeps its rare, large steps (connecting,

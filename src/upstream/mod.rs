@@ -44,14 +44,12 @@ request_path! {
     mod http1;
     pub mod pool;
     mod resets;
-    mod timers;
 }
 
 pub use body::{BodyProgress, ClientBody};
 pub use http1::Length;
 pub(crate) use http1::has_token;
 pub use pool::{MAX_RESPONSE_HEAD, UpstreamBody, UpstreamPool};
-pub use timers::SpareTimers;
 
 use std::path::Path;
 
