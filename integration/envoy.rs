@@ -849,3 +849,42 @@ async fn redis_down_each_rule_fails_and_is_counted_by_its_own_mode_on_every_aski
         );
     }
 }
+
+/// README: a shadow rule never refuses, so it fails open whatever its
+/// `failure_mode` says, and is counted `failed_open`: on every surface.
+#[tokio::test]
+async fn redis_down_a_shadow_rule_that_says_closed_fails_open_on_every_surface() {
+    let rules = [(
+        "watching",
+        "    shadow: true\n    limits: [{ requests: 1, per: 30s }]\n    failure_mode: closed\n",
+    )];
+    let app = TestUpstream::start().await;
+    let nowhere = format!("redis://127.0.0.1:{}/", free_port());
+    let c = client();
+    for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
+        let tg = Tollgate::start(&rules_for(surface, &rules), app.addr, &["--redis", &nowhere]);
+        for _ in 0..3 {
+            assert!(
+                passes(surface, &tg, &c).await,
+                "{surface:?}: a shadow rule never refuses"
+            );
+        }
+        let m = metrics_holding(
+            &tg,
+            &["tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3"],
+        )
+        .await;
+        assert!(!m.contains("outcome=\"failed_closed\""), "{surface:?}\n{m}");
+    }
+    // And through the proxy.
+    let tg = Tollgate::start(&rules_for(Asking::ExtAuthz, &rules), app.addr, &["--redis", &nowhere]);
+    for _ in 0..3 {
+        assert_eq!(get(&c, &tg.url("/p"), &[]).await.status, StatusCode::OK);
+    }
+    let m = metrics_holding(
+        &tg,
+        &["tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3"],
+    )
+    .await;
+    assert!(!m.contains("outcome=\"failed_closed\""), "proxy\n{m}");
+}

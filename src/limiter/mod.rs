@@ -121,9 +121,10 @@ impl Limiter {
                 // rules that refuse: a shadow rule over its limit never
                 // refuses, cached or not.
                 for r in cached.rules.iter().filter(|r| r.over) {
-                    let event = match r.rule.shadow {
-                        true => metrics::RuleEvent::ShadowLimited,
-                        false => metrics::RuleEvent::LimitedCached,
+                    let event = if r.rule.shadow {
+                        metrics::RuleEvent::ShadowLimited
+                    } else {
+                        metrics::RuleEvent::LimitedCached
                     };
                     metrics.rule(&r.rule.name, event, started);
                 }

@@ -800,7 +800,7 @@ async fn open<A: App>(
 
 /// Serves HTTP/1 requests on a connection until it closes (`None`) or sits
 /// idle long enough to be parked.
-async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked<A>> {
+async fn serve_http1<A: App>(parked: Parked<A>, stop: Stop) -> Option<Parked<A>> {
     let Parked {
         mut io,
         handler,
@@ -820,6 +820,7 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked
     // would answer that message with `Connection: close`; and parking one
     // handed part of a request would spin until the rest came.
     let mut rebuilt_at = rebuilt_at;
+    // The one stop this connection watches, whichever server holds it.
     let mut seat = stop.seat();
     loop {
         // Plain GETs are served by our own HTTP/1.1 server; hyper takes
@@ -880,7 +881,7 @@ async fn serve_http1<A: App>(parked: Parked<A>, mut stop: Stop) -> Option<Parked
             tokio::select! {
                 biased;
                 result = Pin::new(&mut conn) => break result,
-                _ = stopped(&mut stop.rx), if !closing => {
+                _ = seat.stopped(), if !closing => {
                     // A head begun between requests would be closed
                     // unanswered by hyper; NGINX reads it on. It is handed
                     // over as at a park, to be read on and answered with

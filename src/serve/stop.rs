@@ -4,8 +4,8 @@
 //!
 //! A `watch` receiver's wait takes the channel's lock and joins (then
 //! leaves) its waiter list each time a connection waits; the proxy's own
-//! HTTP/1.1 path waits once or twice per request, so that was ~500
-//! instructions of every request (BENCHMARKS.md). A [`StopSeat`] instead
+//! HTTP/1.1 path waits once or twice per request, so that was ~400
+//! instructions of every request (BENCHMARKS.md section 62). A [`StopSeat`] instead
 //! puts its connection's waker on the flag's list once and, while the
 //! connection's task stays the same, checks an atomic on each wait.
 
