@@ -816,6 +816,24 @@ async fn a_shadow_rule_beside_a_cached_refusal_is_counted_shadow_limited_on_ever
     }
 }
 
+/// Asks three times on each asking surface over `rules` with Redis
+/// unreachable: each ask `passes` or not, `counted` is on `/metrics` and
+/// `never` is not.
+async fn with_redis_down(rules: &[(&str, &str)], passes_each: bool, counted: &[&str], never: &str) -> TestUpstream {
+    let app = TestUpstream::start().await;
+    let nowhere = format!("redis://127.0.0.1:{}/", free_port());
+    let c = client();
+    for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
+        let tg = Tollgate::start(&rules_for(surface, rules), app.addr, &["--redis", &nowhere]);
+        for _ in 0..3 {
+            assert_eq!(passes(surface, &tg, &c).await, passes_each, "{surface:?}");
+        }
+        let m = metrics_holding(&tg, counted).await;
+        assert!(!m.contains(never), "{surface:?}\n{m}");
+    }
+    app
+}
+
 /// With Redis unreachable each rule fails as it says and is counted by what
 /// it said, also in a request another rule refuses: on every asking surface.
 #[tokio::test]
@@ -827,27 +845,12 @@ async fn redis_down_each_rule_fails_and_is_counted_by_its_own_mode_on_every_aski
             "    limits: [{ requests: 100, per: 30s }]\n    failure_mode: closed\n",
         ),
     ];
-    let app = TestUpstream::start().await;
-    let nowhere = format!("redis://127.0.0.1:{}/", free_port());
-    let c = client();
-    for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
-        let tg = Tollgate::start(&rules_for(surface, &rules), app.addr, &["--redis", &nowhere]);
-        for _ in 0..3 {
-            assert!(!passes(surface, &tg, &c).await, "{surface:?}: `closed` refuses");
-        }
-        let m = metrics_holding(
-            &tg,
-            &[
-                "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
-                "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
-            ],
-        )
-        .await;
-        assert!(
-            !m.contains("rule=\"open\",outcome=\"failed_closed\""),
-            "{surface:?}\n{m}"
-        );
-    }
+    // `closed` refuses every ask.
+    let counted = [
+        "tollgate_decisions_total{rule=\"open\",outcome=\"failed_open\"} 3",
+        "tollgate_decisions_total{rule=\"closed\",outcome=\"failed_closed\"} 3",
+    ];
+    with_redis_down(&rules, false, &counted, "rule=\"open\",outcome=\"failed_closed\"").await;
 }
 
 /// README: a shadow rule never refuses, so it fails open whatever its
@@ -858,33 +861,15 @@ async fn redis_down_a_shadow_rule_that_says_closed_fails_open_on_every_surface()
         "watching",
         "    shadow: true\n    limits: [{ requests: 1, per: 30s }]\n    failure_mode: closed\n",
     )];
-    let app = TestUpstream::start().await;
+    let counted = ["tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3"];
+    let app = with_redis_down(&rules, true, &counted, "outcome=\"failed_closed\"").await;
     let nowhere = format!("redis://127.0.0.1:{}/", free_port());
     let c = client();
-    for surface in [Asking::ExtAuthz, Asking::AuthRequest, Asking::Rls] {
-        let tg = Tollgate::start(&rules_for(surface, &rules), app.addr, &["--redis", &nowhere]);
-        for _ in 0..3 {
-            assert!(
-                passes(surface, &tg, &c).await,
-                "{surface:?}: a shadow rule never refuses"
-            );
-        }
-        let m = metrics_holding(
-            &tg,
-            &["tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3"],
-        )
-        .await;
-        assert!(!m.contains("outcome=\"failed_closed\""), "{surface:?}\n{m}");
-    }
     // And through the proxy.
     let tg = Tollgate::start(&rules_for(Asking::ExtAuthz, &rules), app.addr, &["--redis", &nowhere]);
     for _ in 0..3 {
         assert_eq!(get(&c, &tg.url("/p"), &[]).await.status, StatusCode::OK);
     }
-    let m = metrics_holding(
-        &tg,
-        &["tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3"],
-    )
-    .await;
+    let m = metrics_holding(&tg, &counted).await;
     assert!(!m.contains("outcome=\"failed_closed\""), "proxy\n{m}");
 }
