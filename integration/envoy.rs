@@ -873,3 +873,86 @@ async fn redis_down_a_shadow_rule_that_says_closed_fails_open_on_every_surface()
     let m = metrics_holding(&tg, &counted).await;
     assert!(!m.contains("outcome=\"failed_closed\""), "proxy\n{m}");
 }
+
+/// A descriptor sent twice in one RLS request is two hits on one counter,
+/// as envoyproxy/ratelimit charges each: the metrics count every copy that
+/// decided, and a refusal from the denial cache answers and counts as the
+/// store's did, on memory and on Redis; with Redis down every copy is
+/// counted by its rule's failure mode.
+#[tokio::test]
+async fn rls_a_repeated_descriptor_is_counted_for_every_copy_in_the_metrics() {
+    let rules = [
+        ("enforced", "    limits: [{ requests: 3, per: 60s }]\n"),
+        (
+            "watching",
+            "    shadow: true\n    limits: [{ requests: 1, per: 60s }]\n",
+        ),
+    ];
+    // `enforced` (p0) twice, `watching` (p1) once.
+    let ask = |tg: &Tollgate| {
+        let grpc = tg.grpc.unwrap();
+        async move {
+            let mut rls = RateLimitServiceClient::connect(format!("http://{grpc}")).await.unwrap();
+            let r = rls
+                .should_rate_limit(request(
+                    "it",
+                    vec![
+                        descriptor(&[("p0", "")]),
+                        descriptor(&[("p1", "")]),
+                        descriptor(&[("p0", "")]),
+                    ],
+                ))
+                .await
+                .unwrap()
+                .into_inner();
+            let statuses: Vec<(i32, u32)> = r.statuses.iter().map(|s| (s.code, s.limit_remaining)).collect();
+            (r.overall_code, statuses)
+        }
+    };
+    let (ok, over) = (Code::Ok as i32, Code::OverLimit as i32);
+    let app = TestUpstream::start().await;
+    let redis = RedisServer::start();
+    let redis_url = redis.url();
+    for store in [&[][..], &["--redis", redis_url.as_str()][..]] {
+        redis.cli(&["flushall"]);
+        let tg = Tollgate::start(&rules_for(Asking::Rls, &rules), app.addr, store);
+        // Both copies fit (3 - 2 = 1 left after them), and the shadow rule's one.
+        assert_eq!(ask(&tg).await, (ok, vec![(ok, 2), (ok, 0), (ok, 1)]), "{store:?}");
+        // Then the first copy would fit and the second not: refused by the
+        // store once, then by the cache, alike.
+        for i in 0..5 {
+            assert_eq!(
+                ask(&tg).await,
+                (over, vec![(ok, 1), (ok, 0), (over, 0)]),
+                "{store:?} {i}"
+            );
+        }
+        let m = metrics_holding(
+            &tg,
+            &[
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"allowed\"} 2",
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited\"} 1",
+                "tollgate_decisions_total{rule=\"enforced\",outcome=\"limited_cached\"} 4",
+                "tollgate_decisions_total{rule=\"watching\",outcome=\"allowed\"} 1",
+                "tollgate_decisions_total{rule=\"watching\",outcome=\"shadow_limited\"} 5",
+            ],
+        )
+        .await;
+        assert!(!m.contains("rule=\"watching\",outcome=\"limited"), "{store:?}\n{m}");
+    }
+    // Redis down: every copy fails open, and is counted so.
+    let nowhere = format!("redis://127.0.0.1:{}/", free_port());
+    let tg = Tollgate::start(&rules_for(Asking::Rls, &rules), app.addr, &["--redis", &nowhere]);
+    for _ in 0..3 {
+        assert_eq!(ask(&tg).await.0, ok);
+    }
+    let m = metrics_holding(
+        &tg,
+        &[
+            "tollgate_decisions_total{rule=\"enforced\",outcome=\"failed_open\"} 6",
+            "tollgate_decisions_total{rule=\"watching\",outcome=\"failed_open\"} 3",
+        ],
+    )
+    .await;
+    assert!(!m.contains("outcome=\"failed_closed\""), "{m}");
+}
