@@ -637,7 +637,12 @@ fn service<A: App>(activity: &Arc<Activity>, handler: A) -> impl Handler {
         let response = fits.then(|| Box::pin(handler.call(req.map(RequestBody::Hyper), seen.peer)));
         async move {
             let response = match response {
-                Some(response) => Some(response.await),
+                Some(response) => {
+                    let mut response = response.await;
+                    // hyper writes only the map.
+                    crate::serve::WrittenFields::into_map(&mut response);
+                    Some(response)
+                }
                 None => None,
             };
             Ok::<_, Infallible>(until_sent(response, head, busy))

@@ -84,6 +84,65 @@ impl ConnLimits {
     }
 }
 
+/// Response header fields already written as HTTP/1 lines (`name:
+/// value\r\n` each), carried in a response's extensions: our own HTTP/1.1
+/// server writes them as they are, before the map's fields; for hyper,
+/// which writes only from the map, they go back into it first. The proxy
+/// relays an upstream's fields so, never building a map of them
+/// (BENCHMARKS.md §63). They never hold a field the server frames the
+/// message with (`Content-Length`, `Transfer-Encoding`, `Connection`,
+/// `Trailer`): those stay in the map.
+#[derive(Debug, Clone, Default)]
+pub struct WrittenFields {
+    /// The lines.
+    pub lines: Vec<u8>,
+    /// Whether they hold a `Date` (the server then adds none).
+    pub has_date: bool,
+}
+
+impl WrittenFields {
+    /// Appends `name: value\r\n`, the name in lower case (as hyper writes
+    /// every name: a client cannot tell which server answered).
+    pub fn push(&mut self, name: &[u8], value: &[u8]) {
+        self.lines.extend(name.iter().map(u8::to_ascii_lowercase));
+        self.lines.extend_from_slice(b": ");
+        self.lines.extend_from_slice(value);
+        self.lines.extend_from_slice(b"\r\n");
+    }
+
+    /// Moves a response's written fields, if it has any, into its map,
+    /// before the fields already there: hyper then writes them in the
+    /// order our own server does.
+    pub fn into_map<B>(response: &mut http::Response<B>) {
+        let Some(written) = response.extensions_mut().remove::<WrittenFields>() else {
+            return;
+        };
+        let beside = std::mem::take(response.headers_mut());
+        let headers = response.headers_mut();
+        headers.reserve(beside.len().saturating_add(written.lines.len() / 16));
+        for line in written.lines.split(|b| *b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let Some(colon) = line.iter().position(|b| *b == b':') else { continue };
+            let (name, value) = line.split_at(colon);
+            let value = value.get(1..).unwrap_or_default().trim_ascii();
+            // Written from fields a parser took: none is refused here.
+            if let (Ok(name), Ok(value)) = (http::HeaderName::from_bytes(name), http::HeaderValue::from_bytes(value)) {
+                headers.append(name, value);
+            }
+        }
+        let mut last = None;
+        for (name, value) in beside {
+            // A name comes once, then `None` for each more of its values.
+            if let Some(name) = name {
+                last = Some(name);
+            }
+            if let Some(name) = &last {
+                headers.append(name.clone(), value);
+            }
+        }
+    }
+}
+
 /// The size of header fields as HTTP/1 writes them (`name: value\r\n`).
 pub fn head_bytes(headers: &http::HeaderMap) -> usize {
     headers

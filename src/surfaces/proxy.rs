@@ -27,7 +27,8 @@ use crate::serve::RequestBody;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
-use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamPool};
+use crate::serve::WrittenFields;
+use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamFields, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
@@ -240,17 +241,28 @@ impl Proxy {
             return Ok(switch_protocols(client_upgrade, response));
         }
         let (mut parts, mut body) = response.into_parts();
-        // A 204 that says it has a body (a transfer coding, a length
-        // other than 0; RFC 9112 §6.1, RFC 9110 §8.6 forbid both) is passed
-        // on without one, as both clients read it, but its connection is
-        // not used again: the bytes it announced may yet come.
-        if parts.status == StatusCode::NO_CONTENT
-            && (parts.headers.contains_key(header::TRANSFER_ENCODING)
-                || parts.headers.get(header::CONTENT_LENGTH).is_some_and(|l| l.as_bytes() != b"0"))
-        {
+        // Our own client's answers come with their fields as they came,
+        // relayed as written; hyper's in their map.
+        let written = body.take_fields().map(|fields| match relay_written(&fields, parts.status, &mut parts.headers) {
+            Some((relayed, written)) => {
+                parts.extensions.insert(written);
+                relayed
+            }
+            // A name repeated apart (`Set-Cookie`, another, `Set-Cookie`):
+            // a map writes its values together, so it takes the map's way.
+            None => {
+                parts.headers = fields.to_map();
+                relay_map(&mut parts.headers, parts.status)
+            }
+        });
+        let relayed = match written {
+            Some(relayed) => relayed,
+            None => relay_map(&mut parts.headers, parts.status),
+        };
+        if relayed.forbid_reuse {
             body.forbid_reuse();
         }
-        let coded = match strip_hop_by_hop(&mut parts.headers, false) {
+        if relayed.coding == Some(Coding::Other) {
             // A transfer coding other than chunked alone (`gzip, chunked`,
             // `identity`) cannot be passed on as sent: de-chunked, a gzip
             // body would reach the client unmarked; `identity` is read to
@@ -258,25 +270,9 @@ impl Proxy {
             // answers 502 ("upstream sent unknown Transfer-Encoding"). The
             // connection is closed, even after an answer with no body (a
             // HEAD's, a 204): where its next answer begins is not known.
-            Some(Coding::Other) => {
-                tracing::warn!(upstream = %self.options.upstream.authority(), "upstream sent a transfer coding other than chunked");
-                body.discard();
-                return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
-            }
-            coding => coding.is_some(),
-        };
-        // A 204 has no Content-Length (RFC 9110 §8.6), as NGINX sends it:
-        // hyper would pass an upstream's on, for a client that reads it to
-        // wait for bytes that never come, or take the next response's. Nor
-        // has a body the upstream framed with Transfer-Encoding: that
-        // overrides a Content-Length beside it, which a proxy must remove
-        // (RFC 9112 §6.3); passed on beside the re-framed body, it cut the
-        // client's read short (a complete-looking truncated answer) or
-        // left hyper refusing the response (an empty reply).
-        if coded || parts.status == StatusCode::NO_CONTENT {
-            parts.headers.remove(header::CONTENT_LENGTH);
-        } else {
-            single_length(&mut parts.headers);
+            tracing::warn!(upstream = %self.options.upstream.authority(), "upstream sent a transfer coding other than chunked");
+            body.discard();
+            return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
         }
         // The client talks to us, not to the upstream: an HTTP/1.0 upstream
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
@@ -700,11 +696,12 @@ fn only_chunked(headers: &HeaderMap) -> bool {
 /// Whether the comma-separated tokens of every `name` header are `token`
 /// alone (in any case).
 fn only_token(headers: &HeaderMap, name: &HeaderName, token: &[u8]) -> bool {
-    let mut tokens = headers
-        .get_all(name)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii);
+    only_token_in(headers.get_all(name).iter().map(HeaderValue::as_bytes), token)
+}
+
+/// [`only_token`] of the values of one field, as bytes.
+fn only_token_in<'a>(values: impl Iterator<Item = &'a [u8]>, token: &[u8]) -> bool {
+    let mut tokens = values.flat_map(|v| v.split(|b| *b == b',')).map(<[u8]>::trim_ascii);
     tokens.next().is_some_and(|t| t.eq_ignore_ascii_case(token)) && tokens.next().is_none()
 }
 
@@ -719,12 +716,12 @@ fn wants_upgrade(headers: &HeaderMap) -> bool {
 /// The comma-separated tokens of every `Connection` header, as bytes so that
 /// a non-ASCII value cannot make us fail.
 fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty())
+    headers.get_all(header::CONNECTION).iter().flat_map(|v| tokens(v.as_bytes()))
+}
+
+/// The comma-separated tokens of one `Connection` value.
+fn tokens(value: &[u8]) -> impl Iterator<Item = &[u8]> {
+    value.split(|b| *b == b',').map(<[u8]>::trim_ascii).filter(|t| !t.is_empty())
 }
 
 /// Whether a `Connection` token names a hop-by-hop header (in any case),
@@ -821,6 +818,169 @@ fn strip_hop_by_hop_named(headers: &mut HeaderMap, upgrade: bool) -> Option<Codi
     coded
 }
 
+/// What relaying an answer's fields found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Relayed {
+    /// The `Transfer-Encoding` among the hop-by-hop fields, if one was.
+    coding: Option<Coding>,
+    /// A 204 that says it has a body (a transfer coding, a length other
+    /// than 0; RFC 9112 §6.1, RFC 9110 §8.6 forbid both) is passed on
+    /// without one, as both clients read it, but its connection is not
+    /// used again: the bytes it announced may yet come.
+    forbid_reuse: bool,
+}
+
+/// Leaves in an upstream answer's map the fields the client gets: no
+/// hop-by-hop ones, and one plain `Content-Length` where one belongs.
+fn relay_map(headers: &mut HeaderMap, status: StatusCode) -> Relayed {
+    let forbid_reuse = status == StatusCode::NO_CONTENT
+        && (headers.contains_key(header::TRANSFER_ENCODING)
+            || headers.get(header::CONTENT_LENGTH).is_some_and(|l| l.as_bytes() != b"0"));
+    let coding = strip_hop_by_hop(headers, false);
+    // A 204 has no Content-Length (RFC 9110 §8.6), as NGINX sends it:
+    // hyper would pass an upstream's on, for a client that reads it to
+    // wait for bytes that never come, or take the next response's. Nor
+    // has a body the upstream framed with Transfer-Encoding: that
+    // overrides a Content-Length beside it, which a proxy must remove
+    // (RFC 9112 §6.3); passed on beside the re-framed body, it cut the
+    // client's read short (a complete-looking truncated answer) or
+    // left hyper refusing the response (an empty reply).
+    if coding.is_some() || status == StatusCode::NO_CONTENT {
+        headers.remove(header::CONTENT_LENGTH);
+    } else {
+        single_length(headers);
+    }
+    Relayed { coding, forbid_reuse }
+}
+
+/// What a field's name makes of it when an answer is relayed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Relay {
+    /// `Connection`: dropped, and the fields it names.
+    Connection,
+    /// `Transfer-Encoding`: dropped, and read for the coding.
+    Coding,
+    /// `Content-Length`: made one plain number (see `single_length`).
+    Length,
+    /// Another hop-by-hop field ([`is_hop_by_hop`]): dropped.
+    Hop,
+    /// `Date`.
+    Date,
+    /// Relayed as it came.
+    Other,
+}
+
+impl Relay {
+    /// Whether the field is hop-by-hop by its name alone.
+    fn is_hop_by_hop(self) -> bool {
+        matches!(self, Relay::Connection | Relay::Coding | Relay::Hop)
+    }
+
+    /// The kind of the field `name` (in any case): one length test, then
+    /// one or two compares.
+    fn of(name: &[u8]) -> Relay {
+        let is = |wanted: &[u8]| name.eq_ignore_ascii_case(wanted);
+        match name.len() {
+            2 if is(b"te") => Relay::Hop,
+            4 if is(b"date") => Relay::Date,
+            5 if is(b"proxy") => Relay::Hop,
+            7 if is(b"upgrade") || is(b"trailer") => Relay::Hop,
+            10 if is(b"connection") => Relay::Connection,
+            10 if is(b"keep-alive") => Relay::Hop,
+            14 if is(b"content-length") => Relay::Length,
+            14 if is(b"http2-settings") => Relay::Hop,
+            17 if is(b"transfer-encoding") => Relay::Coding,
+            _ if name.get(..6).is_some_and(|p| p.eq_ignore_ascii_case(b"proxy-")) => Relay::Hop,
+            _ => Relay::Other,
+        }
+    }
+}
+
+/// [`relay_map`] for fields as they came: the ones the client gets are
+/// written out in the order they came (names in lower case, as from a
+/// map), but `Content-Length`, which goes into `headers` for the server to
+/// frame the body with. The same fields go as [`relay_map`] leaves, in the
+/// order a map of them writes; the tests hold the two to each other.
+/// `None` for fields a map would write in another order: a name repeated
+/// with another between, whose values a map writes together.
+fn relay_written(fields: &UpstreamFields, status: StatusCode, headers: &mut HeaderMap) -> Option<(Relayed, WrittenFields)> {
+    let mut coded = false;
+    let mut first_length: Option<&[u8]> = None;
+    // Whether a `Connection` names a field that is not hop-by-hop anyway.
+    let mut names_others = false;
+    for (name, value) in fields.iter() {
+        match Relay::of(name) {
+            Relay::Connection => names_others |= tokens(value).any(|t| !Relay::of(t).is_hop_by_hop()),
+            Relay::Coding => coded = true,
+            Relay::Length => first_length = first_length.or(Some(value)),
+            _ => {}
+        }
+    }
+    let no_content = status == StatusCode::NO_CONTENT;
+    let forbid_reuse = no_content && (coded || first_length.is_some_and(|l| l != b"0"));
+    let coding = coded.then(|| {
+        let codings = fields.iter().filter(|(n, _)| Relay::of(n) == Relay::Coding).map(|(_, v)| v);
+        match only_token_in(codings, b"chunked") {
+            true => Coding::Chunked,
+            false => Coding::Other,
+        }
+    });
+    let named = |name: &[u8]| {
+        fields
+            .iter()
+            .filter(|(n, _)| Relay::of(n) == Relay::Connection)
+            .any(|(_, v)| tokens(v).any(|t| t.eq_ignore_ascii_case(name)))
+    };
+    let mut written = WrittenFields {
+        lines: Vec::with_capacity(fields.head_len()),
+        has_date: false,
+    };
+    let mut length = crate::upstream::Length::Absent;
+    let mut lengths = 0usize;
+    let mut plain = None;
+    // The names written, to find one repeated with another between.
+    let mut names: [&[u8]; 16] = [b""; 16];
+    let mut count = 0usize;
+    for (name, value) in fields.iter() {
+        let relay = Relay::of(name);
+        if relay.is_hop_by_hop() || names_others && named(name) {
+            continue;
+        }
+        if relay == Relay::Length {
+            length = length.and(value);
+            lengths = lengths.saturating_add(1);
+            plain = Some(value);
+            continue;
+        }
+        let last = count.checked_sub(1).and_then(|i| names.get(i));
+        if !last.is_some_and(|l| l.eq_ignore_ascii_case(name)) {
+            let seen = names.get(..count)?;
+            if seen.iter().any(|n| n.eq_ignore_ascii_case(name)) {
+                return None;
+            }
+            // Past 16 names, no order is vouched for.
+            *names.get_mut(count)? = name;
+            count = count.saturating_add(1);
+        }
+        written.has_date |= relay == Relay::Date;
+        written.push(name, value);
+    }
+    // As `single_length` makes it (see `relay_map` for why none at all).
+    if !(coding.is_some() || no_content) {
+        let value = match (lengths, plain) {
+            (1, Some(v)) if plain_length(v) => fields.share(v).and_then(|v| HeaderValue::from_maybe_shared(v).ok()),
+            _ => match length {
+                crate::upstream::Length::Is(n) => Some(HeaderValue::from(n)),
+                _ => None,
+            },
+        };
+        if let Some(value) = value {
+            headers.insert(header::CONTENT_LENGTH, value);
+        }
+    }
+    Some((Relayed { coding, forbid_reuse }, written))
+}
+
 /// Makes the upstream's `Content-Length` one plain number: repeated equal
 /// values (`5, 5`, or two lines) become one, `0005` becomes `5`, and
 /// values that disagree or are not numbers (`-1`, `+5`, `abc`, past 2^64)
@@ -832,11 +992,7 @@ fn strip_hop_by_hop_named(headers: &mut HeaderMap, upgrade: bool) -> Option<Codi
 fn single_length(headers: &mut HeaderMap) {
     let mut values = headers.get_all(header::CONTENT_LENGTH).iter();
     let Some(first) = values.next() else { return };
-    // Nearly always: one value, digits without a leading zero.
-    let plain = |v: &[u8]| {
-        (1..=19).contains(&v.len()) && v.iter().all(u8::is_ascii_digit) && (v.len() == 1 || v.first() != Some(&b'0'))
-    };
-    if values.next().is_none() && plain(first.as_bytes()) {
+    if values.next().is_none() && plain_length(first.as_bytes()) {
         return;
     }
     match crate::upstream::Length::of(headers.get_all(header::CONTENT_LENGTH)) {
@@ -847,6 +1003,11 @@ fn single_length(headers: &mut HeaderMap) {
             headers.remove(header::CONTENT_LENGTH);
         }
     }
+}
+
+/// Nearly every length: digits without a leading zero, short of 2^64.
+fn plain_length(v: &[u8]) -> bool {
+    (1..=19).contains(&v.len()) && v.iter().all(u8::is_ascii_digit) && (v.len() == 1 || v.first() != Some(&b'0'))
 }
 
 /// Removes what an untrusted client says of how it came: the scheme
@@ -1180,6 +1341,77 @@ mod tests {
             proptest::prop_assert_eq!(coded.0, coded.1);
             let order = |h: &HeaderMap| h.iter().map(|(n, v)| (n.to_string(), v.as_bytes().to_vec())).collect::<Vec<_>>();
             proptest::prop_assert_eq!(order(&fast), order(&general));
+        }
+    }
+
+    proptest::proptest! {
+        /// An answer's fields relayed as written are the fields its map
+        /// keeps (value for value, in each name's order), with the same
+        /// coding and reuse found, both as our own server writes them and
+        /// as hyper gets them back in its map.
+        #[test]
+        fn fields_relayed_as_written_are_the_ones_the_map_keeps(
+            fields in proptest::collection::vec(
+                (
+                    proptest::sample::select(vec![
+                        "Connection", "connection", "Keep-Alive", "TE", "Transfer-Encoding", "transfer-encoding", "Upgrade",
+                        "Trailer", "Proxy", "proxy-authorization", "Proxy-Connection", "Proxyx", "HTTP2-Settings", "Content-Length",
+                        "content-length", "Date", "X-A", "x-a", "Set-Cookie", "X-Secret", "Content-Type",
+                        "x-a-field-name-longer-than-thirty-two-bytes",
+                    ]),
+                    proptest::sample::select(vec![
+                        "keep-alive", "close", "Keep-Alive, Upgrade", "chunked", "Chunked", "gzip, chunked", "chunked,",
+                        "x-a", "X-Secret, te", "content-length", "Date, close", "5", "05", "5, 5", "6", "0", "-1", "",
+                        "18446744073709551615", "18446744073709551616", "x-a-field-name-longer-than-thirty-two-bytes",
+                        "text/plain", "caf\u{e9}", "Proxy-x-a-field-name-longer-than-thirty-two, date",
+                    ]),
+                ),
+                0..10,
+            ),
+            status in proptest::sample::select(vec![200u16, 204, 304, 404]),
+        ) {
+            let mut head = format!("HTTP/1.1 {status} X\r\n").into_bytes();
+            for (name, value) in &fields {
+                head.extend_from_slice(format!("{name}: {value}\r\n").as_bytes());
+            }
+            head.extend_from_slice(b"\r\n");
+            let upstream = UpstreamFields::of_head(&head).unwrap();
+            let status = StatusCode::from_u16(status).unwrap();
+            let mut map = upstream.to_map();
+            let by_map = relay_map(&mut map, status);
+            let mut beside = HeaderMap::new();
+            let Some((by_lines, written)) = relay_written(&upstream, status, &mut beside) else {
+                // Only for a name repeated with another between.
+                let names: Vec<String> = map.keys().map(|n| n.to_string()).collect();
+                let kept: Vec<String> = upstream.iter().map(|(n, _)| String::from_utf8_lossy(n).to_ascii_lowercase()).filter(|n| names.contains(n)).collect();
+                let mut runs = kept.clone();
+                runs.dedup();
+                let mut distinct = runs.clone();
+                distinct.sort();
+                distinct.dedup();
+                proptest::prop_assert!(runs.len() > distinct.len() || names.len() > 16, "{kept:?}");
+                return Ok(());
+            };
+            proptest::prop_assert_eq!(by_map, by_lines);
+            let by_name = |mut p: Vec<(String, Vec<u8>)>| {
+                p.sort_by(|a, b| a.0.cmp(&b.0));
+                p
+            };
+            let mut got = lines(&written.lines);
+            got.extend(pairs(&beside));
+            proptest::prop_assert_eq!(by_name(got), by_name(pairs(&map)));
+            proptest::prop_assert_eq!(written.has_date, map.contains_key(header::DATE));
+            // Our own server writes the lines, then the map's fields;
+            // hyper the map the lines went back into: the same, in order.
+            let mut ours = lines(&written.lines);
+            ours.extend(pairs(&beside));
+            let mut response = Response::new(());
+            *response.headers_mut() = beside;
+            response.extensions_mut().insert(written);
+            WrittenFields::into_map(&mut response);
+            proptest::prop_assert!(response.extensions().get::<WrittenFields>().is_none());
+            proptest::prop_assert_eq!(&pairs(response.headers()), &ours);
+            proptest::prop_assert_eq!(by_name(pairs(response.headers())), by_name(pairs(&map)));
         }
     }
 

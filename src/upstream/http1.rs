@@ -184,7 +184,7 @@ where
             match parse_head(&mut buf, head_only)? {
                 Parsed::Partial => break,
                 Parsed::Interim => continue,
-                Parsed::Final(head, decoder, keep_alive) => {
+                Parsed::Final(head, fields, decoder, keep_alive) => {
                     let body = ResponseBody {
                         io: Some(io),
                         buf,
@@ -192,6 +192,7 @@ where
                         keep_alive,
                         version: head.version(),
                         read_size: FIRST_READ,
+                        fields: Some(fields),
                     };
                     return Ok(head.map(|()| body));
                 }
@@ -243,14 +244,98 @@ fn request_head<B>(req: &Request<B>, fields: Option<&[u8]>, http10: bool) -> Vec
 }
 
 /// What the start of a buffer held.
+// Made once per answer and taken apart at once: boxing the large variant
+// would be one more allocation per request, for no copy saved.
+#[allow(clippy::large_enum_variant)]
 enum Parsed {
     /// Not yet a whole head.
     Partial,
     /// An interim answer (1xx), taken off the buffer.
     Interim,
-    /// The final answer's head, taken off the buffer, with how its body is
-    /// framed and whether the connection may carry another request after.
-    Final(Response<()>, Decoder, bool),
+    /// The final answer's head, taken off the buffer (its fields apart,
+    /// as they came), with how its body is framed and whether the
+    /// connection may carry another request after.
+    Final(Response<()>, UpstreamFields, Decoder, bool),
+}
+
+/// An answer's header fields as they came: the head's bytes, and where each
+/// field's name and value lie in them. The proxy relays the ones it passes
+/// on as written, never building a map of them; a map of every field
+/// (`HeaderName`s made, values checked, hashed and stored) was about a
+/// tenth of a proxied request's instructions (BENCHMARKS.md §63).
+#[derive(Debug, Clone)]
+pub struct UpstreamFields {
+    head: Bytes,
+    spans: Vec<[u32; 4]>,
+}
+
+impl UpstreamFields {
+    /// Each field's name and value, in the order they came (names in the
+    /// upstream's case; both as httparse took them: a name of token
+    /// characters, a value of visible bytes, tabs and obs-text, trimmed,
+    /// the same bytes `HeaderName` and `HeaderValue` accept).
+    pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        self.lines().map(|(name, value, _)| (name, value))
+    }
+
+    /// As [`UpstreamFields::iter`], with each field's line as it came, from
+    /// its name to its value's end (`Name:<white space>value`, without the
+    /// white space after the value that httparse trimmed, or the line's end).
+    pub fn lines(&self) -> impl Iterator<Item = (&[u8], &[u8], &[u8])> {
+        self.spans.iter().filter_map(|span| {
+            let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
+            // An empty value may be placed before its name's end.
+            let line_end = value_end.max(name_end);
+            Some((
+                self.head.get(name_start..name_end)?,
+                self.head.get(value_start..value_end)?,
+                self.head.get(name_start..line_end)?,
+            ))
+        })
+    }
+
+    /// `part` (a name, value or line from these fields) as shared bytes of
+    /// the head, not copied; `None` for bytes from elsewhere.
+    pub fn share(&self, part: &[u8]) -> Option<Bytes> {
+        let start = (part.as_ptr() as usize).checked_sub(self.head.as_ptr() as usize)?;
+        let end = start.checked_add(part.len())?;
+        (end <= self.head.len()).then(|| self.head.slice(start..end))
+    }
+
+    /// The fields of `head` (a response head, whole), as [`exchange`] would
+    /// take them apart: for tests of what is made of them.
+    #[cfg(test)]
+    pub(crate) fn of_head(head: &[u8]) -> Option<UpstreamFields> {
+        let mut buf = BytesMut::from(head);
+        match parse_head(&mut buf, true).ok()? {
+            Parsed::Final(_, fields, _, _) => Some(fields),
+            _ => None,
+        }
+    }
+
+    /// The head's length in bytes (its fields and more: its start line).
+    pub fn head_len(&self) -> usize {
+        self.head.len()
+    }
+
+    /// The fields in a map, for what reads or writes only from one.
+    pub fn to_map(&self) -> HeaderMap {
+        let mut map = HeaderMap::with_capacity(self.spans.len());
+        for span in &self.spans {
+            let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
+            let (Some(name), Some(_)) = (self.head.get(name_start..name_end), self.head.get(value_start..value_end)) else {
+                continue;
+            };
+            // httparse takes no name or value these refuse (see `iter`).
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name),
+                HeaderValue::from_maybe_shared(self.head.slice(value_start..value_end)),
+            ) {
+                map.append(name, value);
+            }
+        }
+        map
+    }
 }
 
 /// Reads the response head at the start of `buf`, taking it off when whole.
@@ -302,69 +387,71 @@ fn parse_head(buf: &mut BytesMut, head_only: bool) -> Result<Parsed, Http1Error>
     if status == StatusCode::SWITCHING_PROTOCOLS {
         return Err(Http1Error::UnaskedSwitch);
     }
-    // Room for the RateLimit fields the proxy adds to an admitted answer:
-    // a map made only as large as the head grew, rehashing every field
-    // (BENCHMARKS.md §57).
-    let mut headers = HeaderMap::with_capacity(count.saturating_add(2));
     let mut keep_alive = version == Version::HTTP_11;
     let mut said_close = false;
     // The framing fields, noted as they pass rather than looked up after.
     let mut length = Length::Absent;
     let mut chunked_last = None;
-    for span in spans.iter().take(count) {
-        let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
+    let spans = spans.get(..count).unwrap_or_default().to_vec();
+    for [name_start, name_end, value_start, value_end] in spans.iter().map(|span| span.map(|n| n as usize)) {
         let (Some(name), Some(value)) = (head.get(name_start..name_end), head.get(value_start..value_end)) else {
             return Err(Http1Error::Malformed(httparse::Error::HeaderName));
         };
-        let name = HeaderName::from_bytes(name).map_err(|_| Http1Error::Malformed(httparse::Error::HeaderName))?;
-        let value = HeaderValue::from_maybe_shared(head.slice_ref(value))
-            .map_err(|_| Http1Error::Malformed(httparse::Error::HeaderValue))?;
-        if name == header::CONNECTION {
+        if name.eq_ignore_ascii_case(b"connection") {
             // Once one `Connection` line says close, a later keep-alive
             // does not undo it; an HTTP/1.0 answer is kept only when asked.
-            if said_close || has_token(&value, "close") {
+            if said_close || has_token_in(value, "close") {
                 said_close = true;
                 keep_alive = false;
             } else if !keep_alive {
-                keep_alive = has_token(&value, "keep-alive");
+                keep_alive = has_token_in(value, "keep-alive");
             }
-        } else if name == header::CONTENT_LENGTH {
-            length = length.and(&value);
-        } else if name == header::TRANSFER_ENCODING {
+        } else if name.eq_ignore_ascii_case(b"content-length") {
+            length = length.and(value);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
             // Chunked only when it is the last coding of the last line.
             chunked_last = Some(
-                value
-                    .to_str()
-                    .ok()
-                    .and_then(|s| s.rsplit(',').next())
-                    .is_some_and(|c| c.trim().eq_ignore_ascii_case("chunked")),
+                visible(value)
+                    && value
+                        .rsplit(|b| *b == b',')
+                        .next()
+                        .is_some_and(|c| c.trim_ascii().eq_ignore_ascii_case(b"chunked")),
             );
         }
-        headers.append(name, value);
     }
     let decoder = decoder(status, version, head_only, chunked_last, length)?;
     let mut response = Response::new(());
     *response.status_mut() = status;
     *response.version_mut() = version;
-    *response.headers_mut() = headers;
     if let Some(reason) = reason.and_then(|r| hyper::ext::ReasonPhrase::try_from(r).ok()) {
         response.extensions_mut().insert(reason);
     }
-    Ok(Parsed::Final(response, decoder, keep_alive))
+    Ok(Parsed::Final(response, UpstreamFields { head, spans }, decoder, keep_alive))
 }
 
 /// Whether `value`'s comma-separated tokens hold `token` (in any case).
 pub(crate) fn has_token(value: &HeaderValue, token: &str) -> bool {
+    has_token_in(value.as_bytes(), token)
+}
+
+/// [`has_token`] of a value's bytes: a list is read only when it is
+/// visible ASCII, as `HeaderValue::to_str` reads it.
+pub(crate) fn has_token_in(value: &[u8], token: &str) -> bool {
     // Nearly every answer says `keep-alive` or `close` alone: one token,
     // told without splitting (asked for `close`, `keep-alive` went the
     // long way, BENCHMARKS.md §63).
-    let bytes = value.as_bytes();
-    if !bytes.contains(&b',') {
-        return bytes.trim_ascii().eq_ignore_ascii_case(token.as_bytes());
+    if !value.contains(&b',') {
+        return value.trim_ascii().eq_ignore_ascii_case(token.as_bytes());
     }
-    value
-        .to_str()
-        .is_ok_and(|s| s.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+    visible(value)
+        && value
+            .split(|b| *b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(token.as_bytes()))
+}
+
+/// Whether `value` is visible ASCII and tabs (what `HeaderValue::to_str` takes).
+fn visible(value: &[u8]) -> bool {
+    value.iter().all(|b| *b == b'\t' || (0x20..0x7f).contains(b))
 }
 
 /// What the `Content-Length` fields of a head came to, read as hyper's
@@ -380,17 +467,21 @@ pub enum Length {
 impl Length {
     /// What all of `values` come to.
     pub fn of<'a>(values: impl IntoIterator<Item = &'a HeaderValue>) -> Length {
-        values.into_iter().fold(Length::Absent, Length::and)
+        values.into_iter().fold(Length::Absent, |length, v| length.and(v.as_bytes()))
     }
 
     /// This and one more field's value (`n` or `n, n, ...`).
-    fn and(self, value: &HeaderValue) -> Length {
+    pub fn and(self, value: &[u8]) -> Length {
         // Nearly every length is digits alone: read without splitting.
-        if let Some(n) = digits(value.as_bytes()) {
+        if let Some(n) = digits(value) {
             return self.and_number(Some(n));
         }
-        let Ok(line) = value.to_str() else { return Length::Invalid };
-        line.split(',').fold(self, |length, n| length.and_number(digits(n.trim().as_bytes())))
+        if !visible(value) {
+            return Length::Invalid;
+        }
+        value
+            .split(|b| *b == b',')
+            .fold(self, |length, n| length.and_number(digits(n.trim_ascii())))
     }
 
     /// This and one more value (`None`: not a number).
@@ -636,6 +727,16 @@ pub struct ResponseBody<T> {
     version: Version,
     /// Room given to the next read.
     read_size: usize,
+    /// The answer's header fields, until taken.
+    fields: Option<UpstreamFields>,
+}
+
+impl<T> ResponseBody<T> {
+    /// The answer's header fields (`None` once taken): the response's own
+    /// map is empty.
+    pub fn take_fields(&mut self) -> Option<UpstreamFields> {
+        self.fields.take()
+    }
 }
 
 impl<T: AsyncRead + Unpin> ResponseBody<T> {
@@ -1226,6 +1327,10 @@ mod tests {
             {
                 io = None;
             }
+            // The fields come apart from the head, as they came.
+            let mut head = head;
+            assert!(head.headers.is_empty());
+            head.headers = body.take_fields().expect("an answer's fields").to_map();
             drop(body);
             outcomes.push(if hung { Outcome::Hung } else { answered(&Response::from_parts(head, ()), read, io.is_some()) });
             if io.is_none() {

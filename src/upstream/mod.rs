@@ -47,8 +47,8 @@ request_path! {
 }
 
 pub use body::{BodyProgress, ClientBody};
-pub use http1::Length;
 pub(crate) use http1::has_token;
+pub use http1::{Length, UpstreamFields};
 pub use pool::{MAX_RESPONSE_HEAD, UpstreamBody, UpstreamPool};
 
 use std::path::Path;

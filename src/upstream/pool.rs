@@ -1214,6 +1214,16 @@ impl UpstreamBody {
         self.forbid_reuse();
     }
 
+    /// The answer's header fields as they came, when our own client read
+    /// it (its response's map is then empty); `None` for hyper's answers,
+    /// whose fields are in their map, and once taken.
+    pub fn take_fields(&mut self) -> Option<super::UpstreamFields> {
+        match &mut self.body {
+            Received::Own(body) => body.take_fields(),
+            Received::Hyper(_) => None,
+        }
+    }
+
     /// Lets the body's connection close when the body ends, never reused
     /// (see [`UpstreamBody::discard`]).
     pub fn forbid_reuse(&mut self) {

@@ -595,6 +595,10 @@ fn encode_head(
     let mut framing = None;
     let mut last = stopping || switching;
     let mut wrote_date = false;
+    if let Some(written) = parts.extensions.get::<crate::serve::WrittenFields>() {
+        out.extend_from_slice(&written.lines);
+        wrote_date = written.has_date;
+    }
     let mut wrote_connection = false;
     let headers = &parts.headers;
     // The framing and connection fields are written once, with all their
