@@ -2203,3 +2203,23 @@ async fn an_http1_upstreams_trailers_reach_http2_clients_and_not_http1_ones() {
         );
     }
 }
+
+/// The 31st attack: an upstream's status 600-999 was counted as a 5xx,
+/// firing an operator's server-error alerts for what is passed on as sent.
+#[tokio::test]
+async fn statuses_past_599_are_passed_on_and_counted_as_other_not_5xx() {
+    let app = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", app.addr, &[]);
+    let c = client();
+    assert_eq!(get(&c, &tg.url("/status/600"), &[]).await.status.as_u16(), 600);
+    assert_eq!(get(&c, &tg.url("/status/999"), &[]).await.status.as_u16(), 999);
+    assert_eq!(get(&c, &tg.url("/status/503"), &[]).await.status.as_u16(), 503);
+    metrics_holding(
+        &tg,
+        &[
+            "tollgate_upstream_responses_total{class=\"other\"} 2",
+            "tollgate_upstream_responses_total{class=\"5xx\"} 1",
+        ],
+    )
+    .await;
+}

@@ -222,7 +222,7 @@ thread_local! {
 }
 
 /// Every class `upstream` is called with.
-const UPSTREAM_CLASSES: [&str; 7] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error", "timeout"];
+const UPSTREAM_CLASSES: [&str; 8] = ["1xx", "2xx", "3xx", "4xx", "5xx", "other", "error", "timeout"];
 
 /// Bounds of a latency histogram (then `+Inf`).
 const BOUNDS: usize = 32;

@@ -218,6 +218,12 @@ impl Limiter {
     fn failed(&self, hits: &[Hit], error: StoreError) -> Decision {
         metrics::get().store_error(error.label());
         crate::activity::get().store_failed(&error);
+        // A cost above a window's whole limit never fits, whatever the
+        // counters hold: refused as the store would have, not let through
+        // because it could not be asked.
+        if let Some(refusal) = never_fits(hits) {
+            return refusal;
+        }
         let verdict = failure_verdict(hits);
         self.failures.record(&error, verdict);
         let rules = hits
@@ -231,6 +237,45 @@ impl Limiter {
             .collect();
         Decision { verdict, rules }
     }
+}
+
+/// The refusal of `hits` when one of them asks an enforced window for more
+/// than its whole limit (as the stores decide it, charging nothing); `None`
+/// when each could fit. What is left in the windows is not known without
+/// the store: they say 0.
+fn never_fits(hits: &[Hit]) -> Option<Decision> {
+    let too_much = |h: &Hit, w: &Window| !h.rule.shadow && !h.rule.quota && h.cost > w.requests;
+    if !hits.iter().any(|h| h.rule.windows.iter().any(|w| too_much(h, w))) {
+        return None;
+    }
+    let rules = hits
+        .iter()
+        .map(|h| {
+            let windows: Vec<WindowOutcome> = h
+                .rule
+                .windows
+                .iter()
+                .filter(|w| too_much(h, w))
+                .map(|w| WindowOutcome {
+                    window: *w,
+                    remaining: 0,
+                    reset_ms: 0,
+                    retry_ms: None,
+                    never: true,
+                })
+                .collect();
+            RuleOutcome {
+                rule: h.rule.clone(),
+                over: !windows.is_empty(),
+                charged: false,
+                windows,
+            }
+        })
+        .collect();
+    Some(Decision {
+        verdict: Verdict::Limited,
+        rules,
+    })
 }
 
 /// Whether `rule` refuses when the store cannot answer: its failure mode is

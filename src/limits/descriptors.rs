@@ -148,13 +148,14 @@ fn override_rule(o: Override<'_>) -> Option<Arc<Rule>> {
     let period_ms = config::envoy_unit_ms(o.unit)?;
     let unit = o.unit.to_ascii_lowercase();
     Some(Arc::new(Rule {
-        name: format!("override_{}_per_{unit}", o.requests),
         windows: vec![Window {
             requests: u64::from(o.requests),
             period_ms,
             precision_ms: 0,
         }],
-        // envoyproxy/ratelimit reports an override without a name.
+        // envoyproxy/ratelimit reports an override without a name. Its
+        // metrics label is the unit's alone: the amount is the caller's,
+        // and every amount sent would have made one more series.
         ..Rule::envoy_limit(format!("override_per_{unit}"))
     }))
 }

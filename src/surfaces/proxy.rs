@@ -684,7 +684,10 @@ fn status_class(status: StatusCode) -> &'static str {
         200..=299 => "2xx",
         300..=399 => "3xx",
         400..=499 => "4xx",
-        _ => "5xx",
+        500..=599 => "5xx",
+        // 600-999: passed on as sent (as NGINX does), but no server error
+        // an alert on 5xx should fire for.
+        _ => "other",
     }
 }
 
