@@ -91,6 +91,9 @@ fn shaped(path: &str) -> (Vec<u8>, bool) {
             a.extend_from_slice(b"0\r\n\r\n");
             (a, false)
         }
+        "/ratelimit" => text(
+            "HTTP/1.1 200 OK\r\nRateLimit: \"up\";r=1;t=1\r\nX-A: 1\r\nRATELIMIT-POLICY: \"up\";q=1;w=1\r\nContent-Length: 2\r\n\r\nok",
+        ),
         "/gzip-chunked" => text("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n"),
         "/short" => ("HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc".into(), true),
         _ => text("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n"),
@@ -206,6 +209,19 @@ rules:
     .await;
     assert_eq!(ours, hypers);
     assert!(ours.contains("HTTP/1.1 429 Too Many Requests"), "{ours}");
+    // The upstream's own RateLimit fields give way to tollgate's (the
+    // 32nd attack: the fields relayed as written kept both, and the two
+    // servers wrote them in different orders).
+    let ours = transcript(tg.addr, &[get("/ratelimit", "X-Who: e\r\n")]).await;
+    let hypers = transcript(tg.addr, &[get("/ratelimit", &format!("X-Who: f\r\n{TO_HYPER}"))]).await;
+    assert_eq!(ours, hypers);
+    let lower = ours.to_ascii_lowercase();
+    assert_eq!(lower.matches("ratelimit:").count(), 1, "{ours}");
+    assert_eq!(lower.matches("ratelimit-policy:").count(), 1, "{ours}");
+    assert!(
+        ours.contains("ratelimit-policy: \"one-each\";q=1;w=3600") && !ours.contains("\"up\""),
+        "{ours}"
+    );
     // A request no rule can be matched against (two hosts): 400.
     let ours = transcript(tg.addr, &[get("/length", "Host: u\r\n")]).await;
     let hypers = transcript(tg.addr, &[get("/length", &format!("Host: u\r\n{TO_HYPER}"))]).await;

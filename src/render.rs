@@ -190,14 +190,30 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
 
 /// Headers for an admitted request: the tightest window only.
 pub fn admission_headers(decision: &Decision, headers: &mut HeaderMap) {
-    if let Some(tightest) = decision.tightest() {
-        insert_ratelimit(headers, &[tightest]);
+    if let Some((policy, state)) = admission_values(decision) {
+        headers.insert(RATELIMIT_POLICY, policy);
+        headers.insert(RATELIMIT, state);
     }
 }
 
+/// The values of [`admission_headers`]' `RateLimit-Policy` and `RateLimit`,
+/// for a response that writes them some other way; `None` when it adds
+/// none.
+pub fn admission_values(decision: &Decision) -> Option<(HeaderValue, HeaderValue)> {
+    ratelimit_pair(&[decision.tightest()?])
+}
+
 fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOutcome)]) {
+    if let Some((p, s)) = ratelimit_pair(windows) {
+        headers.insert(RATELIMIT_POLICY, p);
+        headers.insert(RATELIMIT, s);
+    }
+}
+
+/// `RateLimit-Policy` and `RateLimit` for `windows`.
+fn ratelimit_pair(windows: &[(&RuleOutcome, &WindowOutcome)]) -> Option<(HeaderValue, HeaderValue)> {
     let (policy, state) = match windows {
-        [] => return,
+        [] => return None,
         // Most admissions: one window, whose policy is built once.
         [(rule, w)] => (
             single_policy(&rule.rule.name, w.window.requests, w.window.period_secs()),
@@ -211,10 +227,7 @@ fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOu
             )
         }
     };
-    if let (Some(p), Some(s)) = (policy, state) {
-        headers.insert(RATELIMIT_POLICY, p);
-        headers.insert(RATELIMIT, s);
-    }
+    Some((policy?, state?))
 }
 
 /// `RateLimit-Policy` and `RateLimit` for `windows`, one item each.

@@ -104,7 +104,11 @@ impl WrittenFields {
     /// Appends `name: value\r\n`, the name in lower case (as hyper writes
     /// every name: a client cannot tell which server answered).
     pub fn push(&mut self, name: &[u8], value: &[u8]) {
-        self.lines.extend(name.iter().map(u8::to_ascii_lowercase));
+        let at = self.lines.len();
+        self.lines.extend_from_slice(name);
+        if let Some(written) = self.lines.get_mut(at..) {
+            written.make_ascii_lowercase();
+        }
         self.lines.extend_from_slice(b": ");
         self.lines.extend_from_slice(value);
         self.lines.extend_from_slice(b"\r\n");

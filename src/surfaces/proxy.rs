@@ -243,20 +243,30 @@ impl Proxy {
         let (mut parts, mut body) = response.into_parts();
         // Our own client's answers come with their fields as they came,
         // relayed as written; hyper's in their map.
-        let written = body.take_fields().map(|fields| match relay_written(&fields, parts.status, &mut parts.headers) {
-            Some((relayed, written)) => {
-                parts.extensions.insert(written);
-                relayed
-            }
-            // A name repeated apart (`Set-Cookie`, another, `Set-Cookie`):
-            // a map writes its values together, so it takes the map's way.
-            None => {
-                parts.headers = fields.to_map();
-                relay_map(&mut parts.headers, parts.status)
-            }
-        });
-        let relayed = match written {
-            Some(relayed) => relayed,
+        // The RateLimit fields the answer gets, in place of any the
+        // upstream sent.
+        let mut ratelimit = match self.options.ratelimit_headers {
+            true => render::admission_values(&admitted.decision),
+            false => None,
+        };
+        let relayed = match body.take_fields() {
+            Some(fields) => match relay_written(&fields, parts.status, &mut parts.headers, ratelimit.is_some()) {
+                Some((relayed, mut written)) => {
+                    if let Some((policy, state)) = ratelimit.take() {
+                        written.push(render::RATELIMIT_POLICY.as_str().as_bytes(), policy.as_bytes());
+                        written.push(render::RATELIMIT.as_str().as_bytes(), state.as_bytes());
+                    }
+                    parts.extensions.insert(written);
+                    relayed
+                }
+                // A name repeated apart (`Set-Cookie`, another,
+                // `Set-Cookie`): a map writes its values together, so it
+                // takes the map's way.
+                None => {
+                    parts.headers = fields.to_map();
+                    relay_map(&mut parts.headers, parts.status)
+                }
+            },
             None => relay_map(&mut parts.headers, parts.status),
         };
         if relayed.forbid_reuse {
@@ -278,8 +288,9 @@ impl Proxy {
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
         // keep-alive connection after every response (NGINX answers 1.1).
         parts.version = http::Version::HTTP_11;
-        if self.options.ratelimit_headers {
-            render::admission_headers(&admitted.decision, &mut parts.headers);
+        if let Some((policy, state)) = ratelimit {
+            parts.headers.insert(render::RATELIMIT_POLICY, policy);
+            parts.headers.insert(render::RATELIMIT, state);
         }
         if client_h2 {
             // HTTP/2's default frame size.
@@ -869,6 +880,9 @@ enum Relay {
     Hop,
     /// `Date`.
     Date,
+    /// `RateLimit` or `RateLimit-Policy`: replaced by tollgate's own when
+    /// it adds them.
+    RateLimit,
     /// Relayed as it came.
     Other,
 }
@@ -886,6 +900,8 @@ impl Relay {
         match name.len() {
             2 if is(b"te") => Relay::Hop,
             4 if is(b"date") => Relay::Date,
+            9 if is(b"ratelimit") => Relay::RateLimit,
+            16 if is(b"ratelimit-policy") => Relay::RateLimit,
             5 if is(b"proxy") => Relay::Hop,
             7 if is(b"upgrade") || is(b"trailer") => Relay::Hop,
             10 if is(b"connection") => Relay::Connection,
@@ -905,8 +921,15 @@ impl Relay {
 /// frame the body with. The same fields go as [`relay_map`] leaves, in the
 /// order a map of them writes; the tests hold the two to each other.
 /// `None` for fields a map would write in another order: a name repeated
-/// with another between, whose values a map writes together.
-fn relay_written(fields: &UpstreamFields, status: StatusCode, headers: &mut HeaderMap) -> Option<(Relayed, WrittenFields)> {
+/// with another between, whose values a map writes together. With
+/// `replacing`, the upstream's `RateLimit` and `RateLimit-Policy` go too:
+/// tollgate writes its own.
+fn relay_written(
+    fields: &UpstreamFields,
+    status: StatusCode,
+    headers: &mut HeaderMap,
+    replacing: bool,
+) -> Option<(Relayed, WrittenFields)> {
     let mut coded = false;
     let mut first_length: Option<&[u8]> = None;
     // Whether a `Connection` names a field that is not hop-by-hop anyway.
@@ -946,7 +969,7 @@ fn relay_written(fields: &UpstreamFields, status: StatusCode, headers: &mut Head
     let mut count = 0usize;
     for (name, value) in fields.iter() {
         let relay = Relay::of(name);
-        if relay.is_hop_by_hop() || names_others && named(name) {
+        if relay.is_hop_by_hop() || replacing && relay == Relay::RateLimit || names_others && named(name) {
             continue;
         }
         if relay == Relay::Length {
@@ -1359,7 +1382,8 @@ mod tests {
                     proptest::sample::select(vec![
                         "Connection", "connection", "Keep-Alive", "TE", "Transfer-Encoding", "transfer-encoding", "Upgrade",
                         "Trailer", "Proxy", "proxy-authorization", "Proxy-Connection", "Proxyx", "HTTP2-Settings", "Content-Length",
-                        "content-length", "Date", "X-A", "x-a", "Set-Cookie", "X-Secret", "Content-Type",
+                        "content-length", "Date", "X-A", "x-a", "Set-Cookie", "X-Secret", "Content-Type", "RateLimit",
+                        "ratelimit-policy",
                         "x-a-field-name-longer-than-thirty-two-bytes",
                     ]),
                     proptest::sample::select(vec![
@@ -1372,6 +1396,7 @@ mod tests {
                 0..10,
             ),
             status in proptest::sample::select(vec![200u16, 204, 304, 404]),
+            replacing in proptest::bool::ANY,
         ) {
             let mut head = format!("HTTP/1.1 {status} X\r\n").into_bytes();
             for (name, value) in &fields {
@@ -1382,8 +1407,14 @@ mod tests {
             let status = StatusCode::from_u16(status).unwrap();
             let mut map = upstream.to_map();
             let by_map = relay_map(&mut map, status);
+            // tollgate's own RateLimit fields, as `forward` adds them.
+            let (policy, state) = (HeaderValue::from_static("\"r\";q=5;w=60"), HeaderValue::from_static("\"r\";r=4;t=60"));
+            if replacing {
+                map.insert(render::RATELIMIT_POLICY, policy.clone());
+                map.insert(render::RATELIMIT, state.clone());
+            }
             let mut beside = HeaderMap::new();
-            let Some((by_lines, written)) = relay_written(&upstream, status, &mut beside) else {
+            let Some((by_lines, mut written)) = relay_written(&upstream, status, &mut beside, replacing) else {
                 // Only for a name repeated with another between.
                 let names: Vec<String> = map.keys().map(|n| n.to_string()).collect();
                 let kept: Vec<String> = upstream.iter().map(|(n, _)| String::from_utf8_lossy(n).to_ascii_lowercase()).filter(|n| names.contains(n)).collect();
@@ -1396,6 +1427,10 @@ mod tests {
                 return Ok(());
             };
             proptest::prop_assert_eq!(by_map, by_lines);
+            if replacing {
+                written.push(b"ratelimit-policy", policy.as_bytes());
+                written.push(b"ratelimit", state.as_bytes());
+            }
             let by_name = |mut p: Vec<(String, Vec<u8>)>| {
                 p.sort_by(|a, b| a.0.cmp(&b.0));
                 p
