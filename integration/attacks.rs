@@ -615,6 +615,8 @@ async fn a_cost_that_can_never_fit_is_refused_with_the_store_down_too() {
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
     assert!(String::from_utf8_lossy(&r.body).contains("cost_exceeds_limit"), "{r:?}");
     assert_eq!(r.header("retry-after"), None, "waiting would not help");
+    // What is left is not known without Redis: not told (it said r=0;t=0).
+    assert_eq!(r.header("ratelimit"), None, "{r:?}");
     assert_eq!(
         get(&c, &tg.url("/cost"), &[("x-cost", "5")]).await.status,
         StatusCode::OK,
@@ -627,21 +629,49 @@ async fn a_cost_that_can_never_fit_is_refused_with_the_store_down_too() {
     let r = ask(&tg, "d", vec![huge]).await;
     assert_eq!(r.overall_code, Code::OverLimit as i32);
     assert!(r.statuses[0].duration_until_reset.is_none(), "no time at which it fits");
+    assert!(r.statuses[0].current_limit.is_none(), "no limit claimed without Redis");
     assert_eq!(
         ask(&tg, "d", vec![descriptor(&[("k", "v")])]).await.overall_code,
         Code::Ok as i32,
         "fails open"
     );
+    // The 33rd attack: the cost split over copies of one descriptor (6 + 6
+    // on 10) went through, as did the question put to explain.
+    let mut six = descriptor(&[("k", "v")]);
+    six.hits_addend = Some(UInt64Value { value: 6 });
+    let r = ask(&tg, "d", vec![six.clone(), six]).await;
+    assert_eq!(r.overall_code, Code::OverLimit as i32);
+    assert_eq!(r.statuses[0].code, Code::Ok as i32, "6 of 10 could fit");
+    assert_eq!(r.statuses[1].code, Code::OverLimit as i32, "12 of 10 never");
+    assert!(r.statuses[1].duration_until_reset.is_none());
+    let explained = send(
+        &c,
+        Method::POST,
+        &format!("http://{}/api/explain", tg.admin),
+        &[("content-type", "application/json")],
+        br#"{"method":"GET","path":"/cost","headers":[["x-cost","100"]]}"#.to_vec(),
+    )
+    .await
+    .json();
+    assert_eq!(explained["verdict"], "limited", "{explained}");
     metrics_holding(
         &tg,
         &[
             "tollgate_decisions_total{rule=\"five\",outcome=\"limited\"} 1",
             "tollgate_decisions_total{rule=\"five\",outcome=\"failed_open\"} 1",
-            "tollgate_decisions_total{rule=\"ten\",outcome=\"limited\"} 1",
+            "tollgate_decisions_total{rule=\"ten\",outcome=\"limited\"} 2",
             "tollgate_decisions_total{rule=\"ten\",outcome=\"failed_open\"} 1",
         ],
     )
     .await;
+    // Quota mode refuses a cost that can never fit too (as with Redis up).
+    let quota = Tollgate::start(limits, up.addr, &["--redis", &nowhere, "--rls-quota-mode", "true"]);
+    let mut eleven = descriptor(&[("k", "v")]);
+    eleven.hits_addend = Some(UInt64Value { value: 11 });
+    assert_eq!(
+        ask(&quota, "d", vec![eleven]).await.overall_code,
+        Code::OverLimit as i32
+    );
 }
 
 #[tokio::test]

@@ -175,7 +175,9 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
         headers.insert(RETRY_AFTER, HeaderValue::from(retry));
     }
     let mut windows: Vec<(&RuleOutcome, &WindowOutcome)> = Vec::new();
-    for (r, w) in decision.refusing().flat_map(|r| r.windows.iter().map(move |w| (r, w))) {
+    // A window whose state is not known (the store could not be asked)
+    // tells none, rather than that none is left.
+    for (r, w) in decision.refusing().flat_map(|r| r.windows.iter().filter(|w| !w.unknown).map(move |w| (r, w))) {
         // A counter named twice in one request (a repeated RLS descriptor)
         // is one policy item, not two.
         if !windows
@@ -508,6 +510,7 @@ mod tests {
                         reset_ms: 1200,
                         retry_ms: Some(2100),
                         never: false,
+                        unknown: false,
                     },
                     WindowOutcome {
                         window: Window {
@@ -519,6 +522,7 @@ mod tests {
                         reset_ms: 41_000,
                         retry_ms: None,
                         never: false,
+                        unknown: false,
                     },
                 ],
             }],

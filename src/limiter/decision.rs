@@ -63,6 +63,10 @@ pub struct WindowOutcome {
     pub retry_ms: Option<u64>,
     /// The request asks more of this window than its whole limit.
     pub never: bool,
+    /// What is left in the window is not known: the store could not be
+    /// asked (a cost above the whole limit is refused without it). No
+    /// RateLimit item or remaining count is told for it.
+    pub unknown: bool,
 }
 
 impl WindowOutcome {

@@ -166,8 +166,13 @@ impl Limiter {
         let checks = checks_of(hits);
         let answer = tokio::time::timeout(self.deadline, self.store.peek(&checks))
             .await
-            .map_err(|_| StoreError::Timeout(self.deadline))??;
-        let answer = self.one_count_per_hit(hits, answer)?;
+            .map_err(|_| StoreError::Timeout(self.deadline))
+            .and_then(|answer| answer);
+        let answer = match answer.and_then(|a| self.one_count_per_hit(hits, a)) {
+            Ok(answer) => answer,
+            // As `decide` answers it with the store down.
+            Err(e) => return never_fits(hits).map(|refusal| (refusal, None)).ok_or(e),
+        };
         let counts = answer.checks.clone();
         Ok((decision_of(hits, answer), Some(counts)))
     }
@@ -240,28 +245,46 @@ impl Limiter {
 }
 
 /// The refusal of `hits` when one of them asks an enforced window for more
-/// than its whole limit (as the stores decide it, charging nothing); `None`
-/// when each could fit. What is left in the windows is not known without
-/// the store: they say 0.
+/// than its whole limit, with what the hits before it on the same counter
+/// ask (a descriptor repeated in one RLS request), as the stores decide it,
+/// charging nothing; `None` when each could fit. What is left in the
+/// windows is not known without the store: they say 0.
 fn never_fits(hits: &[Hit]) -> Option<Decision> {
-    let too_much = |h: &Hit, w: &Window| !h.rule.shadow && !h.rule.quota && h.cost > w.requests;
-    if !hits.iter().any(|h| h.rule.windows.iter().any(|w| too_much(h, w))) {
+    // What each hit asks of its counter, with the hits before it there.
+    let asked: Vec<u64> = hits
+        .iter()
+        .enumerate()
+        .map(|(i, h)| {
+            hits.iter()
+                .take(i.saturating_add(1))
+                .filter(|other| other.key == h.key)
+                .fold(0u64, |sum, other| sum.saturating_add(other.cost))
+        })
+        .collect();
+    let too_much = |h: &Hit, asked: u64, w: &Window| !h.rule.shadow && asked > w.requests;
+    let any = hits
+        .iter()
+        .zip(&asked)
+        .any(|(h, &asked)| h.rule.windows.iter().any(|w| too_much(h, asked, w)));
+    if !any {
         return None;
     }
     let rules = hits
         .iter()
-        .map(|h| {
+        .zip(&asked)
+        .map(|(h, &asked)| {
             let windows: Vec<WindowOutcome> = h
                 .rule
                 .windows
                 .iter()
-                .filter(|w| too_much(h, w))
+                .filter(|w| too_much(h, asked, w))
                 .map(|w| WindowOutcome {
                     window: *w,
                     remaining: 0,
                     reset_ms: 0,
                     retry_ms: None,
                     never: true,
+                    unknown: true,
                 })
                 .collect();
             RuleOutcome {
@@ -325,6 +348,7 @@ fn decision_of(hits: &[Hit], answer: StoreAnswer) -> Decision {
                         reset_ms: c.reset_ms,
                         retry_ms: c.retry_ms,
                         never: c.never,
+                        unknown: false,
                     }
                 })
                 .collect();

@@ -341,9 +341,11 @@ fn descriptor_status(decision: &Decision, outcome: &RuleOutcome) -> DescriptorSt
     } else {
         Code::Ok
     };
-    // Undecided (the store failed): no limit is claimed, so Envoy adds no
+    // Undecided (the store failed), or refused without the store (a cost
+    // that can never fit): no limit is claimed, so Envoy adds no
     // `X-RateLimit-*` headers, rather than telling clients 0 remain.
-    let decided = !matches!(decision.verdict, Verdict::FailedOpen | Verdict::FailedClosed);
+    let decided = !matches!(decision.verdict, Verdict::FailedOpen | Verdict::FailedClosed)
+        && !outcome.windows.iter().any(|w| w.unknown);
     let current = window
         .map(|w| w.window)
         .or_else(|| rule.windows.first().copied())
