@@ -241,14 +241,14 @@ impl Proxy {
             return Ok(switch_protocols(client_upgrade, response));
         }
         let (mut parts, mut body) = response.into_parts();
-        // Our own client's answers come with their fields as they came,
-        // relayed as written; hyper's in their map.
         // The RateLimit fields the answer gets, in place of any the
         // upstream sent.
         let mut ratelimit = match self.options.ratelimit_headers {
             true => render::admission_values(&admitted.decision),
             false => None,
         };
+        // Our own client's answers come with their fields as they came,
+        // relayed as written; hyper's in their map.
         let relayed = match body.take_fields() {
             Some(fields) => match relay_written(&fields, parts.status, &mut parts.headers, ratelimit.is_some()) {
                 Some((relayed, mut written)) => {
@@ -958,7 +958,9 @@ fn relay_written(
             .any(|(_, v)| tokens(v).any(|t| t.eq_ignore_ascii_case(name)))
     };
     let mut written = WrittenFields {
-        lines: Vec::with_capacity(fields.head_len()),
+        // The fields are no longer than the head; room for tollgate's
+        // RateLimit lines besides.
+        lines: Vec::with_capacity(fields.head_len().saturating_add(128)),
         has_date: false,
     };
     let mut length = crate::upstream::Length::Absent;
@@ -984,7 +986,8 @@ fn relay_written(
             if seen.iter().any(|n| n.eq_ignore_ascii_case(name)) {
                 return None;
             }
-            // Past 16 names, no order is vouched for.
+            // A 17th name: the map's way too (`None`), rather than a
+            // longer search for repeats.
             *names.get_mut(count)? = name;
             count = count.saturating_add(1);
         }

@@ -275,26 +275,13 @@ impl UpstreamFields {
     /// characters, a value of visible bytes, tabs and obs-text, trimmed,
     /// the same bytes `HeaderName` and `HeaderValue` accept).
     pub fn iter(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
-        self.lines().map(|(name, value, _)| (name, value))
-    }
-
-    /// As [`UpstreamFields::iter`], with each field's line as it came, from
-    /// its name to its value's end (`Name:<white space>value`, without the
-    /// white space after the value that httparse trimmed, or the line's end).
-    pub fn lines(&self) -> impl Iterator<Item = (&[u8], &[u8], &[u8])> {
         self.spans.iter().filter_map(|span| {
             let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
-            // An empty value may be placed before its name's end.
-            let line_end = value_end.max(name_end);
-            Some((
-                self.head.get(name_start..name_end)?,
-                self.head.get(value_start..value_end)?,
-                self.head.get(name_start..line_end)?,
-            ))
+            Some((self.head.get(name_start..name_end)?, self.head.get(value_start..value_end)?))
         })
     }
 
-    /// `part` (a name, value or line from these fields) as shared bytes of
+    /// `part` (a name or value from these fields) as shared bytes of
     /// the head, not copied; `None` for bytes from elsewhere.
     pub fn share(&self, part: &[u8]) -> Option<Bytes> {
         let start = (part.as_ptr() as usize).checked_sub(self.head.as_ptr() as usize)?;
