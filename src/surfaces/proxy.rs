@@ -38,13 +38,9 @@ pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
 /// and `Proxy-*` (`Proxy-Connection`, `Proxy-Authorization`...: meant for a
 /// proxy, never passed on) with `Proxy` itself, which CGI-style servers
 /// read as their `HTTP_PROXY` setting (httpoxy).
+/// One list, [`Relay::of`]'s, for a map's names and for names as they came.
 fn is_hop_by_hop(name: &str) -> bool {
-    // Matched as text (a length test, then one compare), where comparing
-    // `HeaderName`s took seven per header looked at (BENCHMARKS.md §46).
-    matches!(
-        name,
-        "connection" | "keep-alive" | "te" | "transfer-encoding" | "upgrade" | "trailer" | "http2-settings"
-    ) || name.strip_prefix("proxy").is_some_and(|rest| rest.is_empty() || rest.starts_with('-'))
+    Relay::of(name.as_bytes()).is_hop_by_hop()
 }
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
@@ -894,7 +890,8 @@ impl Relay {
     }
 
     /// The kind of the field `name` (in any case): one length test, then
-    /// one or two compares.
+    /// one or two compares, where comparing `HeaderName`s took seven per
+    /// header looked at (BENCHMARKS.md §46).
     fn of(name: &[u8]) -> Relay {
         let is = |wanted: &[u8]| name.eq_ignore_ascii_case(wanted);
         match name.len() {
