@@ -664,6 +664,29 @@ async fn a_cost_that_can_never_fit_is_refused_with_the_store_down_too() {
         ],
     )
     .await;
+    // ext_authz and auth_request refuse it too (ext_authz with the rule's
+    // status, auth_request 403 telling it), and let a cost that fits by.
+    let check = tg.check.unwrap();
+    let r = get(&c, &format!("http://{check}/ext_authz/cost"), &[("x-cost", "100")]).await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.header("ratelimit"), None, "{r:?}");
+    let r = get(
+        &c,
+        &format!("http://{check}/auth_request"),
+        &[("x-original-uri", "/cost"), ("x-cost", "100")],
+    )
+    .await;
+    assert_eq!(
+        (r.status, r.header("x-tollgate-status")),
+        (StatusCode::FORBIDDEN, Some("429"))
+    );
+    let fits = get(
+        &c,
+        &format!("http://{check}/auth_request"),
+        &[("x-original-uri", "/cost"), ("x-cost", "5")],
+    )
+    .await;
+    assert_eq!(fits.status, StatusCode::NO_CONTENT, "fails open");
     // Quota mode refuses a cost that can never fit too (as with Redis up).
     let quota = Tollgate::start(limits, up.addr, &["--redis", &nowhere, "--rls-quota-mode", "true"]);
     let mut eleven = descriptor(&[("k", "v")]);

@@ -1454,6 +1454,29 @@ mod tests {
         assert!(body.reusable().is_none());
     }
 
+    /// README: trailers of more than 100 fields cut the response (hyper's
+    /// bound), and an interim head of more than 100 fields fails the
+    /// exchange, though it is not passed on.
+    #[tokio::test]
+    async fn more_than_100_trailer_or_interim_fields_fail_at_100_they_pass() {
+        for (fields, fails) in [(100, false), (101, true)] {
+            let mut wire = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n".to_vec();
+            for i in 0..fields {
+                wire.extend_from_slice(format!("x-t{i}: v\r\n").as_bytes());
+            }
+            wire.extend_from_slice(b"\r\n");
+            let (_, mut body) = one(&wire, "GET").await.unwrap().into_parts();
+            let read = read_body(&mut body).await;
+            assert_eq!((read.data.as_slice(), read.failed), (&b"ok"[..], fails), "{fields} trailer fields");
+            let mut wire = b"HTTP/1.1 103 Early Hints\r\n".to_vec();
+            for i in 0..fields {
+                wire.extend_from_slice(format!("link: </{i}.css>\r\n").as_bytes());
+            }
+            wire.extend_from_slice(b"\r\nHTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok");
+            assert_eq!(one(&wire, "GET").await.is_err(), fails, "an interim head of {fields} fields");
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig { cases: 768, ..ProptestConfig::default() })]
 
