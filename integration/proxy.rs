@@ -1895,6 +1895,59 @@ async fn a_204_or_304_from_an_h2_upstream_carries_no_body_and_a_204_no_length() 
     }
 }
 
+/// README: a `304`'s `Content-Length` reaches HTTP/2 clients but not
+/// HTTP/1.1 ones (hyper's server writes it so; the length is optional
+/// there, RFC 9110 §8.6), from either of our servers, and the answer has
+/// no body on either, the connection kept.
+#[tokio::test]
+async fn a_304_s_length_reaches_http2_clients_but_not_http1_ones() {
+    let up = scripted_upstream(|path| {
+        match path {
+            "/304" => "HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nContent-Length: 5\r\n\r\n",
+            _ => "HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello",
+        }
+        .as_bytes()
+        .to_vec()
+    })
+    .await;
+    let tg = Tollgate::start(LOGIN, up, &[]);
+    // A GET (our own server) and a POST with a body (hyper's), each
+    // followed on the same connection by a GET that must be answered whole.
+    for first in [
+        "GET /304 HTTP/1.1\r\nHost: x\r\n\r\n",
+        "POST /304 HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc",
+    ] {
+        let request = format!("{first}GET /after HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        let answer = raw(tg.addr, request.as_bytes(), Duration::from_secs(5)).await;
+        let (not_modified, after) = answer.split_once("HTTP/1.1 200").unwrap_or_else(|| panic!("{answer}"));
+        assert!(not_modified.starts_with("HTTP/1.1 304 Not Modified\r\n"), "{answer}");
+        assert!(not_modified.to_lowercase().contains("etag: \"v1\"\r\n"), "{answer}");
+        assert!(!not_modified.to_lowercase().contains("content-length"), "{answer}");
+        assert!(not_modified.ends_with("\r\n\r\n"), "no body after the head: {answer}");
+        assert!(after.ends_with("\r\n\r\nhello"), "{answer}");
+    }
+    let mut h2 = h2_sender(tg.addr).await;
+    for method in [Method::GET, Method::POST] {
+        let req = http::Request::builder()
+            .method(method.clone())
+            .uri(tg.url("/304"))
+            .body(http_body_util::Full::new(match method {
+                Method::GET => bytes::Bytes::new(),
+                _ => bytes::Bytes::from_static(b"abc"),
+            }))
+            .unwrap();
+        let answer = h2.send_request(req).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NOT_MODIFIED, "{method}");
+        assert_eq!(answer.headers()["content-length"], "5", "{method}");
+        assert_eq!(answer.headers()["etag"], "\"v1\"", "{method}");
+        let body = http_body_util::BodyExt::collect(answer.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        assert!(body.is_empty(), "{method}: {body:?}");
+    }
+}
+
 #[tokio::test]
 async fn a_burst_at_start_opens_one_h2_connection_not_one_per_request() {
     // From the eleventh attack: 90 concurrent requests with no upstream
