@@ -47,7 +47,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use crate::metrics::Histogram;
 use tokio::sync::{OwnedSemaphorePermit, watch};
 
-use super::{ConnLimits, Gate, IDLE_BEFORE_RECLAIM, Stop, stopped};
+use super::{CarriesFields, ConnLimits, Gate, IDLE_BEFORE_RECLAIM, Stop, stopped};
 use crate::metrics::Held;
 use super::parking::Lot;
 use super::streams::{Progress, StreamExecutor};
@@ -529,7 +529,7 @@ impl Body for RequestBody {
 /// once.
 pub trait App: Clone + Send + Sync + Unpin + 'static {
     /// The responses' body.
-    type Body: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + Send + Unpin + 'static;
+    type Body: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + CarriesFields + Send + Unpin + 'static;
     /// The future of a response.
     type Future: Future<Output = Response<Self::Body>> + Send + 'static;
     /// The response to `req` from `peer`.
@@ -540,7 +540,7 @@ impl<F, Fut, B> App for F
 where
     F: Fn(Request<RequestBody>, SocketAddr) -> Fut + Clone + Send + Sync + Unpin + 'static,
     Fut: Future<Output = Response<B>> + Send + 'static,
-    B: Body + Send + Unpin + 'static,
+    B: Body + CarriesFields + Send + Unpin + 'static,
     B::Data: Send,
     B::Error: Into<Box<dyn StdError + Send + Sync>>,
 {
@@ -1075,6 +1075,12 @@ struct UntilSent<B> {
     _busy: Busy,
     /// On HTTP/2, how its stream takes it (see `streams`).
     stream: Option<Arc<Progress>>,
+}
+
+impl<B: CarriesFields> CarriesFields for UntilSent<B> {
+    fn take_written(&mut self) -> Option<crate::serve::WrittenFields> {
+        self.body.take_written()
+    }
 }
 
 impl<B: Body + Unpin> Body for UntilSent<B> {

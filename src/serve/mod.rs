@@ -85,9 +85,10 @@ impl ConnLimits {
 }
 
 /// Response header fields already written as HTTP/1 lines (`name:
-/// value\r\n` each), carried in a response's extensions: our own HTTP/1.1
-/// server writes them as they are, before the map's fields; for hyper,
-/// which writes only from the map, they go back into it first. The proxy
+/// value\r\n` each), carried by a response's body ([`CarriesFields`]):
+/// our own HTTP/1.1 server writes them as they are, before the map's
+/// fields; for hyper, which writes only from the map, they go back into it
+/// first. The proxy
 /// relays an upstream's fields so, never building a map of them
 /// (BENCHMARKS.md §63). They never hold a field the server frames the
 /// message with (`Content-Length`, `Transfer-Encoding`, `Connection`,
@@ -117,14 +118,17 @@ impl WrittenFields {
     /// Moves a response's written fields, if it has any, into its map,
     /// before the fields already there: hyper then writes them in the
     /// order our own server does.
-    pub fn into_map<B>(response: &mut http::Response<B>) {
-        let Some(written) = response.extensions_mut().remove::<WrittenFields>() else {
-            return;
-        };
-        let beside = std::mem::take(response.headers_mut());
-        let headers = response.headers_mut();
-        headers.reserve(beside.len().saturating_add(written.lines.len() / 16));
-        for line in written.lines.split(|b| *b == b'\n') {
+    pub fn into_map<B: CarriesFields>(response: &mut http::Response<B>) {
+        if let Some(written) = response.body_mut().take_written() {
+            written.before(response.headers_mut());
+        }
+    }
+
+    /// Puts the fields into `headers`, before the fields already there.
+    pub fn before(self, headers: &mut http::HeaderMap) {
+        let beside = std::mem::take(headers);
+        headers.reserve(beside.len().saturating_add(self.lines.len() / 16));
+        for line in self.lines.split(|b| *b == b'\n') {
             let line = line.strip_suffix(b"\r").unwrap_or(line);
             let Some(colon) = line.iter().position(|b| *b == b':') else { continue };
             let (name, value) = line.split_at(colon);
@@ -143,6 +147,29 @@ impl WrittenFields {
             if let Some(name) = &last {
                 headers.append(name.clone(), value);
             }
+        }
+    }
+}
+
+/// A response body that may carry its response's [`WrittenFields`]: there
+/// rather than in the response's extensions, whose map and boxes were
+/// three allocations on every proxied answer (BENCHMARKS.md §64).
+pub trait CarriesFields {
+    /// The written fields, taken (`None` for most bodies, and once taken).
+    fn take_written(&mut self) -> Option<WrittenFields> {
+        None
+    }
+}
+
+impl CarriesFields for http_body_util::Full<bytes::Bytes> {}
+
+impl<D> CarriesFields for http_body_util::Empty<D> {}
+
+impl<L: CarriesFields, R: CarriesFields> CarriesFields for http_body_util::Either<L, R> {
+    fn take_written(&mut self) -> Option<WrittenFields> {
+        match self {
+            http_body_util::Either::Left(body) => body.take_written(),
+            http_body_util::Either::Right(body) => body.take_written(),
         }
     }
 }

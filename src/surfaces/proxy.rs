@@ -252,7 +252,9 @@ impl Proxy {
                         written.push(render::RATELIMIT_POLICY.as_str().as_bytes(), policy.as_bytes());
                         written.push(render::RATELIMIT.as_str().as_bytes(), state.as_bytes());
                     }
-                    parts.extensions.insert(written);
+                    if let Err(written) = body.carry(written) {
+                        written.before(&mut parts.headers);
+                    }
                     relayed
                 }
                 // A name repeated apart (`Set-Cookie`, another,
@@ -1456,13 +1458,21 @@ mod tests {
             // hyper the map the lines went back into: the same, in order.
             let mut ours = lines(&written.lines);
             ours.extend(pairs(&beside));
-            let mut response = Response::new(());
+            let mut response = Response::new(Carried(Some(written)));
             *response.headers_mut() = beside;
-            response.extensions_mut().insert(written);
             WrittenFields::into_map(&mut response);
-            proptest::prop_assert!(response.extensions().get::<WrittenFields>().is_none());
+            proptest::prop_assert!(response.body().0.is_none());
             proptest::prop_assert_eq!(&pairs(response.headers()), &ours);
             proptest::prop_assert_eq!(by_name(pairs(response.headers())), by_name(pairs(&map)));
+        }
+    }
+
+    /// A body carrying written fields, as the proxy's does.
+    struct Carried(Option<WrittenFields>);
+
+    impl crate::serve::CarriesFields for Carried {
+        fn take_written(&mut self) -> Option<WrittenFields> {
+            self.0.take()
         }
     }
 

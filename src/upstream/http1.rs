@@ -193,6 +193,7 @@ where
                         version: head.version(),
                         read_size: FIRST_READ,
                         fields: Some(fields),
+                        written: None,
                     };
                     return Ok(head.map(|()| body));
                 }
@@ -716,6 +717,8 @@ pub struct ResponseBody<T> {
     read_size: usize,
     /// The answer's header fields, until taken.
     fields: Option<UpstreamFields>,
+    /// The fields as the proxy relays them, for the server, until taken.
+    written: Option<crate::serve::WrittenFields>,
 }
 
 impl<T> ResponseBody<T> {
@@ -723,6 +726,16 @@ impl<T> ResponseBody<T> {
     /// map is empty.
     pub fn take_fields(&mut self) -> Option<UpstreamFields> {
         self.fields.take()
+    }
+
+    /// Keeps the fields as relayed, for the server.
+    pub fn carry(&mut self, written: crate::serve::WrittenFields) {
+        self.written = Some(written);
+    }
+
+    /// The fields as relayed (`None` once taken).
+    pub fn take_written(&mut self) -> Option<crate::serve::WrittenFields> {
+        self.written.take()
     }
 }
 

@@ -1245,6 +1245,21 @@ impl UpstreamBody {
         }
     }
 
+    /// Gives the body its answer's header fields as relayed, for the
+    /// server to write ([`crate::serve::CarriesFields`]); handed back by a
+    /// body hyper's client read (whose fields never come relayed so).
+    pub fn carry(&mut self, written: crate::serve::WrittenFields) -> Result<(), crate::serve::WrittenFields> {
+        match &mut self.body {
+            // Behind the own body's box: in the body itself they would
+            // make every response, a refusal too, larger to move.
+            Received::Own(body) => {
+                body.carry(written);
+                Ok(())
+            }
+            Received::Hyper(_) => Err(written),
+        }
+    }
+
     /// Hands the body on in pieces of at most `at_most` bytes: an HTTP/2
     /// client's stream takes a piece per window it opens, and how often it
     /// asks for the next is how its progress shows (`serve::streams`); a
@@ -1313,6 +1328,15 @@ impl UpstreamBody {
                 }
                 None
             }
+        }
+    }
+}
+
+impl crate::serve::CarriesFields for UpstreamBody {
+    fn take_written(&mut self) -> Option<crate::serve::WrittenFields> {
+        match &mut self.body {
+            Received::Own(body) => body.take_written(),
+            Received::Hyper(_) => None,
         }
     }
 }

@@ -404,16 +404,17 @@ async fn write_response<B>(
     buf: &mut BytesMut,
 ) -> std::io::Result<bool>
 where
-    B: Body + Unpin,
+    B: Body + crate::serve::CarriesFields + Unpin,
     B::Error: std::fmt::Display,
 {
     let (parts, mut body) = response.into_parts();
+    let written = body.take_written();
     let length = match body.is_end_stream() {
         true => BodyLength::Empty,
         false => body.size_hint().exact().map_or(BodyLength::Unknown, BodyLength::Known),
     };
     let mut out = Vec::with_capacity(256);
-    let Some((framing, last)) = encode_head(&parts, length, stopping, &mut out) else {
+    let Some((framing, last)) = encode_head(&parts, written.as_ref(), length, stopping, &mut out) else {
         // hyper sends nothing for a response it cannot frame, and closes.
         return Err(std::io::Error::other("the response's framing fields contradict each other"));
     };
@@ -561,6 +562,7 @@ where
 /// connection closes after the response.
 fn encode_head(
     parts: &http::response::Parts,
+    written: Option<&crate::serve::WrittenFields>,
     length: BodyLength,
     stopping: bool,
     out: &mut Vec<u8>,
@@ -595,7 +597,7 @@ fn encode_head(
     let mut framing = None;
     let mut last = stopping || switching;
     let mut wrote_date = false;
-    if let Some(written) = parts.extensions.get::<crate::serve::WrittenFields>() {
+    if let Some(written) = written {
         out.extend_from_slice(&written.lines);
         wrote_date = written.has_date;
     }
