@@ -88,10 +88,9 @@ impl ConnLimits {
 /// value\r\n` each), carried by a response's body ([`CarriesFields`]):
 /// our own HTTP/1.1 server writes them as they are, before the map's
 /// fields; for hyper, which writes only from the map, they go back into it
-/// first. The proxy
-/// relays an upstream's fields so, never building a map of them
-/// (BENCHMARKS.md §63). They never hold a field the server frames the
-/// message with (`Content-Length`, `Transfer-Encoding`, `Connection`,
+/// first. The proxy relays an upstream's fields so, never building a map
+/// of them (BENCHMARKS.md §63). They never hold a field the server frames
+/// the message with (`Content-Length`, `Transfer-Encoding`, `Connection`,
 /// `Trailer`): those stay in the map.
 #[derive(Debug, Clone, Default)]
 pub struct WrittenFields {
