@@ -161,19 +161,50 @@ pub fn error(status: StatusCode, message: &str) -> Response<Bytes> {
     response
 }
 
+/// [`refusal`] with its fields written out (in the order its map holds
+/// them), for a body that carries them ([`crate::serve::CarriesFields`]):
+/// the proxy's refusals, which a map only slowed (BENCHMARKS.md §64).
+pub fn refusal_written(decision: &Decision) -> (crate::serve::WrittenFields, Bytes) {
+    let mut fields = crate::serve::WrittenFields {
+        lines: Vec::with_capacity(256),
+        has_date: false,
+    };
+    fields.push(CONTENT_TYPE.as_str().as_bytes(), b"application/json");
+    let (retry, ratelimit) = refusal_values(decision);
+    if let Some(retry) = retry {
+        fields.push(RETRY_AFTER.as_str().as_bytes(), retry.as_bytes());
+    }
+    if let Some((policy, state)) = ratelimit {
+        fields.push(RATELIMIT_POLICY.as_str().as_bytes(), policy.as_bytes());
+        fields.push(RATELIMIT.as_str().as_bytes(), state.as_bytes());
+    }
+    (fields, refusal_body(decision))
+}
+
 /// Headers for a refused request: `Retry-After` and every window of the
 /// refusing rules (or just `Retry-After: 1` when the store failed closed).
 pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
+    let (retry, ratelimit) = refusal_values(decision);
+    if let Some(retry) = retry {
+        headers.insert(RETRY_AFTER, retry);
+    }
+    if let Some((policy, state)) = ratelimit {
+        headers.insert(RATELIMIT_POLICY, policy);
+        headers.insert(RATELIMIT, state);
+    }
+}
+
+/// The values of [`refusal_headers`]' `Retry-After` and RateLimit pair.
+fn refusal_values(decision: &Decision) -> (Option<HeaderValue>, Option<(HeaderValue, HeaderValue)>) {
     if decision.verdict == Verdict::FailedClosed {
-        headers.insert(RETRY_AFTER, HeaderValue::from_static("1"));
-        return;
+        return (Some(HeaderValue::from_static("1")), None);
     }
     // A request that costs more than a window's whole limit never fits:
     // no Retry-After would be true.
-    if !decision.never_fits() {
+    let retry = (!decision.never_fits()).then(|| {
         let retry = ceil_secs(decision.retry_after_ms().unwrap_or(1000)).max(1);
-        headers.insert(RETRY_AFTER, HeaderValue::from(retry));
-    }
+        HeaderValue::from(retry)
+    });
     let mut windows: Vec<(&RuleOutcome, &WindowOutcome)> = Vec::new();
     // A window whose state is not known (the store could not be asked)
     // tells none, rather than that none is left.
@@ -187,7 +218,7 @@ pub fn refusal_headers(decision: &Decision, headers: &mut HeaderMap) {
             windows.push((r, w));
         }
     }
-    insert_ratelimit(headers, &windows);
+    (retry, ratelimit_pair(&windows))
 }
 
 /// Headers for an admitted request: the tightest window only.
@@ -203,13 +234,6 @@ pub fn admission_headers(decision: &Decision, headers: &mut HeaderMap) {
 /// none.
 pub fn admission_values(decision: &Decision) -> Option<(HeaderValue, HeaderValue)> {
     ratelimit_pair(&[decision.tightest()?])
-}
-
-fn insert_ratelimit(headers: &mut HeaderMap, windows: &[(&RuleOutcome, &WindowOutcome)]) {
-    if let Some((p, s)) = ratelimit_pair(windows) {
-        headers.insert(RATELIMIT_POLICY, p);
-        headers.insert(RATELIMIT, s);
-    }
 }
 
 /// `RateLimit-Policy` and `RateLimit` for `windows`.
@@ -687,11 +711,10 @@ mod tests {
                 w.reset_ms = reset_ms;
                 w.retry_ms = retry_ms;
                 let one = [(&d.rules[0], &d.rules[0].windows[0])];
-                let mut h = HeaderMap::new();
-                insert_ratelimit(&mut h, &one);
+                let (one_policy, one_state) = ratelimit_pair(&one).unwrap();
                 let (policy, state) = ratelimit_values(&one);
-                proptest::prop_assert_eq!(h[RATELIMIT_POLICY].as_bytes(), policy.as_bytes());
-                proptest::prop_assert_eq!(h[RATELIMIT].as_bytes(), state.as_bytes());
+                proptest::prop_assert_eq!(one_policy.as_bytes(), policy.as_bytes());
+                proptest::prop_assert_eq!(one_state.as_bytes(), state.as_bytes());
             }
         }
     }

@@ -173,6 +173,58 @@ impl<L: CarriesFields, R: CarriesFields> CarriesFields for http_body_util::Eithe
     }
 }
 
+/// A whole body whose response's fields come written out
+/// ([`CarriesFields`]): an answer tollgate makes itself needs no map of
+/// them.
+pub struct WholeBody {
+    body: http_body_util::Full<bytes::Bytes>,
+    fields: Option<WrittenFields>,
+}
+
+impl WholeBody {
+    /// `bytes`, its response's fields in its map.
+    pub fn new(bytes: bytes::Bytes) -> WholeBody {
+        WholeBody {
+            body: http_body_util::Full::new(bytes),
+            fields: None,
+        }
+    }
+
+    /// `bytes`, its response's fields written out in `fields`.
+    pub fn with_fields(bytes: bytes::Bytes, fields: WrittenFields) -> WholeBody {
+        WholeBody {
+            body: http_body_util::Full::new(bytes),
+            fields: Some(fields),
+        }
+    }
+}
+
+impl CarriesFields for WholeBody {
+    fn take_written(&mut self) -> Option<WrittenFields> {
+        self.fields.take()
+    }
+}
+
+impl hyper::body::Body for WholeBody {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<bytes::Bytes>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// The size of header fields as HTTP/1 writes them (`name: value\r\n`).
 pub fn head_bytes(headers: &http::HeaderMap) -> usize {
     headers

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Request, Response, StatusCode, Uri, Version};
-use http_body_util::{Either, Full};
+use http_body_util::Either;
 use hyper::body::Body as _;
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
@@ -27,11 +27,11 @@ use crate::serve::RequestBody;
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
-use crate::serve::WrittenFields;
+use crate::serve::{WholeBody, WrittenFields};
 use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamFields, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
-pub type ProxyBody = Either<UpstreamBody, Full<Bytes>>;
+pub type ProxyBody = Either<UpstreamBody, WholeBody>;
 
 /// Headers that describe one connection, never the message (RFC 9110 §7.6.1),
 /// `HTTP2-Settings`, which only an `Upgrade: h2c` (never forwarded) uses,
@@ -335,7 +335,7 @@ impl Proxy {
         metrics::get().request(Surface::Proxy, decision.verdict.into());
         if !decision.verdict.admits() {
             if render::is_grpc(req.headers()) {
-                return Err(render::grpc_refusal(&decision).map(|b| Either::Right(Full::new(b))));
+                return Err(render::grpc_refusal(&decision).map(|b| Either::Right(WholeBody::new(b))));
             }
             return Err(refusal(&decision));
         }
@@ -1137,11 +1137,16 @@ fn switch_protocols(client_upgrade: Option<OnUpgrade>, mut response: Response<Up
     });
     let (mut parts, _) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers, true);
-    Response::from_parts(parts, Either::Right(Full::new(Bytes::new())))
+    Response::from_parts(parts, Either::Right(WholeBody::new(Bytes::new())))
 }
 
+/// A refused request's answer ([`render::refusal`]), its fields written
+/// out rather than in a map.
 fn refusal(decision: &Decision) -> Response<ProxyBody> {
-    render::refusal(decision, decision.status()).map(|b| Either::Right(Full::new(b)))
+    let (fields, body) = render::refusal_written(decision);
+    let mut response = Response::new(Either::Right(WholeBody::with_fields(body, fields)));
+    *response.status_mut() = decision.status();
+    response
 }
 
 /// tollgate's own failure, answered to a gRPC call: 400 as INVALID_ARGUMENT,
@@ -1157,7 +1162,7 @@ fn grpc_failure(status: StatusCode, message: &str) -> Response<ProxyBody> {
 }
 
 fn grpc_status(code: tonic::Code, message: &str) -> Response<ProxyBody> {
-    render::grpc_error(code, message).map(|b| Either::Right(Full::new(b)))
+    render::grpc_error(code, message).map(|b| Either::Right(WholeBody::new(b)))
 }
 
 /// How a gRPC call is forwarded (both false for other requests).
@@ -1175,7 +1180,7 @@ struct Call {
 struct ErrorText(Box<str>);
 
 fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
-    let mut response = render::error(status, message).map(|b| Either::Right(Full::new(b)));
+    let mut response = render::error(status, message).map(|b| Either::Right(WholeBody::new(b)));
     response.extensions_mut().insert(ErrorText(message.into()));
     response
 }
