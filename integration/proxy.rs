@@ -1338,6 +1338,62 @@ async fn an_http2_clients_cookie_fields_reach_an_http1_upstream_as_one_line() {
 }
 
 #[tokio::test]
+async fn a_refusal_tells_the_same_fields_over_http2_as_over_http1() {
+    // The proxy's refusals carry their fields written out, which hyper's
+    // server (every HTTP/2 answer) takes back into its map: an HTTP/2
+    // client is told the same as an HTTP/1.1 one, in the same order.
+    let upstream = TestUpstream::start().await;
+    let limits = "domain: it\nrules:\n  - name: each\n    by: [header:x-who]\n    limits: [{ requests: 1, per: 1h }, { requests: 5, per: 1d }]\n";
+    let tg = Tollgate::start(limits, upstream.addr, &[]);
+    let mut sender = h2_sender(tg.addr).await;
+    let mut told = Vec::new();
+    for who in ["h2", "h2", "h1", "h1"] {
+        let answer = if who == "h2" {
+            let req = http::Request::builder()
+                .uri(tg.url("/x"))
+                .header("x-who", who)
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            let resp = sender.send_request(req).await.unwrap();
+            let (parts, body) = resp.into_parts();
+            let body = http_body_util::BodyExt::collect(body).await.unwrap().to_bytes();
+            (parts.status, parts.headers, body)
+        } else {
+            let a = get(&client(), &tg.url("/x"), &[("x-who", who)]).await;
+            (a.status, a.headers, a.body)
+        };
+        told.push(answer);
+    }
+    let fields = |h: &http::HeaderMap| {
+        h.iter()
+            .filter(|(n, _)| *n != "date" && *n != "content-length")
+            .map(|(n, v)| format!("{n}: {}", v.to_str().unwrap()))
+            .collect::<Vec<_>>()
+    };
+    let (h2, h1) = (&told[1], &told[3]);
+    assert_eq!(
+        (told[0].0, h2.0, h1.0),
+        (
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::TOO_MANY_REQUESTS
+        )
+    );
+    assert_eq!(
+        fields(&h2.1),
+        [
+            "content-type: application/json",
+            "retry-after: 3600",
+            "ratelimit-policy: \"each\";q=1;w=3600, \"each\";q=5;w=86400",
+            "ratelimit: \"each\";r=0;t=3600, \"each\";r=4;t=86400",
+        ]
+    );
+    assert_eq!(fields(&h1.1), fields(&h2.1));
+    assert_eq!(h2.2, h1.2);
+    assert!(h2.2.starts_with(b"{\"error\":\"rate_limited\""), "{:?}", h2.2);
+}
+
+#[tokio::test]
 async fn an_http2_request_naming_no_host_is_a_400() {
     // Neither :authority nor host: NGINX answers 400, as tollgate answers an
     // HTTP/1.1 request without Host; a host rule would never count it.
