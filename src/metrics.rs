@@ -207,7 +207,40 @@ struct RuleHandles {
 }
 
 /// A thread's rule handles: per registry (by id), per rule name.
-type RulesSeen = Vec<(u64, HashMap<Box<str>, Arc<RuleHandles>>)>;
+type RulesSeen = Vec<(u64, Seen)>;
+
+/// Rules a thread keeps at hand beside its map: a busy thread decides for
+/// the same few rules again and again.
+const RECENT: usize = 4;
+
+/// One registry's rule handles on one thread.
+#[derive(Default)]
+struct Seen {
+    /// The last few rules recorded, found by comparing names: hashing the
+    /// name into the map was most of a decision's metrics (BENCHMARKS.md
+    /// §64).
+    recent: [Option<(Arc<str>, Arc<RuleHandles>)>; RECENT],
+    /// Where the next of `recent` goes.
+    next: usize,
+    names: HashMap<Arc<str>, Arc<RuleHandles>>,
+}
+
+impl Seen {
+    /// The handles of the rule named `rule`, if this thread has them.
+    fn find(&mut self, rule: &str) -> Option<&RuleHandles> {
+        let recent =
+            |kept: &Option<(Arc<str>, Arc<RuleHandles>)>| kept.as_ref().is_some_and(|(name, _)| **name == *rule);
+        if let Some(at) = self.recent.iter().position(recent) {
+            return self.recent.get(at)?.as_ref().map(|(_, handles)| &**handles);
+        }
+        let (name, handles) = self.names.get_key_value(rule)?;
+        let found = (name.clone(), handles.clone());
+        let slot = self.recent.get_mut(self.next % RECENT)?;
+        self.next = self.next.wrapping_add(1);
+        *slot = Some(found);
+        slot.as_ref().map(|(_, handles)| &**handles)
+    }
+}
 
 /// Most rule names a thread keeps the handles of per registry; past it
 /// (names retired by reloads pile up), it starts over.
@@ -557,9 +590,9 @@ impl Metrics {
             counter.inc();
             handles.activity.record(recent, at);
         };
-        let seen = RULES_SEEN.with_borrow(|seen| {
-            let mine = seen.iter().find(|(id, _)| *id == self.id);
-            mine.and_then(|(_, names)| names.get(rule)).map(|h| record(h)).is_some()
+        let seen = RULES_SEEN.with_borrow_mut(|seen| {
+            let mine = seen.iter_mut().find(|(id, _)| *id == self.id);
+            mine.and_then(|(_, seen)| seen.find(rule)).map(record).is_some()
         });
         if seen {
             return;
@@ -575,15 +608,15 @@ impl Metrics {
             let at = match seen.iter().position(|(id, _)| *id == self.id) {
                 Some(at) => at,
                 None => {
-                    seen.push((self.id, HashMap::new()));
+                    seen.push((self.id, Seen::default()));
                     seen.len().saturating_sub(1)
                 }
             };
-            if let Some((_, names)) = seen.get_mut(at) {
-                if names.len() >= RULES_SEEN_MAX {
-                    names.clear();
+            if let Some((_, seen)) = seen.get_mut(at) {
+                if seen.names.len() >= RULES_SEEN_MAX {
+                    seen.names.clear();
                 }
-                names.insert(rule.into(), handles);
+                seen.names.insert(rule.into(), handles);
             }
         });
     }
@@ -818,6 +851,51 @@ mod tests {
                 .count() as u64;
             assert_eq!(count(&tb, name, "limited"), limited, "{name}");
             assert_eq!(count(&tb, name, "allowed"), limited, "{name}");
+        }
+    }
+
+    /// A few rules in turn, more than a thread keeps at hand, some names
+    /// the start of others: each counts its own and no other's.
+    #[test]
+    fn rules_in_turn_count_their_own() {
+        let m = Metrics::new();
+        let names = ["r", "r1", "r10", "r100", "s", "r1", "t"];
+        let now = std::time::Instant::now();
+        for round in 0..50 {
+            for (i, name) in names.iter().enumerate() {
+                let event = if (i + round) % 3 == 0 {
+                    RuleEvent::Limited
+                } else {
+                    RuleEvent::Allowed
+                };
+                m.rule(name, event, now);
+            }
+        }
+        let text = m.render();
+        let count = |name: &str, outcome: &str| -> u64 {
+            let key = format!("tollgate_decisions_total{{rule=\"{name}\",outcome=\"{outcome}\"}} ");
+            text.lines()
+                .find_map(|l| l.strip_prefix(key.as_str()))
+                .map_or(0, |v| v.parse().unwrap())
+        };
+        for name in ["r", "r1", "r10", "r100", "s", "t"] {
+            let (mut allowed, mut limited) = (0, 0);
+            for round in 0..50 {
+                for (i, n) in names.iter().enumerate() {
+                    if *n == name {
+                        if (i + round) % 3 == 0 {
+                            limited += 1
+                        } else {
+                            allowed += 1
+                        }
+                    }
+                }
+            }
+            assert_eq!(
+                (count(name, "allowed"), count(name, "limited")),
+                (allowed, limited),
+                "{name}"
+            );
         }
     }
 
