@@ -641,6 +641,41 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        /// The proxy's refusal written out is the refusal's map, field for
+        /// field in the map's order, with the same body: whatever the
+        /// rule's name, its windows' states and whether the store failed.
+        #[test]
+        fn a_refusal_written_out_is_its_map(
+            name in "[a-z\"\\\\\u{e9} ]{0,8}",
+            retry in proptest::option::of(0u64..100_000),
+            never in proptest::bool::ANY,
+            unknown in proptest::bool::ANY,
+            closed in proptest::bool::ANY,
+        ) {
+            let mut d = decision();
+            Arc::make_mut(&mut d.rules[0].rule).name = name;
+            d.rules[0].windows[0].retry_ms = retry;
+            d.rules[0].windows[1].never = never;
+            d.rules[0].windows[0].unknown = unknown;
+            if closed {
+                d.verdict = Verdict::FailedClosed;
+            }
+            let by_map = refusal(&d, StatusCode::TOO_MANY_REQUESTS);
+            let (written, body) = refusal_written(&d);
+            let mut map_lines = Vec::new();
+            for (name, value) in by_map.headers() {
+                map_lines.extend_from_slice(name.as_str().as_bytes());
+                map_lines.extend_from_slice(b": ");
+                map_lines.extend_from_slice(value.as_bytes());
+                map_lines.extend_from_slice(b"\r\n");
+            }
+            proptest::prop_assert_eq!(String::from_utf8_lossy(&written.lines), String::from_utf8_lossy(&map_lines));
+            proptest::prop_assert!(!written.has_date);
+            proptest::prop_assert_eq!(&body, by_map.body());
+        }
+    }
+
     #[test]
     fn a_refusal_names_the_window_that_holds_it_out_longest() {
         // Both windows refuse (a cost of 3 against 5/3s with none left and
