@@ -12,7 +12,7 @@ use tollgate::settings::{Cli, Command, LogFormat};
 // Many small short-lived allocations per request (headers, keys); glibc's
 // allocator showed up at ~5% of proxy CPU in profiles, mimalloc much less.
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOCATOR: tollgate::heap::Allocator = tollgate::heap::Allocator;
 
 fn main() -> ExitCode {
     tollgate::heap::no_transparent_huge_pages();
