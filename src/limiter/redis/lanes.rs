@@ -26,6 +26,8 @@ const MAX_BATCH_KEYS: usize = 256;
 /// however many of them it carries, and 1 took 40 % fewer calls and
 /// 25-30 % of Redis's CPU per request, with no tail shown (change 58).
 const MAX_IN_FLIGHT: usize = 1;
+// `send_batches` makes a lane's calls one after another.
+const _: () = assert!(MAX_IN_FLIGHT == 1, "send_batches calls in turn: give each call a task to have more in flight");
 /// One thread's way to the node: its own connection, queue and batching
 /// task, all on that thread's runtime.
 pub(super) struct Lane {
@@ -191,32 +193,33 @@ async fn send_batches(
         if batch.is_empty() {
             continue;
         }
-        let (link, script) = (link.clone(), script.clone());
-        tokio::spawn(async move {
-            let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
-            let asked = batch.iter().map(|p| p.asked).min().unwrap_or_else(Instant::now);
-            let result = link.call(&script, &decisions, asked).await;
-            drop(decisions);
-            match result {
-                Ok(answers) => {
-                    for (p, a) in batch.into_iter().zip(answers) {
-                        let _ = p.reply.send(Ok(a));
-                    }
-                }
-                Err(e) => {
-                    link.node.clone().failed();
-                    let message = e.to_string();
-                    let mut batch = batch.into_iter();
-                    if let Some(p) = batch.next() {
-                        let _ = p.reply.send(Err(e));
-                    }
-                    for p in batch {
-                        let _ = p.reply.send(Err(super::failed(message.clone())));
-                    }
+        // Called here, not in a task of its own: with one call in flight
+        // a lane's next batch waits for this one's slot anyway, and a task
+        // per call cost ~1,000 instructions a batch, the future copied
+        // into its box and scheduled (BENCHMARKS.md §67).
+        let decisions: Vec<(&[OwnedCheck], bool)> = batch.iter().map(|p| (&p.checks[..], false)).collect();
+        let asked = batch.iter().map(|p| p.asked).min().unwrap_or_else(Instant::now);
+        let result = link.call(&script, &decisions, asked).await;
+        drop(decisions);
+        match result {
+            Ok(answers) => {
+                for (p, a) in batch.into_iter().zip(answers) {
+                    let _ = p.reply.send(Ok(a));
                 }
             }
-            drop(slot);
-        });
+            Err(e) => {
+                link.node.clone().failed();
+                let message = e.to_string();
+                let mut batch = batch.into_iter();
+                if let Some(p) = batch.next() {
+                    let _ = p.reply.send(Err(e));
+                }
+                for p in batch {
+                    let _ = p.reply.send(Err(super::failed(message.clone())));
+                }
+            }
+        }
+        drop(slot);
     }
 }
 
