@@ -356,12 +356,11 @@ async fn hop_by_hop_and_forwarding_headers() {
     assert_eq!(cookies, ["a=1", "b=2"]);
 }
 
-#[tokio::test]
-async fn websocket_upgrades_pass_through() {
-    let upstream = TestUpstream::start().await;
-    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
-    let mut s = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+/// A WebSocket handshake to `addr`: the connection, and the head it got
+/// back (in lower case).
+async fn handshake(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
         .await
         .unwrap();
@@ -375,7 +374,44 @@ async fn websocket_upgrades_pass_through() {
         assert!(n > 0, "closed before the 101");
         head.extend_from_slice(&buf[..n]);
     }
-    let head = String::from_utf8_lossy(&head).to_lowercase();
+    (s, String::from_utf8_lossy(&head).to_lowercase())
+}
+
+#[tokio::test]
+async fn a_websocket_handshake_tells_tollgate_s_ratelimit_fields_not_the_upstream_s() {
+    // README: RateLimit headers on admitted responses; the upstream's own
+    // are replaced, as on any other answer. A 101 passed the upstream's on
+    // and told none of tollgate's.
+    const WS: &str = "\
+domain: it
+rules:
+  - name: ws
+    match: { path: /ws }
+    by: [client_ip]
+    limits: [{ requests: 100, per: 60s }]
+";
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(WS, upstream.addr, &[]);
+    let (_, head) = handshake(tg.addr).await;
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("ratelimit-policy: \"ws\";q=100;w=60\r\n"), "{head}");
+    assert!(head.contains("ratelimit: \"ws\";r=99;t=60\r\n"), "{head}");
+    assert!(!head.contains("upstream"), "the upstream's own went on too: {head}");
+    // Told nothing of its own, tollgate passes the upstream's on, as it
+    // does on other answers.
+    let tg = Tollgate::start(WS, upstream.addr, &["--ratelimit-headers", "false"]);
+    let (_, head) = handshake(tg.addr).await;
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    assert!(head.contains("ratelimit: \"upstream\";r=9;t=10\r\n"), "{head}");
+    assert!(!head.contains("\"ws\""), "{head}");
+}
+
+#[tokio::test]
+async fn websocket_upgrades_pass_through() {
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut s, head) = handshake(tg.addr).await;
     assert!(head.starts_with("http/1.1 101"), "{head}");
     assert!(head.contains("upgrade: websocket"), "{head}");
     s.write_all(b"ping through the tunnel").await.unwrap();

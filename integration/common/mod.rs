@@ -482,6 +482,9 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
             .status(StatusCode::SWITCHING_PROTOCOLS)
             .header("upgrade", "websocket")
             .header("connection", "upgrade")
+            // The upstream's own, which tollgate's replace when it tells them.
+            .header("ratelimit-policy", "\"upstream\";q=10;w=10")
+            .header("ratelimit", "\"upstream\";r=9;t=10")
             .body(full(Vec::new()))
             .unwrap();
         return Ok(r);

@@ -233,16 +233,16 @@ impl Proxy {
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
         let response = self.exchange(outgoing, call).await?;
-        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            return Ok(switch_protocols(client_upgrade, response));
-        }
-        let (mut parts, mut body) = response.into_parts();
         // The RateLimit fields the answer gets, in place of any the
-        // upstream sent.
+        // upstream sent: a WebSocket handshake's `101` too.
         let mut ratelimit = match self.options.ratelimit_headers {
             true => render::admission_values(&admitted.decision),
             false => None,
         };
+        if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(switch_protocols(client_upgrade, response, ratelimit));
+        }
+        let (mut parts, mut body) = response.into_parts();
         // Our own client's answers come with their fields as they came,
         // relayed as written; hyper's in their map.
         let relayed = match body.take_fields() {
@@ -1121,7 +1121,12 @@ struct Admitted {
 /// Relays an upstream's `101`: the two upgraded connections are joined end
 /// to end. A protocol switch nobody asked for (or to another protocol than
 /// the WebSocket the client asked for) cannot be relayed: 502.
-fn switch_protocols(client_upgrade: Option<OnUpgrade>, mut response: Response<UpstreamBody>) -> Response<ProxyBody> {
+/// `ratelimit`: tollgate's RateLimit fields, which replace the upstream's.
+fn switch_protocols(
+    client_upgrade: Option<OnUpgrade>,
+    mut response: Response<UpstreamBody>,
+    ratelimit: Option<(HeaderValue, HeaderValue)>,
+) -> Response<ProxyBody> {
     let Some(client_upgrade) = client_upgrade.filter(|_| wants_upgrade(response.headers())) else {
         tracing::warn!("upstream switched protocols unasked");
         return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
@@ -1137,6 +1142,10 @@ fn switch_protocols(client_upgrade: Option<OnUpgrade>, mut response: Response<Up
     });
     let (mut parts, _) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers, true);
+    if let Some((policy, state)) = ratelimit {
+        parts.headers.insert(render::RATELIMIT_POLICY, policy);
+        parts.headers.insert(render::RATELIMIT, state);
+    }
     Response::from_parts(parts, Either::Right(WholeBody::new(Bytes::new())))
 }
 
