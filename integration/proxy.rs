@@ -407,6 +407,30 @@ rules:
 }
 
 #[tokio::test]
+async fn an_http10_request_s_upgrade_is_ignored() {
+    // RFC 9110 §7.8. Joined, the client was told 101 and then had its
+    // connection closed at once (a 37th-attack case).
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = TestUpstream::start().await;
+    let tg = Tollgate::start(LOGIN, upstream.addr, &[]);
+    let mut s = tokio::net::TcpStream::connect(tg.addr).await.unwrap();
+    s.write_all(b"GET /echo HTTP/1.0\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut answer))
+        .await
+        .unwrap()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer).to_lowercase();
+    assert!(answer.starts_with("http/1.0 200"), "{answer}");
+    assert!(
+        !answer.contains("x-seen-upgrade"),
+        "the upgrade went upstream: {answer}"
+    );
+}
+
+#[tokio::test]
 async fn websocket_upgrades_pass_through() {
     let upstream = TestUpstream::start().await;
     let tg = Tollgate::start(LOGIN, upstream.addr, &[]);

@@ -219,7 +219,9 @@ impl Proxy {
         call: Call,
     ) -> Result<Response<ProxyBody>, Response<ProxyBody>> {
         let client_h2 = req.version() == Version::HTTP_2;
-        let upgrade = wants_upgrade(req.headers());
+        // RFC 9110 §7.8: an HTTP/1.0 request's `Upgrade` is ignored. Joined,
+        // its client got a 101 and at once a closed connection.
+        let upgrade = req.version() == Version::HTTP_11 && wants_upgrade(req.headers());
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
         for name in &admitted.respelled {
             req.headers_mut().remove(name);
