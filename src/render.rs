@@ -223,10 +223,16 @@ fn refusal_values(decision: &Decision) -> (Option<HeaderValue>, Option<(HeaderVa
 
 /// Headers for an admitted request: the tightest window only.
 pub fn admission_headers(decision: &Decision, headers: &mut HeaderMap) {
-    if let Some((policy, state)) = admission_values(decision) {
-        headers.insert(RATELIMIT_POLICY, policy);
-        headers.insert(RATELIMIT, state);
+    if let Some(pair) = admission_values(decision) {
+        insert_ratelimit(headers, pair);
     }
+}
+
+/// Puts [`admission_values`]' `RateLimit-Policy` and `RateLimit` into
+/// `headers`, in place of any it held (an upstream's own).
+pub fn insert_ratelimit(headers: &mut HeaderMap, (policy, state): (HeaderValue, HeaderValue)) {
+    headers.insert(RATELIMIT_POLICY, policy);
+    headers.insert(RATELIMIT, state);
 }
 
 /// The values of [`admission_headers`]' `RateLimit-Policy` and `RateLimit`,

@@ -288,9 +288,8 @@ impl Proxy {
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
         // keep-alive connection after every response (NGINX answers 1.1).
         parts.version = http::Version::HTTP_11;
-        if let Some((policy, state)) = ratelimit {
-            parts.headers.insert(render::RATELIMIT_POLICY, policy);
-            parts.headers.insert(render::RATELIMIT, state);
+        if let Some(pair) = ratelimit {
+            render::insert_ratelimit(&mut parts.headers, pair);
         }
         if client_h2 {
             // HTTP/2's default frame size.
@@ -1144,9 +1143,8 @@ fn switch_protocols(
     });
     let (mut parts, _) = response.into_parts();
     strip_hop_by_hop(&mut parts.headers, true);
-    if let Some((policy, state)) = ratelimit {
-        parts.headers.insert(render::RATELIMIT_POLICY, policy);
-        parts.headers.insert(render::RATELIMIT, state);
+    if let Some(pair) = ratelimit {
+        render::insert_ratelimit(&mut parts.headers, pair);
     }
     Response::from_parts(parts, Either::Right(WholeBody::new(Bytes::new())))
 }
@@ -1441,8 +1439,7 @@ mod tests {
             // tollgate's own RateLimit fields, as `forward` adds them.
             let (policy, state) = (HeaderValue::from_static("\"r\";q=5;w=60"), HeaderValue::from_static("\"r\";r=4;t=60"));
             if replacing {
-                map.insert(render::RATELIMIT_POLICY, policy.clone());
-                map.insert(render::RATELIMIT, state.clone());
+                render::insert_ratelimit(&mut map, (policy.clone(), state.clone()));
             }
             let mut beside = HeaderMap::new();
             let Some((by_lines, mut written)) = relay_written(&upstream, status, &mut beside, replacing) else {
