@@ -407,6 +407,29 @@ rules:
 }
 
 #[tokio::test]
+async fn sigterm_closes_a_websocket_tunnel_at_once() {
+    // README: a joined tunnel is not a request in flight, so a stop does
+    // not wait --shutdown-timeout for it, and exits 0.
+    use tokio::io::AsyncReadExt;
+    let upstream = TestUpstream::start().await;
+    let mut tg = Tollgate::start(LOGIN, upstream.addr, &["--shutdown-timeout", "20s"]);
+    let (mut s, head) = handshake(tg.addr).await;
+    assert!(head.starts_with("http/1.1 101"), "{head}");
+    let began = std::time::Instant::now();
+    tg.signal("TERM");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest))
+        .await
+        .expect("the tunnel is closed at once, not after --shutdown-timeout")
+        .ok();
+    let exited = tokio::task::spawn_blocking(move || tg.wait_exit(Duration::from_secs(5)))
+        .await
+        .unwrap();
+    assert_eq!(exited, Some(true), "exits 0, without waiting for the tunnel");
+    assert!(began.elapsed() < Duration::from_secs(10), "{:?}", began.elapsed());
+}
+
+#[tokio::test]
 async fn an_http10_request_s_upgrade_is_ignored() {
     // RFC 9110 §7.8. Joined, the client was told 101 and then had its
     // connection closed at once (a 37th-attack case).

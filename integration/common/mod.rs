@@ -485,6 +485,7 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
             // The upstream's own, which tollgate's replace when it tells them.
             .header("ratelimit-policy", "\"upstream\";q=10;w=10")
             .header("ratelimit", "\"upstream\";r=9;t=10")
+            .header("ratelimit", "\"upstream-2\";r=8;t=10")
             .body(full(Vec::new()))
             .unwrap();
         return Ok(r);
