@@ -489,7 +489,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
                 path: "/",
                 query: None,
                 host: Some("h"),
-                headers: &headers,
+                headers: tollgate::fields::Fields::Map(&headers),
                 client_ip: "10.0.0.1".parse().unwrap(),
                 client_cert: None,
             };

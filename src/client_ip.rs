@@ -8,7 +8,12 @@
 use std::cell::RefCell;
 use std::net::IpAddr;
 
-use http::HeaderMap;
+use http::HeaderName;
+
+use crate::fields::Fields;
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 use ipnet::IpNet;
 
 /// The proxies whose forwarding headers are believed.
@@ -45,15 +50,14 @@ impl TrustedProxies {
     }
 
     /// The client address for a request that arrived from `peer`.
-    pub fn client_ip(&self, peer: IpAddr, headers: &HeaderMap) -> IpAddr {
+    pub fn client_ip(&self, peer: IpAddr, headers: Fields<'_>) -> IpAddr {
         let peer = peer.to_canonical();
         if !self.trusts(peer) {
             return peer;
         }
         let forwarded: Vec<&[u8]> = headers
-            .get_all("x-forwarded-for")
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+            .get_all(&X_FORWARDED_FOR)
+            .flat_map(|v| v.split(|b| *b == b','))
             .collect();
         if !forwarded.is_empty() {
             let mut client = peer;
@@ -67,10 +71,7 @@ impl TrustedProxies {
             }
             return client;
         }
-        headers
-            .get("x-real-ip")
-            .and_then(|v| parse_ip(v.as_bytes()))
-            .unwrap_or(peer)
+        headers.get(&X_REAL_IP).and_then(parse_ip).unwrap_or(peer)
     }
 }
 
@@ -111,6 +112,7 @@ pub fn ip_text(ip: IpAddr) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
@@ -128,7 +130,7 @@ mod tests {
     fn untrusted_peers_cannot_spoof() {
         let t = TrustedProxies::parse(&["10.0.0.0/8"]).unwrap();
         let h = headers(&[("x-forwarded-for", "1.2.3.4"), ("x-real-ip", "5.6.7.8")]);
-        assert_eq!(t.client_ip(ip("192.0.2.1"), &h), ip("192.0.2.1"));
+        assert_eq!(t.client_ip(ip("192.0.2.1"), crate::fields::Fields::Map(&h)), ip("192.0.2.1"));
     }
 
     #[test]
@@ -139,11 +141,11 @@ mod tests {
             ("x-forwarded-for", "6.6.6.6, 203.0.113.9"),
             ("x-forwarded-for", "10.1.1.1"),
         ]);
-        assert_eq!(t.client_ip(ip("127.0.0.1"), &h), ip("203.0.113.9"));
+        assert_eq!(t.client_ip(ip("127.0.0.1"), crate::fields::Fields::Map(&h)), ip("203.0.113.9"));
         let all_trusted = headers(&[("x-forwarded-for", "10.0.0.2, 10.0.0.3")]);
-        assert_eq!(t.client_ip(ip("127.0.0.1"), &all_trusted), ip("10.0.0.2"));
+        assert_eq!(t.client_ip(ip("127.0.0.1"), crate::fields::Fields::Map(&all_trusted)), ip("10.0.0.2"));
         let garbage = headers(&[("x-forwarded-for", "nonsense, 10.0.0.3")]);
-        assert_eq!(t.client_ip(ip("127.0.0.1"), &garbage), ip("10.0.0.3"));
+        assert_eq!(t.client_ip(ip("127.0.0.1"), crate::fields::Fields::Map(&garbage)), ip("10.0.0.3"));
         // Load balancers that append the client's port (Azure App Gateway)
         // still name one client each, not the proxy for all of them.
         for (hop, client) in [
@@ -152,7 +154,7 @@ mod tests {
             ("[2001:db8::2]", "2001:db8::2"),
         ] {
             let h = headers(&[("x-forwarded-for", hop)]);
-            assert_eq!(t.client_ip(ip("127.0.0.1"), &h), ip(client), "{hop}");
+            assert_eq!(t.client_ip(ip("127.0.0.1"), crate::fields::Fields::Map(&h)), ip(client), "{hop}");
         }
     }
 
@@ -160,9 +162,9 @@ mod tests {
     fn real_ip_and_mapped_addresses() {
         let t = TrustedProxies::parse(&["::1", "127.0.0.0/8"]).unwrap();
         let h = headers(&[("x-real-ip", "198.51.100.7")]);
-        assert_eq!(t.client_ip(ip("::1"), &h), ip("198.51.100.7"));
-        assert_eq!(t.client_ip(ip("::ffff:127.0.0.1"), &h), ip("198.51.100.7"));
-        assert_eq!(t.client_ip(ip("::ffff:192.0.2.1"), &h), ip("192.0.2.1"));
+        assert_eq!(t.client_ip(ip("::1"), crate::fields::Fields::Map(&h)), ip("198.51.100.7"));
+        assert_eq!(t.client_ip(ip("::ffff:127.0.0.1"), crate::fields::Fields::Map(&h)), ip("198.51.100.7"));
+        assert_eq!(t.client_ip(ip("::ffff:192.0.2.1"), crate::fields::Fields::Map(&h)), ip("192.0.2.1"));
         assert!(TrustedProxies::parse(&["10.0.0.0/33"]).is_err());
     }
 }

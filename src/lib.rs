@@ -66,6 +66,7 @@ pub mod upstream;
 request_path! {
     pub mod activity;
     pub mod client_ip;
+    pub mod fields;
     pub mod render;
     pub mod limiter;
     pub mod limits;

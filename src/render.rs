@@ -12,7 +12,11 @@ use bytes::Bytes;
 use http::header::{CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue, RETRY_AFTER};
 use http::{Response, StatusCode};
 
+use crate::fields::Fields;
 use crate::limiter::{Decision, RuleOutcome, Verdict, WindowOutcome};
+
+/// A gRPC call's deadline.
+static GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// `RateLimit-Policy`: the quota of each window.
 pub const RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -101,8 +105,8 @@ pub struct MalformedTimeout;
 
 /// A gRPC call's deadline from its `grpc-timeout` header (`Ok(None)`
 /// without one).
-pub fn grpc_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>, MalformedTimeout> {
-    let mut values = headers.get_all("grpc-timeout").iter();
+pub fn grpc_deadline(headers: Fields<'_>) -> Result<Option<std::time::Duration>, MalformedTimeout> {
+    let mut values = headers.get_all(&GRPC_TIMEOUT);
     let first = values.next();
     // Two deadlines: tollgate would keep one and the upstream the other.
     if values.next().is_some() {
@@ -115,8 +119,8 @@ pub fn grpc_deadline(headers: &HeaderMap) -> Result<Option<std::time::Duration>,
 }
 
 /// A `grpc-timeout` value read as a duration, if it is well formed.
-fn grpc_timeout(value: &HeaderValue) -> Option<std::time::Duration> {
-    let text = value.to_str().ok()?;
+fn grpc_timeout(value: &[u8]) -> Option<std::time::Duration> {
+    let text = crate::fields::text(value)?;
     let split = text.len().checked_sub(1)?;
     let (digits, unit) = (text.get(..split)?, text.get(split..)?);
     if digits.is_empty() || digits.len() > 8 || !digits.bytes().all(|b| b.is_ascii_digit()) {
@@ -138,9 +142,8 @@ fn grpc_timeout(value: &HeaderValue) -> Option<std::time::Duration> {
 /// Whether a request is a gRPC call (`application/grpc`, `application/grpc+proto`,
 /// in any case, as media types are). gRPC-Web (`application/grpc-web…`) is
 /// another protocol, answered as plain HTTP.
-pub fn is_grpc(headers: &HeaderMap) -> bool {
-    let Some(v) = headers.get(CONTENT_TYPE) else { return false };
-    let v = v.as_bytes();
+pub fn is_grpc(headers: Fields<'_>) -> bool {
+    let Some(v) = headers.get(&CONTENT_TYPE) else { return false };
     let prefix = b"application/grpc";
     v.get(..prefix.len()).is_some_and(|p| p.eq_ignore_ascii_case(prefix))
         && matches!(v.get(prefix.len()), None | Some(b'+' | b';'))
@@ -474,10 +477,10 @@ mod grpc_tests {
         let at = |v: &str| {
             let mut h = HeaderMap::new();
             h.insert("grpc-timeout", HeaderValue::from_str(v).unwrap());
-            grpc_deadline(&h)
+            grpc_deadline(crate::fields::Fields::Map(&h))
         };
         use std::time::Duration;
-        assert_eq!(grpc_deadline(&HeaderMap::new()), Ok(None));
+        assert_eq!(grpc_deadline(crate::fields::Fields::Map(&HeaderMap::new())), Ok(None));
         assert_eq!(at("100m"), Ok(Some(Duration::from_millis(100))));
         assert_eq!(at("5S"), Ok(Some(Duration::from_secs(5))));
         assert_eq!(at("2H"), Ok(Some(Duration::from_secs(7200))));
@@ -490,7 +493,7 @@ mod grpc_tests {
         let mut twice = HeaderMap::new();
         twice.append("grpc-timeout", HeaderValue::from_static("1S"));
         twice.append("grpc-timeout", HeaderValue::from_static("abc"));
-        assert_eq!(grpc_deadline(&twice), Err(MalformedTimeout), "sent twice");
+        assert_eq!(grpc_deadline(crate::fields::Fields::Map(&twice)), Err(MalformedTimeout), "sent twice");
     }
 
     #[test]
@@ -498,7 +501,7 @@ mod grpc_tests {
         let grpc = |v: &str| {
             let mut h = HeaderMap::new();
             h.insert(CONTENT_TYPE, HeaderValue::from_str(v).unwrap());
-            is_grpc(&h)
+            is_grpc(crate::fields::Fields::Map(&h))
         };
         for yes in ["application/grpc", "application/grpc+proto", "APPLICATION/GRPC", "Application/gRPC+json", "application/grpc;x=1"] {
             assert!(grpc(yes), "{yes}");

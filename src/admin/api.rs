@@ -600,13 +600,13 @@ pub(super) async fn explain(
                     .parse()
                     .map_err(|_| ExplainError::Field(format!("not an IP address: {c:?}")))?,
             };
-            let host = request_host(version, &uri, &headers)?;
+            let host = request_host(version, &uri, crate::fields::Fields::Map(&headers))?;
             let info = RequestInfo {
                 method: &method,
                 path: uri.path(),
                 query: uri.query(),
                 host,
-                headers: &headers,
+                headers: crate::fields::Fields::Map(&headers),
                 client_ip: client,
                 client_cert: None,
             };

@@ -18,7 +18,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use http::{HeaderMap, HeaderName};
+use http::HeaderName;
+
+use crate::fields::Fields;
 
 use super::{HeaderValueMatch, PathPattern, Rule};
 
@@ -104,7 +106,7 @@ impl RuleIndex {
     /// for `path` (in matching form, see [`crate::path::matching_form`]) on
     /// `host` (without port) with `headers`; every rule that matches is
     /// among them.
-    pub fn candidates(&self, path: &str, host: Option<&str>, headers: &HeaderMap) -> Vec<usize> {
+    pub fn candidates(&self, path: &str, host: Option<&str>, headers: Fields<'_>) -> Vec<usize> {
         let folded = if self.folds {
             crate::path::fold_case(path)
         } else {
@@ -130,7 +132,7 @@ impl RuleIndex {
 
 impl PathIndex {
     /// Adds the rules that may match `path` (`folded`: it lower-cased).
-    fn collect(&self, path: &str, folded: &str, headers: &HeaderMap, out: &mut Vec<usize>) {
+    fn collect(&self, path: &str, folded: &str, headers: Fields<'_>, out: &mut Vec<usize>) {
         self.any.collect(headers, out);
         // An exact path also matches its spelling with a trailing slash.
         let exact = |map: &HashMap<Box<str>, Bucket>, p: &str, out: &mut Vec<usize>| {
@@ -157,7 +159,7 @@ impl Prefixes {
     /// order, and every string there starts with `q`; so each such `q` is a
     /// prefix of the greatest entry not above `path`, and is found on that
     /// entry's chain of shorter prefixes.
-    fn collect(&self, path: &str, headers: &HeaderMap, out: &mut Vec<usize>) {
+    fn collect(&self, path: &str, headers: Fields<'_>, out: &mut Vec<usize>) {
         let below = match self
             .entries
             .binary_search_by(|e| e.prefix.as_bytes().cmp(path.as_bytes()))
@@ -244,13 +246,13 @@ impl Bucket {
     }
 
     /// Adds the rules that may match a request with `headers`.
-    fn collect(&self, headers: &HeaderMap, out: &mut Vec<usize>) {
+    fn collect(&self, headers: Fields<'_>, out: &mut Vec<usize>) {
         out.extend_from_slice(&self.rules);
         if let Some(keyed) = &self.keyed {
             // As the matcher compares: any of the values, without the
             // spaces and tabs around it.
             for value in headers.get_all(&keyed.name) {
-                if let Some(rules) = keyed.by_value.get(value.as_bytes().trim_ascii()) {
+                if let Some(rules) = keyed.by_value.get(value.trim_ascii()) {
                     out.extend_from_slice(rules);
                 }
             }
@@ -329,6 +331,7 @@ impl Prefixes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     fn prefixes(list: &[&str]) -> Prefixes {
         Prefixes::new(
@@ -351,7 +354,7 @@ mod tests {
         let p = prefixes(&list);
         for path in ["/", "/a", "/a/b/c", "/ab", "/abc", "/a/bd", "/a/c", "/c", "", "/a/"] {
             let mut got = Vec::new();
-            p.collect(path, &HeaderMap::new(), &mut got);
+            p.collect(path, Fields::Map(&HeaderMap::new()), &mut got);
             got.sort_unstable();
             let want: Vec<usize> = (0..list.len()).filter(|&i| path.starts_with(list[i])).collect();
             assert_eq!(got, want, "{path}");
@@ -367,18 +370,21 @@ mod tests {
         .unwrap();
         let index = &limits.index;
         assert_eq!(
-            index.candidates("/Login", Some("Api.Example.COM"), &HeaderMap::new()),
+            index.candidates("/Login", Some("Api.Example.COM"), Fields::Map(&HeaderMap::new())),
             vec![0, 2]
         );
         assert_eq!(
-            index.candidates("/Login/", Some("api.example.com"), &HeaderMap::new()),
+            index.candidates("/Login/", Some("api.example.com"), Fields::Map(&HeaderMap::new())),
             vec![0, 2]
         );
         assert_eq!(
-            index.candidates("/login", Some("api.example.com"), &HeaderMap::new()),
+            index.candidates("/login", Some("api.example.com"), Fields::Map(&HeaderMap::new())),
             vec![2]
         );
-        assert_eq!(index.candidates("/API/x", None, &HeaderMap::new()), vec![1, 2]);
-        assert_eq!(index.candidates("/Apix", None, &HeaderMap::new()), vec![2]);
+        assert_eq!(
+            index.candidates("/API/x", None, Fields::Map(&HeaderMap::new())),
+            vec![1, 2]
+        );
+        assert_eq!(index.candidates("/Apix", None, Fields::Map(&HeaderMap::new())), vec![2]);
     }
 }

@@ -8,7 +8,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use http::{HeaderMap, HeaderName};
+use http::HeaderName;
+
+use crate::fields::Fields;
 
 use super::http::{RequestError, RequestInfo};
 use crate::config::{Cost, Limits, Part};
@@ -91,7 +93,7 @@ impl Catalog {
     /// a second key beside the counted one, to the upstream. The proxy
     /// drops them, as NGINX drops every name with `_` by default
     /// (`underscores_in_headers off`).
-    pub fn respelled_headers(&self, headers: &HeaderMap) -> Vec<HeaderName> {
+    pub fn respelled_headers(&self, headers: Fields<'_>) -> Vec<HeaderName> {
         if self.read_headers.is_empty() {
             return Vec::new();
         }
@@ -99,14 +101,13 @@ impl Catalog {
         // A name a rule reads itself is kept (rules reading both
         // `x-api-key` and `x_api_key` see each as the other's respelling).
         headers
-            .keys()
+            .names()
             .filter(|name| {
-                let name = name.as_str();
                 (self.underscore_read || name.contains('_'))
                     && self.read_headers.iter().any(|read| respells(read.as_str(), name))
-                    && !self.read_headers.iter().any(|read| read.as_str() == name)
+                    && !self.read_headers.iter().any(|read| read.as_str() == *name)
             })
-            .cloned()
+            .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())
             .collect()
     }
 
@@ -145,6 +146,7 @@ fn respells(read: &str, name: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
 
     #[test]
     fn a_respelling_is_removed_unless_a_rule_reads_that_name_too() {
@@ -156,7 +158,7 @@ mod tests {
             headers.insert(HeaderName::from_static(name), "v".parse().unwrap());
         }
         let removed = |c: &Catalog| {
-            let mut names: Vec<String> = c.respelled_headers(&headers).iter().map(|n| n.to_string()).collect();
+            let mut names: Vec<String> = c.respelled_headers(Fields::Map(&headers)).iter().map(|n| n.to_string()).collect();
             names.sort();
             names
         };

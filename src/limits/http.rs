@@ -6,7 +6,9 @@
 
 use std::net::IpAddr;
 
-use http::{HeaderMap, Method};
+use http::Method;
+
+use crate::fields::{Fields, text};
 use percent_encoding::percent_decode;
 
 use super::keys::{self, Value};
@@ -25,7 +27,7 @@ pub struct RequestInfo<'a> {
     /// The host the client asked for, as sent (may carry a port).
     pub host: Option<&'a str>,
     /// All request headers.
-    pub headers: &'a HeaderMap,
+    pub headers: Fields<'a>,
     /// The client address, after trusted-proxy resolution.
     pub client_ip: IpAddr,
     /// The subject of the client's verified TLS certificate, if it sent one.
@@ -100,9 +102,9 @@ pub enum RequestError {
 pub fn request_host<'a>(
     version: http::Version,
     uri: &'a http::Uri,
-    headers: &'a HeaderMap,
+    headers: Fields<'a>,
 ) -> Result<Option<&'a str>, RequestError> {
-    let mut hosts = headers.get_all(http::header::HOST).iter();
+    let mut hosts = headers.get_all(&http::header::HOST);
     let host = hosts.next();
     if hosts.next().is_some() {
         return Err(RequestError::HostRepeated);
@@ -111,7 +113,7 @@ pub fn request_host<'a>(
     // `user@api.example.com` would dodge a rule on api.example.com while
     // an upstream that drops the userinfo serves it as that host.
     let userinfo = uri.authority().is_some_and(|a| a.as_str().contains('@'))
-        || host.is_some_and(|h| h.as_bytes().contains(&b'@'));
+        || host.is_some_and(|h| h.contains(&b'@'));
     if userinfo {
         return Err(RequestError::HostUserinfo);
     }
@@ -119,26 +121,26 @@ pub fn request_host<'a>(
     // api.example.com, and is what an upstream reading X-Forwarded-Host as
     // a list takes for api.example.com.
     let listed = uri.authority().is_some_and(|a| a.as_str().contains(','))
-        || host.is_some_and(|h| h.as_bytes().contains(&b','));
+        || host.is_some_and(|h| h.contains(&b','));
     if listed {
         return Err(RequestError::HostList);
     }
     let invalid = uri.authority().is_some_and(|a| !valid_host(a.as_str().as_bytes()))
-        || host.is_some_and(|h| !valid_host(h.as_bytes()));
+        || host.is_some_and(|h| !valid_host(h));
     if invalid {
         return Err(RequestError::HostInvalid);
     }
     if let Some(authority) = uri.authority() {
         let differs = host
-            .and_then(|h| h.to_str().ok().map(canonical_host))
+            .and_then(|h| text(h).map(canonical_host))
             .is_some_and(|h| h != canonical_host(authority.as_str()));
-        if differs || host.is_some_and(|h| h.to_str().is_err()) {
+        if differs || host.is_some_and(|h| text(h).is_none()) {
             return Err(RequestError::HostConflict);
         }
         return Ok(Some(authority.as_str()));
     }
     match host {
-        Some(h) => Ok(h.to_str().ok()),
+        Some(h) => Ok(text(h)),
         // HTTP/2 with neither `:authority` nor `host` too, as NGINX answers it.
         None if version == http::Version::HTTP_11 || version == http::Version::HTTP_2 => {
             Err(RequestError::HostMissing)
@@ -231,11 +233,11 @@ fn file_hits(
     Ok(())
 }
 
-fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, RequestError> {
+fn cost_of(rule: &Rule, headers: Fields<'_>) -> Result<u64, RequestError> {
     match &rule.cost {
         Cost::Fixed(n) => Ok(*n),
         Cost::Header(name) => {
-            let mut values = headers.get_all(name).iter();
+            let mut values = headers.get_all(name);
             let Some(v) = values.next() else { return Ok(1) };
             let bad = || RequestError::BadCost {
                 rule: rule.name.clone(),
@@ -244,8 +246,7 @@ fn cost_of(rule: &Rule, headers: &HeaderMap) -> Result<u64, RequestError> {
             if values.next().is_some() {
                 return Err(bad());
             }
-            v.to_str()
-                .ok()
+            text(v)
                 .and_then(|s| s.trim().parse::<u64>().ok())
                 .filter(|n| (1..=crate::config::MAX_UNITS).contains(n))
                 .ok_or_else(bad)
@@ -307,14 +308,14 @@ fn part_value(
             (!joined.is_empty()).then(|| Value::from_bytes(joined))
         }
         Part::Header(name) => {
-            let mut values = req.headers.get_all(name).iter();
+            let mut values = req.headers.get_all(name);
             let Some(first) = values.next() else { return Ok(None) };
             if values.next().is_some() {
                 return Err(repeated(format!("header {name}")));
             }
             // HTTP/1 parsers strip the spaces and tabs around a value; HTTP/2
             // hands them through, and the upstream's parser strips them.
-            Some(Value::from_bytes(first.as_bytes().trim_ascii().to_vec()))
+            Some(Value::from_bytes(first.trim_ascii().to_vec()))
         }
         Part::ClientCert => req.client_cert.map(|s| Value::Text(s.to_string())),
         Part::Query(name) => match req.query {
@@ -337,13 +338,13 @@ fn part_value(
 /// HTTP/2 client sends one field per cookie (browsers do), and RFC 9113
 /// §8.2.3 has them joined so; the proxy passes this line on, and a rule
 /// keyed on `header:cookie` counts it.
-pub fn cookie_line(headers: &HeaderMap) -> Vec<u8> {
+pub fn cookie_line(headers: Fields<'_>) -> Vec<u8> {
     let mut joined = Vec::new();
-    for (i, line) in headers.get_all(http::header::COOKIE).iter().enumerate() {
+    for (i, line) in headers.get_all(&http::header::COOKIE).enumerate() {
         if i > 0 {
             joined.extend_from_slice(b"; ");
         }
-        joined.extend_from_slice(line.as_bytes().trim_ascii());
+        joined.extend_from_slice(line.trim_ascii());
     }
     joined
 }
@@ -577,6 +578,7 @@ fn strip_port(host: &str) -> &str {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::HeaderMap;
     use crate::config::parse_str;
 
     #[test]
@@ -654,7 +656,7 @@ rules:
             path,
             query,
             host: Some("API.example.com:8443"),
-            headers,
+            headers: crate::fields::Fields::Map(headers),
             client_ip: "10.0.0.7".parse().unwrap(),
             client_cert: None,
         }
@@ -806,7 +808,7 @@ rules:
                 }
             }
             let client_ip = if v6 { "2001:db8::1".parse().unwrap() } else { "10.0.0.7".parse().unwrap() };
-            let req = RequestInfo { method: &method, path: &path, query: query.as_deref(), host: host.as_deref(), headers: &h, client_ip, client_cert: None };
+            let req = RequestInfo { method: &method, path: &path, query: query.as_deref(), host: host.as_deref(), headers: crate::fields::Fields::Map(&h), client_ip, client_cert: None };
             if let Ok(hits) = hits(&limits, &req) {
                 for hit in hits {
                     proptest::prop_assert!(hit.key.len() < 400, "{}", hit.key);
@@ -900,7 +902,7 @@ rules:
                 for (name, value) in header {
                     headers.append(name, value.parse().unwrap());
                 }
-                let req = RequestInfo { method: &method, path: &path, query: None, host, headers: &headers, client_ip: "10.0.0.1".parse().unwrap(), client_cert: None };
+                let req = RequestInfo { method: &method, path: &path, query: None, host, headers: crate::fields::Fields::Map(&headers), client_ip: "10.0.0.1".parse().unwrap(), client_cert: None };
                 let seen = |hits: Vec<Hit>| hits.into_iter().map(|h| (h.rule.name.clone(), h.key, h.cost)).collect::<Vec<_>>();
                 let scan = hits(&limits, &req).map(seen);
                 let mut indexed = Vec::new();
@@ -923,17 +925,17 @@ rules:
         // `user@api.example.com` would miss a rule on api.example.com.
         let uri: http::Uri = "http://user@api.example.com/x".parse().unwrap();
         let none = HeaderMap::new();
-        let refused = request_host(http::Version::HTTP_2, &uri, &none);
+        let refused = request_host(http::Version::HTTP_2, &uri, crate::fields::Fields::Map(&none));
         assert!(matches!(refused, Err(RequestError::HostUserinfo)), "{refused:?}");
         let mut headers = HeaderMap::new();
         headers.insert(http::header::HOST, "user@api.example.com".parse().unwrap());
         let origin: http::Uri = "/x".parse().unwrap();
-        let refused = request_host(http::Version::HTTP_11, &origin, &headers);
+        let refused = request_host(http::Version::HTTP_11, &origin, crate::fields::Fields::Map(&headers));
         assert!(matches!(refused, Err(RequestError::HostUserinfo)), "{refused:?}");
         headers.insert(http::header::HOST, "api.example.com,other".parse().unwrap());
-        let refused = request_host(http::Version::HTTP_11, &origin, &headers);
+        let refused = request_host(http::Version::HTTP_11, &origin, crate::fields::Fields::Map(&headers));
         assert!(matches!(refused, Err(RequestError::HostList)), "{refused:?}");
         headers.insert(http::header::HOST, "api.example.com".parse().unwrap());
-        assert_eq!(request_host(http::Version::HTTP_11, &origin, &headers).unwrap(), Some("api.example.com"));
+        assert_eq!(request_host(http::Version::HTTP_11, &origin, crate::fields::Fields::Map(&headers)).unwrap(), Some("api.example.com"));
     }
 }

@@ -21,6 +21,7 @@
 //! any bytes hyper had read and not yet used. NGINX frees a keep-alive
 //! connection's buffers the same way.
 
+use crate::fields::Fields;
 use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::future::Future;
@@ -483,6 +484,11 @@ pub enum RequestBody {
     Hyper(Incoming),
     /// No body: the request said it has none.
     Empty,
+}
+
+/// The header fields of a request a listener handed over.
+pub fn fields(req: &Request<RequestBody>) -> Fields<'_> {
+    Fields::Map(req.headers())
 }
 
 impl RequestBody {

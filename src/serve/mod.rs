@@ -26,7 +26,7 @@ use crate::tls::TlsListener;
 
 mod connection;
 
-pub use connection::{App, RequestBody};
+pub use connection::{App, RequestBody, fields};
 mod parking;
 mod stop;
 mod streams;
@@ -227,10 +227,7 @@ impl hyper::body::Body for WholeBody {
 
 /// The size of header fields as HTTP/1 writes them (`name: value\r\n`).
 pub fn head_bytes(headers: &http::HeaderMap) -> usize {
-    headers
-        .iter()
-        .map(|(name, value)| name.as_str().len().saturating_add(value.len()).saturating_add(4))
-        .fold(0, usize::saturating_add)
+    crate::fields::Fields::Map(headers).head_bytes()
 }
 
 impl Default for ConnLimits {

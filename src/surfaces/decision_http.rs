@@ -7,6 +7,7 @@
 //! rules as tollgate's own proxy, and answer in the status codes each proxy
 //! understands. Neither forwards anything anywhere.
 
+use crate::fields::Fields;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -93,7 +94,7 @@ impl DecisionHttp {
         let original = &req.uri().path()[EXT_AUTHZ_PREFIX.len()..];
         let path = if original.is_empty() { "/" } else { original };
         // Envoy over HTTP/2 sends the original host as :authority.
-        let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
+        let host = match crate::limits::request_host(req.version(), req.uri(), Fields::Map(req.headers())) {
             Ok(host) => host,
             Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
         };
@@ -102,8 +103,8 @@ impl DecisionHttp {
             path,
             query: req.uri().query(),
             host,
-            headers: req.headers(),
-            client_ip: self.trusted.client_ip(peer.ip(), req.headers()),
+            headers: Fields::Map(req.headers()),
+            client_ip: self.trusted.client_ip(peer.ip(), Fields::Map(req.headers())),
             // The TLS client here is Envoy or NGINX, not the caller.
             client_cert: None,
         };
@@ -153,7 +154,7 @@ impl DecisionHttp {
             Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
             None => Method::GET,
         };
-        let host = match crate::limits::request_host(req.version(), req.uri(), headers) {
+        let host = match crate::limits::request_host(req.version(), req.uri(), Fields::Map(headers)) {
             Ok(host) => host,
             Err(e) => return denied(StatusCode::BAD_REQUEST, &e.to_string()),
         };
@@ -162,8 +163,8 @@ impl DecisionHttp {
             path: uri.path(),
             query: uri.query(),
             host,
-            headers,
-            client_ip: self.trusted.client_ip(peer.ip(), headers),
+            headers: Fields::Map(headers),
+            client_ip: self.trusted.client_ip(peer.ip(), Fields::Map(headers)),
             // The TLS client here is Envoy or NGINX, not the caller.
             client_cert: None,
         };

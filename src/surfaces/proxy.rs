@@ -21,9 +21,10 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use crate::client_ip::TrustedProxies;
+use crate::fields::Fields;
 use crate::limits::RequestInfo;
 use crate::render;
-use crate::serve::RequestBody;
+use crate::serve::{RequestBody, fields};
 use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
@@ -161,8 +162,8 @@ impl Proxy {
         }
         // A gRPC caller's deadline counts from here: tollgate never makes it
         // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
-        let grpc = render::is_grpc(req.headers());
-        let deadline = match grpc.then(|| render::grpc_deadline(req.headers())) {
+        let grpc = render::is_grpc(fields(&req));
+        let deadline = match grpc.then(|| render::grpc_deadline(fields(&req))) {
             None | Some(Ok(None)) => None,
             Some(Ok(Some(d))) => Some(tokio::time::Instant::now().checked_add(d)),
             // Answered here, as a gRPC server would (INTERNAL): passed on,
@@ -202,7 +203,7 @@ impl Proxy {
             // a bad request is INVALID_ARGUMENT (a bare 400 reads as
             // INTERNAL), an unreachable upstream UNAVAILABLE (it may retry
             // elsewhere), a slow one DEADLINE_EXCEEDED.
-            Err(answer) if grpc && !render::is_grpc(answer.headers()) => {
+            Err(answer) if grpc && !render::is_grpc(Fields::Map(answer.headers())) => {
                 let message = answer.extensions().get::<ErrorText>().map_or("", |t| &t.0);
                 grpc_failure(answer.status(), message)
             }
@@ -221,7 +222,7 @@ impl Proxy {
         let client_h2 = req.version() == Version::HTTP_2;
         // RFC 9110 §7.8: an HTTP/1.0 request's `Upgrade` is ignored. Joined,
         // its client got a 101 and at once a closed connection.
-        let upgrade = req.version() == Version::HTTP_11 && wants_upgrade(req.headers());
+        let upgrade = req.version() == Version::HTTP_11 && wants_upgrade(fields(&req));
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
         for name in &admitted.respelled {
             req.headers_mut().remove(name);
@@ -305,8 +306,8 @@ impl Proxy {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
             plain(StatusCode::BAD_REQUEST, &e.to_string())
         };
-        let client_ip = self.options.trusted.client_ip(peer.ip(), req.headers());
-        let host = match crate::limits::request_host(req.version(), req.uri(), req.headers()) {
+        let client_ip = self.options.trusted.client_ip(peer.ip(), fields(req));
+        let host = match crate::limits::request_host(req.version(), req.uri(), fields(req)) {
             Ok(host) => host.map(str::to_owned),
             Err(e) => return Err(bad_request(&e)),
         };
@@ -318,7 +319,7 @@ impl Proxy {
             path: req.uri().path(),
             query: req.uri().query(),
             host: host.as_deref(),
-            headers: req.headers(),
+            headers: fields(req),
             client_ip,
             client_cert: tls.and_then(|t| t.subject.as_deref()),
         };
@@ -326,7 +327,7 @@ impl Proxy {
         // decision awaits.
         let (hits, respelled) = {
             let catalog = self.catalog.load();
-            (catalog.http_hits(&info), catalog.respelled_headers(req.headers()))
+            (catalog.http_hits(&info), catalog.respelled_headers(fields(req)))
         };
         let hits = match hits {
             Ok(hits) => hits,
@@ -335,7 +336,7 @@ impl Proxy {
         let decision = self.limiter.decide(&hits).await;
         metrics::get().request(Surface::Proxy, decision.verdict.into());
         if !decision.verdict.admits() {
-            if render::is_grpc(req.headers()) {
+            if render::is_grpc(fields(req)) {
                 return Err(render::grpc_refusal(&decision).map(|b| Either::Right(WholeBody::new(b))));
             }
             return Err(refusal(&decision));
@@ -500,7 +501,7 @@ impl Proxy {
             upstream_host: self.options.upstream.host(),
         };
         if write {
-            let fields = forwarding.written(&parts.headers);
+            let fields = forwarding.written(Fields::Map(&parts.headers));
             parts.headers = HeaderMap::new();
             return Ok(Outgoing {
                 request: Request::from_parts(parts, body),
@@ -549,7 +550,7 @@ impl Forwarding<'_> {
         let Forwarding { peer, trusted, host, tls, upstream_host } = *self;
         // `TE: trailers` says the client takes trailers: gRPC servers ask
         // for it, and tollgate passes trailers through, so it is kept.
-        let trailers = headers.get_all(header::TE).iter().any(says_trailers);
+        let trailers = headers.get_all(header::TE).iter().any(|v| says_trailers(v.as_bytes()));
         strip_hop_by_hop(headers, upgrade);
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
@@ -591,7 +592,7 @@ impl Forwarding<'_> {
     /// client's fields keep the map's order (its removals move the last
     /// field into a removed one's place); those tollgate adds come after,
     /// in the map's order.
-    fn written(&self, headers: &HeaderMap) -> Vec<u8> {
+    fn written(&self, headers: Fields<'_>) -> Vec<u8> {
         let Forwarding { peer, trusted, host, tls, upstream_host } = *self;
         // Fields a `Connection` names besides the hop-by-hop ones (rare).
         let named: Vec<HeaderName> = connection_tokens(headers)
@@ -600,7 +601,7 @@ impl Forwarding<'_> {
             .collect();
         let host = host.and_then(|h| HeaderValue::from_str(h).ok());
         let proto: &[u8] = if tls { b"https" } else { b"http" };
-        let mut out = Vec::with_capacity(crate::serve::head_bytes(headers).saturating_add(160));
+        let mut out = Vec::with_capacity(headers.head_bytes().saturating_add(160));
         let mut line = |name: &str, value: &[u8]| {
             out.extend_from_slice(name.as_bytes());
             out.extend_from_slice(b": ");
@@ -608,50 +609,50 @@ impl Forwarding<'_> {
             out.extend_from_slice(b"\r\n");
         };
         let (mut trailers, mut has_host, mut has_for, mut has_proto, mut has_forwarded_host) = (false, false, false, false, false);
-        // The name whose values are being passed: a map gives all of a
-        // name's values one after another.
-        let mut current: Option<&HeaderName> = None;
-        for (name, value) in headers {
+        // The name whose values are being passed: both ways of holding
+        // fields give a name's values one after another.
+        let mut current: Option<&str> = None;
+        for (name, value) in headers.iter() {
             let first = current != Some(name);
             current = Some(name);
-            if is_hop_by_hop(name.as_str()) || named.contains(name) {
+            if is_hop_by_hop(name) || named.iter().any(|n| n.as_str() == name) {
                 // `TE: trailers` says the client takes trailers: kept.
-                trailers |= *name == header::TE && says_trailers(value);
+                trailers |= name == header::TE && says_trailers(value);
                 continue;
             }
-            if !trusted && is_claim(name.as_str()) {
+            if !trusted && is_claim(name) {
                 continue;
             }
-            match *name {
-                header::COOKIE if first => {
-                    let lines = headers.get_all(header::COOKIE).iter().count();
+            match name {
+                "cookie" if first => {
+                    let lines = headers.get_all(&header::COOKIE).count();
                     match lines {
-                        1 => line("cookie", value.as_bytes()),
+                        1 => line("cookie", value),
                         _ => line("cookie", &crate::limits::http::cookie_line(headers)),
                     }
                 }
-                header::COOKIE => {}
-                header::HOST => {
+                "cookie" => {}
+                "host" => {
                     has_host = true;
-                    line("host", value.as_bytes());
+                    line("host", value);
                 }
-                _ if *name == X_FORWARDED_FOR => {
+                "x-forwarded-for" => {
                     if first {
                         has_for = true;
                         line("x-forwarded-for", &forwarded_for(headers, peer));
                     }
                 }
-                _ if *name == X_FORWARDED_PROTO && !trusted => {
+                "x-forwarded-proto" if !trusted => {
                     if first {
                         has_proto = true;
                         line("x-forwarded-proto", proto);
                     }
                 }
-                _ if *name == X_FORWARDED_PROTO => {
+                "x-forwarded-proto" => {
                     has_proto = true;
-                    line("x-forwarded-proto", value.as_bytes());
+                    line("x-forwarded-proto", value);
                 }
-                _ if *name == X_FORWARDED_HOST => {
+                "x-forwarded-host" => {
                     // Always the host the rules matched; none named, none
                     // claimed.
                     if first && let Some(host) = &host {
@@ -659,7 +660,7 @@ impl Forwarding<'_> {
                         line("x-forwarded-host", host.as_bytes());
                     }
                 }
-                _ => line(name.as_str(), value.as_bytes()),
+                _ => line(name, value),
             }
         }
         if trailers {
@@ -722,14 +723,15 @@ fn only_token_in<'a>(values: impl Iterator<Item = &'a [u8]>, token: &[u8]) -> bo
 /// above all) would open a tunnel whose requests tollgate never sees, so
 /// its headers are dropped and the request goes up as plain HTTP/1.1, as
 /// NGINX and Envoy do by default.
-fn wants_upgrade(headers: &HeaderMap) -> bool {
-    only_token(headers, &header::UPGRADE, b"websocket") && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
+fn wants_upgrade(headers: Fields<'_>) -> bool {
+    only_token_in(headers.get_all(&header::UPGRADE), b"websocket")
+        && connection_tokens(headers).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
 }
 
 /// The comma-separated tokens of every `Connection` header, as bytes so that
 /// a non-ASCII value cannot make us fail.
-fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
-    headers.get_all(header::CONNECTION).iter().flat_map(|v| tokens(v.as_bytes()))
+fn connection_tokens(headers: Fields<'_>) -> impl Iterator<Item = &[u8]> {
+    headers.get_all(&header::CONNECTION).flat_map(tokens)
 }
 
 /// The comma-separated tokens of one `Connection` value.
@@ -811,7 +813,7 @@ fn strip_hop_by_hop_named(headers: &mut HeaderMap, upgrade: bool) -> Option<Codi
     if doomed.contains(&header::CONNECTION) {
         // `Connection: keep-alive` names a header already doomed: no name
         // is made for it (most responses and many requests say so).
-        let named = connection_tokens(headers)
+        let named = connection_tokens(Fields::Map(headers))
             .filter(|t| !names_hop_by_hop(t))
             .filter_map(|t| HeaderName::from_bytes(t).ok());
         doomed.extend(named);
@@ -1079,25 +1081,25 @@ fn join_cookies(headers: &mut HeaderMap) {
     if lines.next().is_none() || lines.next().is_none() {
         return;
     }
-    if let Ok(value) = HeaderValue::from_bytes(&crate::limits::http::cookie_line(headers)) {
+    if let Ok(value) = HeaderValue::from_bytes(&crate::limits::http::cookie_line(Fields::Map(headers))) {
         headers.insert(header::COOKIE, value);
     }
 }
 
 /// Appends the peer to `X-Forwarded-For`, folding earlier lines into one.
 fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(forwarded_for(headers, peer))) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(forwarded_for(Fields::Map(headers), peer))) {
         headers.insert(X_FORWARDED_FOR, v);
     }
 }
 
 /// `X-Forwarded-For` as the upstream gets it: the client's lines folded
 /// into one, `, ` and the peer after them, or the peer alone.
-fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> Vec<u8> {
+fn forwarded_for(headers: Fields<'_>, peer: SocketAddr) -> Vec<u8> {
     let ip = crate::client_ip::ip_text(peer.ip().to_canonical());
     let mut value = Vec::new();
     for v in headers.get_all(&X_FORWARDED_FOR) {
-        value.extend_from_slice(v.as_bytes());
+        value.extend_from_slice(v);
         value.extend_from_slice(b", ");
     }
     value.extend_from_slice(ip.as_bytes());
@@ -1106,8 +1108,8 @@ fn forwarded_for(headers: &HeaderMap, peer: SocketAddr) -> Vec<u8> {
 
 /// Whether a `TE` value names `trailers` (in any case): the client takes
 /// trailers, which gRPC servers ask for and tollgate passes on.
-fn says_trailers(value: &HeaderValue) -> bool {
-    value.as_bytes().split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
+fn says_trailers(value: &[u8]) -> bool {
+    value.split(|b| *b == b',').any(|t| t.trim_ascii().eq_ignore_ascii_case(b"trailers"))
 }
 
 /// An admitted request: its decision (for the RateLimit headers), host,
@@ -1128,7 +1130,7 @@ fn switch_protocols(
     mut response: Response<UpstreamBody>,
     ratelimit: Option<(HeaderValue, HeaderValue)>,
 ) -> Response<ProxyBody> {
-    let Some(client_upgrade) = client_upgrade.filter(|_| wants_upgrade(response.headers())) else {
+    let Some(client_upgrade) = client_upgrade.filter(|_| wants_upgrade(Fields::Map(response.headers()))) else {
         tracing::warn!("upstream switched protocols unasked");
         return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
     };
@@ -1278,7 +1280,7 @@ mod tests {
     #[test]
     fn upgrades_keep_their_headers() {
         let mut h = headers(&[("connection", b"Upgrade"), ("upgrade", b"websocket")]);
-        assert!(wants_upgrade(&h));
+        assert!(wants_upgrade(crate::fields::Fields::Map(&h)));
         strip_hop_by_hop(&mut h, true);
         assert_eq!(h["upgrade"], "websocket");
         assert_eq!(h["connection"], "upgrade");
@@ -1299,8 +1301,8 @@ mod tests {
                 ("upgrade", upgrade),
                 ("http2-settings", b"AAMAAABkAARAAAAAAAIAAAAA"),
             ]);
-            assert_eq!(wants_upgrade(&h), passes, "{upgrade:?}");
-            let upgrade = wants_upgrade(&h);
+            assert_eq!(wants_upgrade(crate::fields::Fields::Map(&h)), passes, "{upgrade:?}");
+            let upgrade = wants_upgrade(crate::fields::Fields::Map(&h));
             strip_hop_by_hop(&mut h, upgrade);
             assert!(!h.contains_key("http2-settings"));
             assert_eq!(h.contains_key("upgrade"), passes, "{upgrade:?}");
@@ -1517,7 +1519,7 @@ mod tests {
             upstream_host: &upstream_host,
         };
         let h = headers(&[("host", b"api.example"), ("user-agent", b"curl/8"), ("accept", b"*/*")]);
-        let written = forwarding.written(&h);
+        let written = forwarding.written(crate::fields::Fields::Map(&h));
         assert_eq!(
             String::from_utf8(written).unwrap(),
             "host: api.example\r\nuser-agent: curl/8\r\naccept: */*\r\nx-forwarded-for: 10.1.2.3\r\n\
@@ -1525,7 +1527,7 @@ mod tests {
         );
         let mut map = h.clone();
         forwarding.rewrite(&mut map, false);
-        assert_eq!(pairs(&map), lines(&forwarding.written(&h)), "the map's order, nothing removed");
+        assert_eq!(pairs(&map), lines(&forwarding.written(crate::fields::Fields::Map(&h))), "the map's order, nothing removed");
     }
 
     proptest::proptest! {
@@ -1564,7 +1566,7 @@ mod tests {
                 p.sort_by(|a, b| a.0.cmp(&b.0));
                 p
             };
-            proptest::prop_assert_eq!(by_name(lines(&forwarding.written(&h))), by_name(pairs(&map)));
+            proptest::prop_assert_eq!(by_name(lines(&forwarding.written(crate::fields::Fields::Map(&h)))), by_name(pairs(&map)));
         }
     }
 }
