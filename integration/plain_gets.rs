@@ -20,9 +20,10 @@ use crate::common::*;
 const NO_RULES: &str = "domain: d\nrules: []\n";
 const TO_HYPER: &str = "Connection: keep-alive, keep-alive\r\n";
 
-/// An upstream that answers each path with set bytes: every framing an
-/// HTTP/1.1 server may use.
-async fn shaped_upstream() -> SocketAddr {
+/// An upstream that reads each request head on a connection in turn and
+/// answers what `answer` makes of it (the head, its blank line included):
+/// bytes, and whether to close after them.
+async fn answering_upstream(answer: fn(&[u8]) -> (Vec<u8>, bool)) -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -38,10 +39,8 @@ async fn shaped_upstream() -> SocketAddr {
                         }
                         continue;
                     };
-                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-                    buf.drain(..end + 4);
-                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
-                    let (answer, close) = shaped(&path);
+                    let head: Vec<u8> = buf.drain(..end + 4).collect();
+                    let (answer, close) = answer(&head);
                     if s.write_all(&answer).await.is_err() || close {
                         return;
                     }
@@ -50,6 +49,16 @@ async fn shaped_upstream() -> SocketAddr {
         }
     });
     addr
+}
+
+/// An upstream that answers each path with set bytes: every framing an
+/// HTTP/1.1 server may use.
+async fn shaped_upstream() -> SocketAddr {
+    answering_upstream(|head| {
+        let head = String::from_utf8_lossy(head);
+        shaped(head.split(' ').nth(1).unwrap_or(""))
+    })
+    .await
 }
 
 /// The upstream's answer for `path`, and whether it closes after it.
@@ -621,4 +630,62 @@ async fn an_idle_keep_alive_connection_is_closed_at_once_when_the_server_stops()
         "closed after {closed:?}"
     );
     assert_eq!(tg.wait_exit(Duration::from_secs(5)), Some(true), "clean exit");
+}
+
+/// An upstream that answers every request with the head it got (less its
+/// request line) as the body.
+async fn head_echo_upstream() -> SocketAddr {
+    answering_upstream(|head| {
+        let fields = head.splitn(2, |b| *b == b'\n').nth(1).unwrap_or_default();
+        let mut answer = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", fields.len()).into_bytes();
+        answer.extend_from_slice(fields);
+        (answer, false)
+    })
+    .await
+}
+
+/// Our own server hands the proxy a plain GET's fields as its head's lines
+/// (no map built); hyper hands them in a map. The upstream must get the
+/// same head either way, and the rules must read the same fields: names
+/// in any case, a name repeated apart, cookies on several lines, claims a
+/// client may not make, a name a rule reads spelled with `_`.
+#[tokio::test]
+async fn a_plain_get_s_fields_reach_the_rules_and_the_upstream_as_hyper_s_map_gives_them() {
+    let up = head_echo_upstream().await;
+    let limits = "domain: d\nrules:\n  - name: per-key\n    match: { headers: { x-api-key: '*' } }\n    by: [header:x-api-key]\n    limits: [{ requests: 4, per: 1m }]\n";
+    // No RateLimit fields: each request of a pair is counted, so they
+    // would tell two remainders.
+    let tg = Tollgate::start(
+        limits,
+        up,
+        &["--trusted-proxies", "127.0.0.1/32", "--ratelimit-headers", "false"],
+    );
+    let cases = [
+        "X-Api-Key: a\r\nUser-Agent: curl/8\r\nAccept: */*\r\n",
+        "x-a: 1\r\nX-B: 2\r\nX-A: 3\r\nx-api-key: b\r\n",
+        "Cookie: a=1\r\nCOOKIE: b=2\r\nX-Forwarded-For: 203.0.113.9\r\nX-FORWARDED-FOR: 198.51.100.1\r\nx-api-key: c\r\n",
+        "X_Api_Key: other\r\nX-API-KEY: d\r\nX_Forwarded_Host: evil.example\r\nX-Real-IP: 192.0.2.1\r\nForwarded: for=x\r\n",
+        "Keep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nTE: trailers, deflate\r\nX-API-Key: e\r\n",
+    ];
+    for extra in cases {
+        // Both with a `Connection` field last (a map's removal moves the
+        // last field into the removed one's place).
+        let plain = transcript(tg.addr, &[get("/h", &format!("{extra}Connection: keep-alive\r\n"))]).await;
+        let hyper = transcript(tg.addr, &[get("/h", &format!("{extra}{TO_HYPER}"))]).await;
+        assert!(plain.contains("200 OK"), "{extra:?}:\n{plain}");
+        assert_eq!(
+            plain, hyper,
+            "{extra:?}: our own server's head went up otherwise than hyper's"
+        );
+    }
+    // The key counted alike whichever server read it and however it was
+    // spelled: 2 requests above, 2 more here, the 5th refused.
+    let key = |k: &str| format!("X-API-KEY: {k}\r\n");
+    assert!(transcript(tg.addr, &[get("/h", &key("a"))]).await.contains("200 OK"));
+    assert!(
+        transcript(tg.addr, &[get("/h", &format!("x-api-key: a\r\n{TO_HYPER}"))])
+            .await
+            .contains("200 OK")
+    );
+    assert!(transcript(tg.addr, &[get("/h", &key("a"))]).await.contains("429"));
 }

@@ -25,11 +25,16 @@
 //! Around it: `config` parses and validates limits files; `reload` keeps
 //! them live (`reload::watch` decides when) and publishes a new
 //! `limits::Catalog` on every change; `client_ip` and `path` normalise what
-//! callers send; `serve` is the accept loop every listener shares and
+//! callers send; `fields` is a request's header fields as every reader
+//! sees them (hyper's map, or the lines of a head our own server read); `serve` is the accept loop every listener shares and
 //! `serve::connection` one client connection's life; `admin` and `metrics`
 //! report (`activity` keeps the recent past the admin page shows); `heap` gives freed memory back. `settings` holds every flag; `server` starts what
 //! they describe (worker threads in `server::workers`, listeners, the
 //! store) and stops it; `main.rs` parses the flags and waits for signals.
+
+// Only the proxy is held to reading fields through `serve::fields`
+// (clippy.toml); it denies this again.
+#![allow(clippy::disallowed_methods)]
 
 /// Marks items (modules, impl blocks) a request passes through. They never
 /// panic: clippy denies indexing that can fail, unwrap/expect and unchecked

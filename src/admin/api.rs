@@ -582,7 +582,7 @@ pub(super) async fn explain(
             }
             // The proxy answers 431 past these (hyper's bounds, ours on HTTP/2).
             let bounds = crate::serve::ConnLimits::default();
-            if !bounds.admits(&headers) {
+            if !bounds.admits(crate::fields::Fields::Map(&headers)) {
                 return Err(ExplainError::Field(format!(
                     "the proxy answers 431 to more than {} header fields or {} bytes of them",
                     bounds.max_headers, bounds.max_header_bytes

@@ -102,9 +102,10 @@ impl Catalog {
         // `x-api-key` and `x_api_key` see each as the other's respelling).
         headers
             .names()
+            .filter(|name| self.underscore_read || name.contains(&b'_'))
+            .filter_map(|name| std::str::from_utf8(name).ok())
             .filter(|name| {
-                (self.underscore_read || name.contains('_'))
-                    && self.read_headers.iter().any(|read| respells(read.as_str(), name))
+                self.read_headers.iter().any(|read| respells(read.as_str(), name))
                     && !self.read_headers.iter().any(|read| read.as_str() == *name)
             })
             .filter_map(|name| HeaderName::from_bytes(name.as_bytes()).ok())

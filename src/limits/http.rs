@@ -140,7 +140,8 @@ pub fn request_host<'a>(
         return Ok(Some(authority.as_str()));
     }
     match host {
-        Some(h) => Ok(text(h)),
+        // A valid host is visible ASCII: text.
+        Some(h) => Ok(std::str::from_utf8(h).ok()),
         // HTTP/2 with neither `:authority` nor `host` too, as NGINX answers it.
         None if version == http::Version::HTTP_11 || version == http::Version::HTTP_2 => {
             Err(RequestError::HostMissing)

@@ -21,7 +21,7 @@
 //! any bytes hyper had read and not yet used. NGINX frees a keep-alive
 //! connection's buffers the same way.
 
-use crate::fields::Fields;
+use crate::fields::{Fields, Lines};
 use std::convert::Infallible;
 use std::error::Error as StdError;
 use std::future::Future;
@@ -484,11 +484,28 @@ pub enum RequestBody {
     Hyper(Incoming),
     /// No body: the request said it has none.
     Empty,
+    /// No body, and the request's header fields are these lines of its
+    /// head, its map left empty: a GET our own server read for an app
+    /// that reads fields through [`fields`] ([`App::READS_LINES`]).
+    Lines(Lines),
 }
 
-/// The header fields of a request a listener handed over.
+/// The header fields of a request a listener handed over: its head's
+/// lines, or its map.
 pub fn fields(req: &Request<RequestBody>) -> Fields<'_> {
-    Fields::Map(req.headers())
+    match req.body() {
+        RequestBody::Lines(lines) => Fields::Lines(lines),
+        _ => Fields::Map(req.headers()),
+    }
+}
+
+/// Puts a request's lines (if it came with them) into its map, for a way
+/// that changes or reads the map.
+pub fn into_map(req: &mut Request<RequestBody>) {
+    if let RequestBody::Lines(lines) = req.body() {
+        *req.headers_mut() = lines.to_map();
+        *req.body_mut() = RequestBody::Empty;
+    }
 }
 
 impl RequestBody {
@@ -496,7 +513,7 @@ impl RequestBody {
     pub fn into_incoming(self) -> Option<Incoming> {
         match self {
             RequestBody::Hyper(body) => Some(body),
-            RequestBody::Empty => None,
+            RequestBody::Empty | RequestBody::Lines(_) => None,
         }
     }
 }
@@ -511,21 +528,21 @@ impl Body for RequestBody {
     ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             RequestBody::Hyper(body) => Pin::new(body).poll_frame(cx),
-            RequestBody::Empty => Poll::Ready(None),
+            RequestBody::Empty | RequestBody::Lines(_) => Poll::Ready(None),
         }
     }
 
     fn is_end_stream(&self) -> bool {
         match self {
             RequestBody::Hyper(body) => body.is_end_stream(),
-            RequestBody::Empty => true,
+            RequestBody::Empty | RequestBody::Lines(_) => true,
         }
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
         match self {
             RequestBody::Hyper(body) => body.size_hint(),
-            RequestBody::Empty => hyper::body::SizeHint::with_exact(0),
+            RequestBody::Empty | RequestBody::Lines(_) => hyper::body::SizeHint::with_exact(0),
         }
     }
 }
@@ -538,8 +555,26 @@ pub trait App: Clone + Send + Sync + Unpin + 'static {
     type Body: Body<Data: Send, Error: Into<Box<dyn StdError + Send + Sync>>> + CarriesFields + Send + Unpin + 'static;
     /// The future of a response.
     type Future: Future<Output = Response<Self::Body>> + Send + 'static;
+    /// Whether it reads a request's fields through [`fields`], so that our
+    /// own server may hand a GET over with its head's lines
+    /// ([`RequestBody::Lines`]) rather than build a map of them.
+    const READS_LINES: bool = false;
     /// The response to `req` from `peer`.
     fn call(&self, req: Request<RequestBody>, peer: SocketAddr) -> Self::Future;
+}
+
+/// An app that reads every request's fields through [`fields`]: our own
+/// server hands it GETs with their head's lines, no map built.
+#[derive(Clone)]
+pub struct ReadsLines<A>(pub A);
+
+impl<A: App> App for ReadsLines<A> {
+    type Body = A::Body;
+    type Future = A::Future;
+    const READS_LINES: bool = true;
+    fn call(&self, req: Request<RequestBody>, peer: SocketAddr) -> A::Future {
+        self.0.call(req, peer)
+    }
 }
 
 impl<F, Fut, B> App for F
@@ -637,7 +672,7 @@ fn service<A: App>(activity: &Arc<Activity>, handler: A) -> impl Handler {
         // hyper bounds the header fields of HTTP/1 requests only, and their
         // bytes only on a connection's first request; every request gets
         // both bounds here (431, as hyper answers).
-        let fits = seen.listener.limits.admits(req.headers());
+        let fits = seen.listener.limits.admits(Fields::Map(req.headers()));
         // Boxed: the handler's future is kilobytes, and hyper moves the
         // service's future into place; a pointer moves instead.
         let response = fits.then(|| Box::pin(handler.call(req.map(RequestBody::Hyper), seen.peer)));

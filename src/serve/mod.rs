@@ -26,7 +26,7 @@ use crate::tls::TlsListener;
 
 mod connection;
 
-pub use connection::{App, RequestBody, fields};
+pub use connection::{App, ReadsLines, RequestBody, fields, into_map};
 mod parking;
 mod stop;
 mod streams;
@@ -79,8 +79,8 @@ impl ConnLimits {
     /// Whether a request's header fields fit these bounds (their count, and
     /// their size as HTTP/1 writes them: `name: value\r\n`); past them a
     /// request is answered 431.
-    pub fn admits(&self, headers: &http::HeaderMap) -> bool {
-        headers.len() <= self.max_headers && head_bytes(headers) <= self.max_header_bytes
+    pub fn admits(&self, fields: crate::fields::Fields<'_>) -> bool {
+        fields.len() <= self.max_headers && fields.head_bytes() <= self.max_header_bytes
     }
 }
 

@@ -12,7 +12,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::StartError;
-use crate::serve::{ConnLimits, Gate, accept, serve};
+use crate::serve::{ConnLimits, Gate, ReadsLines, accept, serve};
 use crate::surfaces::envoy_rls::RlsService;
 use crate::surfaces::proxy::Proxy;
 use crate::surfaces::rls_wire::RlsServer;
@@ -70,10 +70,10 @@ impl Worker {
                     }
                 };
                 let proxy = Arc::new(proxy);
-                serve(listener, limits, gate, tls, stop.clone(), move |req, peer| {
-                    proxy.clone().handle(req, peer)
-                })
-                .await
+                // The proxy reads fields through `serve::fields`: our own
+                // server hands it a GET's head lines, no map built.
+                let app = ReadsLines(move |req, peer| proxy.clone().handle(req, peer));
+                serve(listener, limits, gate, tls, stop.clone(), app).await
             };
             match grpc {
                 Some((incoming, rls)) => {

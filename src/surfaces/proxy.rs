@@ -6,6 +6,9 @@
 //! Hop-by-hop headers are dropped in both directions (RFC 9110 §7.6.1);
 //! WebSocket and other upgrades are joined end to end after the handshake.
 
+// A plain GET's map is empty: its fields are read through `fields`.
+#![deny(clippy::disallowed_methods)]
+
 use std::borrow::Cow;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -56,24 +59,24 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// that copied it take `X-Original-URL` and `X-Rewrite-URL` for the path,
 /// so the upstream would serve a path no rule saw): believed only from a
 /// trusted proxy, as `X-Forwarded-Proto` is.
-fn is_scheme_claim(name: &str) -> bool {
+fn is_scheme_claim(name: &[u8]) -> bool {
     matches!(
         name,
-        "x-real-ip"
-            | "x-forwarded-client-cert"
-            | "forwarded"
-            | "x-forwarded-ssl"
-            | "x-forwarded-scheme"
-            | "x-forwarded-protocol"
-            | "front-end-https"
-            | "x-forwarded-port"
-            | "x-url-scheme"
-            | "client-ip"
-            | "x-client-ip"
-            | "true-client-ip"
-            | "x-cluster-client-ip"
-            | "x-original-url"
-            | "x-rewrite-url"
+        b"x-real-ip"
+            | b"x-forwarded-client-cert"
+            | b"forwarded"
+            | b"x-forwarded-ssl"
+            | b"x-forwarded-scheme"
+            | b"x-forwarded-protocol"
+            | b"front-end-https"
+            | b"x-forwarded-port"
+            | b"x-url-scheme"
+            | b"client-ip"
+            | b"x-client-ip"
+            | b"true-client-ip"
+            | b"x-cluster-client-ip"
+            | b"x-original-url"
+            | b"x-rewrite-url"
     )
 }
 
@@ -154,8 +157,8 @@ impl Proxy {
         // to any coding but chunked.
         // (Only a request with a body can carry one: most have none.)
         if !req.body().is_end_stream()
-            && req.headers().contains_key(header::TRANSFER_ENCODING)
-            && !only_chunked(req.headers())
+            && fields(&req).contains(&header::TRANSFER_ENCODING)
+            && !only_token_in(fields(&req).get_all(&header::TRANSFER_ENCODING), b"chunked")
         {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
             return plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported");
@@ -224,13 +227,18 @@ impl Proxy {
         // its client got a 101 and at once a closed connection.
         let upgrade = req.version() == Version::HTTP_11 && wants_upgrade(fields(&req));
         let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-        for name in &admitted.respelled {
-            req.headers_mut().remove(name);
-        }
         let host = admitted.host.as_deref();
         // A request our own HTTP/1.1 client carries has its fields written
         // straight from the client's, not rebuilt in a map first.
         let write = !upgrade && req.body().is_end_stream() && self.pool.sends_own(call.needs_h2);
+        // A head's lines are written out as they are; a field to drop, or
+        // hyper's client, takes a map.
+        if !write || !admitted.respelled.is_empty() {
+            crate::serve::into_map(&mut req);
+        }
+        for name in &admitted.respelled {
+            req.headers_mut().remove(name);
+        }
         let outgoing = match self.upstream_request(req, peer, host, upgrade, write) {
             Ok(r) => r,
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
@@ -473,7 +481,6 @@ impl Proxy {
     ) -> Result<Outgoing, StatusCode> {
         let (mut parts, body) = req.into_parts();
         let tls = parts.extensions.get::<crate::tls::ClientTls>().is_some();
-        let (body, sent) = ClientBody::new(body.into_incoming(), self.options.body_timeout);
         // The upstream sees the normalised path the limits were matched on
         // (less the `;params` matching ignores: the upstream reads them).
         let normal = crate::path::normalize(parts.uri.path());
@@ -501,8 +508,12 @@ impl Proxy {
             upstream_host: self.options.upstream.host(),
         };
         if write {
-            let fields = forwarding.written(Fields::Map(&parts.headers));
+            let fields = forwarding.written(match &body {
+                RequestBody::Lines(lines) => Fields::Lines(lines),
+                _ => Fields::Map(&parts.headers),
+            });
             parts.headers = HeaderMap::new();
+            let (body, sent) = ClientBody::new(body.into_incoming(), self.options.body_timeout);
             return Ok(Outgoing {
                 request: Request::from_parts(parts, body),
                 body_sent: sent,
@@ -510,6 +521,7 @@ impl Proxy {
             });
         }
         forwarding.rewrite(&mut parts.headers, upgrade);
+        let (body, sent) = ClientBody::new(body.into_incoming(), self.options.body_timeout);
         Ok(Outgoing {
             request: Request::from_parts(parts, body),
             body_sent: sent,
@@ -601,9 +613,15 @@ impl Forwarding<'_> {
             .collect();
         let host = host.and_then(|h| HeaderValue::from_str(h).ok());
         let proto: &[u8] = if tls { b"https" } else { b"http" };
-        let mut out = Vec::with_capacity(headers.head_bytes().saturating_add(160));
-        let mut line = |name: &str, value: &[u8]| {
-            out.extend_from_slice(name.as_bytes());
+        // Room for the fields and those added (a head's lines: its length,
+        // not counted again).
+        let room = match headers {
+            Fields::Lines(lines) => lines.head().len(),
+            Fields::Map(_) => headers.head_bytes(),
+        };
+        let mut out = Vec::with_capacity(room.saturating_add(160));
+        let mut line = |name: &[u8], value: &[u8]| {
+            out.extend_from_slice(name);
             out.extend_from_slice(b": ");
             out.extend_from_slice(value);
             out.extend_from_slice(b"\r\n");
@@ -611,79 +629,79 @@ impl Forwarding<'_> {
         let (mut trailers, mut has_host, mut has_for, mut has_proto, mut has_forwarded_host) = (false, false, false, false, false);
         // The name whose values are being passed: both ways of holding
         // fields give a name's values one after another.
-        let mut current: Option<&str> = None;
+        let mut current: Option<&[u8]> = None;
         for (name, value) in headers.iter() {
             let first = current != Some(name);
             current = Some(name);
-            if is_hop_by_hop(name) || named.iter().any(|n| n.as_str() == name) {
+            if Relay::of(name).is_hop_by_hop() || named.iter().any(|n| n.as_str().as_bytes() == name) {
                 // `TE: trailers` says the client takes trailers: kept.
-                trailers |= name == header::TE && says_trailers(value);
+                trailers |= name == b"te" && says_trailers(value);
                 continue;
             }
             if !trusted && is_claim(name) {
                 continue;
             }
             match name {
-                "cookie" if first => {
+                b"cookie" if first => {
                     let lines = headers.get_all(&header::COOKIE).count();
                     match lines {
-                        1 => line("cookie", value),
-                        _ => line("cookie", &crate::limits::http::cookie_line(headers)),
+                        1 => line(b"cookie", value),
+                        _ => line(b"cookie", &crate::limits::http::cookie_line(headers)),
                     }
                 }
-                "cookie" => {}
-                "host" => {
+                b"cookie" => {}
+                b"host" => {
                     has_host = true;
-                    line("host", value);
+                    line(b"host", value);
                 }
-                "x-forwarded-for" => {
+                b"x-forwarded-for" => {
                     if first {
                         has_for = true;
-                        line("x-forwarded-for", &forwarded_for(headers, peer));
+                        line(b"x-forwarded-for", &forwarded_for(headers, peer));
                     }
                 }
-                "x-forwarded-proto" if !trusted => {
+                b"x-forwarded-proto" if !trusted => {
                     if first {
                         has_proto = true;
-                        line("x-forwarded-proto", proto);
+                        line(b"x-forwarded-proto", proto);
                     }
                 }
-                "x-forwarded-proto" => {
+                b"x-forwarded-proto" => {
                     has_proto = true;
-                    line("x-forwarded-proto", value);
+                    line(b"x-forwarded-proto", value);
                 }
-                "x-forwarded-host" => {
+                b"x-forwarded-host" => {
                     // Always the host the rules matched; none named, none
                     // claimed.
                     if first && let Some(host) = &host {
                         has_forwarded_host = true;
-                        line("x-forwarded-host", host.as_bytes());
+                        line(b"x-forwarded-host", host.as_bytes());
                     }
                 }
                 _ => line(name, value),
             }
         }
         if trailers {
-            line("te", b"trailers");
+            line(b"te", b"trailers");
         }
         // None passed on (none sent, or `Connection` named it): the peer.
         if !has_for {
-            line("x-forwarded-for", crate::client_ip::ip_text(peer.ip().to_canonical()).as_bytes());
+            line(b"x-forwarded-for", crate::client_ip::ip_text(peer.ip().to_canonical()).as_bytes());
         }
         if !has_proto {
-            line("x-forwarded-proto", proto);
+            line(b"x-forwarded-proto", proto);
         }
         if let Some(host) = &host {
             if !has_host {
-                line("host", host.as_bytes());
+                line(b"host", host.as_bytes());
                 has_host = true;
             }
             if !has_forwarded_host {
-                line("x-forwarded-host", host.as_bytes());
+                line(b"x-forwarded-host", host.as_bytes());
             }
         }
         if !has_host {
-            line("host", upstream_host.as_bytes());
+            line(b"host", upstream_host.as_bytes());
         }
         out
     }
@@ -1054,21 +1072,22 @@ fn plain_length(v: &[u8]) -> bool {
 /// `X-Forwarded_Proto` and `X-Forwarded-Proto` in one variable; NGINX drops
 /// such names by default).
 fn strip_claims(headers: &mut HeaderMap) {
-    let doomed: Vec<HeaderName> = headers.keys().filter(|name| is_claim(name.as_str())).cloned().collect();
+    let doomed: Vec<HeaderName> = headers.keys().filter(|name| is_claim(name.as_str().as_bytes())).cloned().collect();
     for name in doomed {
         headers.remove(name);
     }
 }
 
 /// Whether an untrusted client's field `name` goes (see [`strip_claims`]).
-fn is_claim(name: &str) -> bool {
-    let forwarding = |name: &str| {
+fn is_claim(name: &[u8]) -> bool {
+    let forwarding = |name: &[u8]| {
         is_scheme_claim(name)
-            || name == X_FORWARDED_FOR.as_str()
-            || name == X_FORWARDED_PROTO.as_str()
-            || name == X_FORWARDED_HOST.as_str()
+            || name == X_FORWARDED_FOR.as_str().as_bytes()
+            || name == X_FORWARDED_PROTO.as_str().as_bytes()
+            || name == X_FORWARDED_HOST.as_str().as_bytes()
     };
-    is_scheme_claim(name) || (name.contains('_') && forwarding(&name.replace('_', "-")))
+    let dashed = || name.iter().map(|b| if *b == b'_' { b'-' } else { *b }).collect::<Vec<u8>>();
+    is_scheme_claim(name) || (name.contains(&b'_') && forwarding(&dashed()))
 }
 
 /// Joins several `Cookie` lines into one with `; `: an HTTP/2 client sends
@@ -1554,6 +1573,7 @@ mod tests {
             host in proptest::option::of(proptest::sample::select(vec!["api.example", "api.example:8443", "[::1]", "bad\u{1}host"])),
             tls in proptest::bool::ANY,
             v6 in proptest::bool::ANY,
+            upper in proptest::collection::vec(proptest::bool::ANY, 10),
         ) {
             let upstream_host = HeaderValue::from_static("backend:8080");
             let peer: SocketAddr = if v6 { "[2001:db8::7]:1".parse().unwrap() } else { "[::ffff:10.0.0.9]:1".parse().unwrap() };
@@ -1566,7 +1586,23 @@ mod tests {
                 p.sort_by(|a, b| a.0.cmp(&b.0));
                 p
             };
-            proptest::prop_assert_eq!(by_name(lines(&forwarding.written(crate::fields::Fields::Map(&h)))), by_name(pairs(&map)));
+            let written = forwarding.written(crate::fields::Fields::Map(&h));
+            proptest::prop_assert_eq!(by_name(lines(&written)), by_name(pairs(&map)));
+            // The same head read as lines (names in any case, values
+            // trimmed as httparse reads them) is written out byte for byte
+            // as its map is (which `fields::` holds to the lines).
+            let spelled: Vec<(Vec<u8>, &[u8])> = fields
+                .iter()
+                .zip(upper.iter().cycle())
+                .map(|((n, v), up)| (if *up { n.to_ascii_uppercase() } else { n.to_string() }.into_bytes(), v.as_bytes()))
+                .collect();
+            if let Ok(read) = crate::fields::Lines::laid_out(spelled.iter().map(|(n, v)| (&n[..], *v))) {
+                let map = read.to_map();
+                proptest::prop_assert_eq!(
+                    forwarding.written(crate::fields::Fields::Lines(&read)),
+                    forwarding.written(crate::fields::Fields::Map(&map))
+                );
+            }
         }
     }
 }

@@ -27,6 +27,7 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::fields::Lines;
 use crate::upstream::has_token;
 
 use super::super::stop::StopSeat;
@@ -86,7 +87,7 @@ pub(super) async fn serve<A: App>(
     loop {
         let req = loop {
             if !buf.is_empty() {
-                match parse(&mut buf, fields) {
+                match parse(&mut buf, fields, A::READS_LINES) {
                     Head::Get(req) => break req,
                     Head::Partial if buf.len() < max_head => {}
                     Head::Partial | Head::Other => {
@@ -106,7 +107,7 @@ pub(super) async fn serve<A: App>(
         // Past the header bounds: 431 (no handler), as hyper's path answers.
         // Pinned in this connection's state rather than boxed: a box was
         // one allocation and a copy of the whole future (KBs) per request.
-        let mut answer = std::pin::pin!(limits.admits(req.headers()).then(|| handler.call(req, activity.peer)));
+        let mut answer = std::pin::pin!(limits.admits(super::fields(&req)).then(|| handler.call(req, activity.peer)));
         let response = {
             // hyper ends a connection whose client leaves while its request
             // is handled (its handler dropped: an upstream request it
@@ -281,8 +282,9 @@ enum Head {
 }
 
 /// Parses the head at the start of `buf`, taking it off when it is a GET
-/// for here.
-fn parse(buf: &mut BytesMut, fields: usize) -> Head {
+/// for here; with `lines`, its fields are handed over as the head's lines
+/// where they can be ([`RequestBody::Lines`]).
+fn parse(buf: &mut BytesMut, fields: usize, lines: bool) -> Head {
     let mut storage = [const { MaybeUninit::<httparse::Header<'_>>::uninit() }; MAX_FIELDS];
     let Some(slots) = storage.get_mut(..fields) else { return Head::Other };
     // Where the target and each field's name and value lie, to share the
@@ -319,10 +321,18 @@ fn parse(buf: &mut BytesMut, fields: usize) -> Head {
             value.saturating_add(size(field.value)),
         ];
     }
-    let head = buf.split_to(len).freeze();
-    match request(&head, target, spans.get(..count).unwrap_or_default()) {
-        Some(req) => Head::Get(req),
-        None => {
+    let head = buf.split_to(len);
+    let spans = spans.get(..count).unwrap_or_default();
+    let req = match lines {
+        true => with_lines(head, target, spans),
+        false => {
+            let head = head.freeze();
+            request(&head, target, spans).ok_or(head)
+        }
+    };
+    match req {
+        Ok(req) => Head::Get(req),
+        Err(head) => {
             // A field hyper reads another way (a name `http` does not
             // take): put the head back, for hyper's answer.
             let mut whole = BytesMut::with_capacity(head.len().saturating_add(buf.len()));
@@ -348,10 +358,40 @@ fn for_here(field: &httparse::Header<'_>) -> bool {
         .any(|n| name.eq_ignore_ascii_case(n))
 }
 
+/// The request `head` holds, its fields left as its lines; in a map when
+/// they cannot be (see [`Lines::new`]).
+fn with_lines(head: BytesMut, target: [u32; 2], spans: &[[u32; 4]]) -> Result<Request<RequestBody>, Bytes> {
+    match Lines::new(head, spans.to_vec()) {
+        Ok(lines) => match target_of(lines.head(), target) {
+            Some(uri) => Ok(get(uri, HeaderMap::new(), RequestBody::Lines(lines))),
+            None => Err(lines.into_head()),
+        },
+        Err(head) => {
+            let head = head.freeze();
+            request(&head, target, spans).ok_or(head)
+        }
+    }
+}
+
+/// The request target at `target` in `head`, sharing its bytes.
+fn target_of(head: &Bytes, target: [u32; 2]) -> Option<Uri> {
+    let [start, end] = target.map(|n| n as usize);
+    Uri::from_maybe_shared(head.slice_ref(head.get(start..end)?)).ok()
+}
+
+/// A GET for `uri` with `headers` and `body` (no body: perhaps its lines).
+fn get(uri: Uri, headers: HeaderMap, body: RequestBody) -> Request<RequestBody> {
+    let mut req = Request::new(body);
+    *req.method_mut() = Method::GET;
+    *req.uri_mut() = uri;
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+    req
+}
+
 /// The request `head` holds, its target and fields views of its bytes.
 fn request(head: &Bytes, target: [u32; 2], spans: &[[u32; 4]]) -> Option<Request<RequestBody>> {
-    let [start, end] = target.map(|n| n as usize);
-    let uri = Uri::from_maybe_shared(head.slice_ref(head.get(start..end)?)).ok()?;
+    let uri = target_of(head, target)?;
     // Room for the forwarding fields the proxy adds (`X-Forwarded-For`,
     // `-Proto`, `-Host`, `Host`): a map made only as large as the head
     // grew, rehashing every field, on each proxied request (BENCHMARKS.md
@@ -364,12 +404,7 @@ fn request(head: &Bytes, target: [u32; 2], spans: &[[u32; 4]]) -> Option<Request
         let value = HeaderValue::from_maybe_shared(head.slice_ref(value)).ok()?;
         headers.append(name, value);
     }
-    let mut req = Request::new(RequestBody::Empty);
-    *req.method_mut() = Method::GET;
-    *req.uri_mut() = uri;
-    *req.version_mut() = Version::HTTP_11;
-    *req.headers_mut() = headers;
-    Some(req)
+    Some(get(uri, headers, RequestBody::Empty))
 }
 
 /// How a response body is framed on the wire.
