@@ -678,6 +678,12 @@ async fn a_plain_get_s_fields_reach_the_rules_and_the_upstream_as_hyper_s_map_gi
             "{extra:?}: our own server's head went up otherwise than hyper's"
         );
     }
+    // Names in lower case; a name's lines together, where it first came.
+    let seen = transcript(tg.addr, &[get("/h", "X-A: 1\r\nx-b: 2\r\nx-A: 3\r\nUser-Agent: u\r\n")]).await;
+    assert!(
+        seen.contains("\nhost: t\nx-a: 1\nx-a: 3\nx-b: 2\nuser-agent: u\n"),
+        "{seen}"
+    );
     // The key counted alike whichever server read it and however it was
     // spelled: 2 requests above, 2 more here, the 5th refused.
     let key = |k: &str| format!("X-API-KEY: {k}\r\n");
