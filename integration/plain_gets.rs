@@ -666,8 +666,18 @@ async fn a_plain_get_s_fields_reach_the_rules_and_the_upstream_as_hyper_s_map_gi
         "Cookie: a=1\r\nCOOKIE: b=2\r\nX-Forwarded-For: 203.0.113.9\r\nX-FORWARDED-FOR: 198.51.100.1\r\nx-api-key: c\r\n",
         "X_Api_Key: other\r\nX-API-KEY: d\r\nX_Forwarded_Host: evil.example\r\nX-Real-IP: 192.0.2.1\r\nForwarded: for=x\r\n",
         "Keep-Alive: timeout=5\r\nProxy-Authorization: Basic eA==\r\nTE: trailers, deflate\r\nX-API-Key: e\r\n",
+        // Space around a value, an empty one, bytes past ASCII (the 38th
+        // attack's).
+        "X-Api-Key:   f  \r\nX-Empty:\r\nX-Obs: caf\u{e9}\r\n",
     ];
-    for extra in cases {
+    // 30 fields and the key, then one more: the last a plain GET may have
+    // (with `Host` and `Connection`), then one hyper's reads.
+    let many = |n: usize| (0..n).map(|i| format!("X-F{i}: {i}\r\n")).collect::<String>();
+    let (at_bound, past) = (
+        format!("{}x-api-key: g\r\n", many(29)),
+        format!("{}x-api-key: h\r\n", many(30)),
+    );
+    for extra in cases.iter().copied().chain([at_bound.as_str(), past.as_str()]) {
         // Both with a `Connection` field last (a map's removal moves the
         // last field into the removed one's place).
         let plain = transcript(tg.addr, &[get("/h", &format!("{extra}Connection: keep-alive\r\n"))]).await;
