@@ -196,6 +196,46 @@ rules:
     }
 }
 
+/// An HTTP/1.1 browser sends its cookies on one line, an HTTP/2 one each
+/// on a line of its own: a `match.headers` condition on one cookie meets
+/// either, so one more cookie on the line cannot take a request out from
+/// under its rule (the 38th attack: `a=1; tier=free` missed a
+/// `cookie: tier=free` rule that `a=1` and `tier=free` on two lines met).
+/// Two rules on the cookie's values, so the rule index keys them.
+#[tokio::test]
+async fn a_cookie_condition_meets_the_cookie_among_others_on_one_line() {
+    let limits = "\
+domain: it
+rules:
+  - name: free
+    match: { headers: { cookie: tier=free } }
+    limits: [{ requests: 2, per: 1m }]
+  - name: paid
+    match: { headers: { cookie: tier=paid } }
+    limits: [{ requests: 100, per: 1m }]
+";
+    let upstream = TestUpstream::start().await;
+    let c = client();
+    for backend in Backend::all() {
+        let tg = start(limits, &upstream, &backend, &[]);
+        let a = get(&c, &tg.url("/"), &[("cookie", "tier=free")]).await;
+        assert_eq!(a.header("ratelimit"), Some("\"free\";r=1;t=60"));
+        let a = get(&c, &tg.url("/"), &[("cookie", "session=s1; tier=free ;theme=dark")]).await;
+        assert_eq!(
+            a.header("ratelimit"),
+            Some("\"free\";r=0;t=60"),
+            "one line, the cookie among others"
+        );
+        let a = get(&c, &tg.url("/"), &[("cookie", "session=s1"), ("cookie", "tier=free")]).await;
+        assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "each on a line of its own");
+        let a = get(&c, &tg.url("/"), &[("cookie", "a=1; tier=paid")]).await;
+        assert_eq!(a.header("ratelimit"), Some("\"paid\";r=99;t=60"));
+        let a = get(&c, &tg.url("/"), &[("cookie", "a=1; tier=freeish")]).await;
+        assert_eq!(a.status, StatusCode::OK);
+        assert!(a.header("ratelimit").is_none(), "no rule's cookie: no rule");
+    }
+}
+
 #[tokio::test]
 async fn two_instances_on_one_redis_admit_exactly_the_limit() {
     let redis = RedisServer::start();

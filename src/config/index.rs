@@ -249,10 +249,9 @@ impl Bucket {
     fn collect(&self, headers: Fields<'_>, out: &mut Vec<usize>) {
         out.extend_from_slice(&self.rules);
         if let Some(keyed) = &self.keyed {
-            // As the matcher compares: any of the values, without the
-            // spaces and tabs around it.
-            for value in headers.get_all(&keyed.name) {
-                if let Some(rules) = keyed.by_value.get(value.trim_ascii()) {
+            // As the matcher compares: any of the values it meets.
+            for value in super::match_values(headers, &keyed.name) {
+                if let Some(rules) = keyed.by_value.get(value) {
                     out.extend_from_slice(rules);
                 }
             }

@@ -438,14 +438,29 @@ request_path! {
                 }
             }
             self.headers.iter().all(|(name, want)| {
-                headers.get_all(name).any(|v| match want {
+                match_values(headers, name).any(|v| match want {
                     HeaderValueMatch::Any => true,
-                    // Around a value, spaces and tabs are not part of it (HTTP/2
-                    // passes them through where HTTP/1 parsers strip them).
-                    HeaderValueMatch::Exact(s) => v.trim_ascii() == s.as_bytes(),
+                    HeaderValueMatch::Exact(s) => v == s.as_bytes(),
                 })
             })
         }
+    }
+
+    /// The values a `match.headers` condition on `name` meets (and the rule
+    /// index looks up): each of its lines, without the spaces and tabs
+    /// around it (HTTP/2 passes them through where HTTP/1 parsers strip
+    /// them); for `Cookie`, each cookie of a line as well. An HTTP/1.1
+    /// browser sends its cookies on one line (`a=1; tier=free`) and an
+    /// HTTP/2 one each on a line of its own: the same cookies meet the
+    /// same conditions either way, and one more cookie cannot slip a
+    /// request out from under a rule.
+    pub fn match_values<'a>(headers: crate::fields::Fields<'a>, name: &'a HeaderName) -> impl Iterator<Item = &'a [u8]> {
+        let cookie = *name == http::header::COOKIE;
+        headers.get_all(name).flat_map(move |line| {
+            let line = line.trim_ascii();
+            let crumbs = (cookie && line.contains(&b';')).then(|| line.split(|b| *b == b';').map(<[u8]>::trim_ascii));
+            std::iter::once(line).chain(crumbs.into_iter().flatten())
+        })
     }
 }
 
@@ -499,6 +514,30 @@ mod tests {
         assert!(prefix.matches(&Method::GET, "/api/users", None, crate::fields::Fields::Map(&h)));
         assert!(prefix.matches(&Method::GET, "/api/", None, crate::fields::Fields::Map(&h)));
         assert!(!prefix.matches(&Method::GET, "/apix", None, crate::fields::Fields::Map(&h)));
+    }
+
+    #[test]
+    fn a_cookie_condition_meets_each_cookie_of_a_line_and_other_headers_are_whole() {
+        let one = |name: &'static str, v: &str| {
+            let mut h = http::HeaderMap::new();
+            h.append(name, v.parse().unwrap());
+            h
+        };
+        let meets =
+            |m: &Matcher, h: &http::HeaderMap| m.matches(&Method::GET, "/", None, crate::fields::Fields::Map(h));
+        let cookie = matcher("{headers: {cookie: tier=free}}");
+        for line in ["tier=free", "a=1; tier=free", " a=1 ;tier=free ; b=2", "tier=free;"] {
+            assert!(meets(&cookie, &one("cookie", line)), "{line:?}");
+        }
+        for line in ["a=1; tier=freeish", "tier=free, a=1", "a=tier=free"] {
+            assert!(!meets(&cookie, &one("cookie", line)), "{line:?}");
+        }
+        // The whole line still meets a condition written as one.
+        assert!(meets(
+            &matcher("{headers: {cookie: 'a=1; b=2'}}"),
+            &one("cookie", "a=1; b=2")
+        ));
+        assert!(!meets(&matcher("{headers: {x-tier: free}}"), &one("x-tier", "a; free")));
     }
 
     #[test]
