@@ -144,6 +144,9 @@ pub fn never_matching(limits: &Limits) -> Vec<String> {
         if let Some(why) = impossible_condition(rule) {
             out.push(format!("rule \"{}\" never matches: {why}", rule.name));
         }
+        if let Some(why) = several_cookies(rule) {
+            out.push(format!("rule \"{}\" {why}", rule.name));
+        }
     }
     for shadowed in limits.tree.shadowed() {
         let literal = if shadowed.wildcard {
@@ -183,6 +186,18 @@ fn impossible_condition(rule: &Rule) -> Option<String> {
         super::HeaderValueMatch::Exact(v) if v.trim_ascii() != v => Some(format!(
             "header {name} is compared without the spaces and tabs around a value, so \"{v}\" never equals one; write \"{}\"",
             v.trim_ascii()
+        )),
+        _ => None,
+    })
+}
+
+/// A `cookie` condition on several cookies: it meets only that one line
+/// as written, where a condition on one cookie meets it among others.
+fn several_cookies(rule: &Rule) -> Option<String> {
+    rule.matcher.headers.iter().find_map(|(name, want)| match want {
+        super::HeaderValueMatch::Exact(v) if *name == http::header::COOKIE && v.contains(';') => Some(format!(
+            "meets the cookies \"{v}\" only as that one line, as written: never in another order, beside another cookie, or from an HTTP/2 browser (which sends each cookie on a line of its own); match one cookie (\"{}\")",
+            v.split(';').next().unwrap_or_default().trim()
         )),
         _ => None,
     })
@@ -456,6 +471,7 @@ mod tests {
             ("host: ''", "empty host"),
             ("headers: { x-t: ' v' }", "write \"v\""),
             ("headers: { x-t: \"v\\t\" }", "write \"v\""),
+            ("headers: { cookie: 'a=1; b=2' }", "match one cookie (\"a=1\")"),
         ] {
             let found = rule(m);
             assert!(found.len() == 1 && found[0].contains(says), "{m}: {found:?}");
@@ -466,6 +482,8 @@ mod tests {
             "headers: { x-t: v }",
             "headers: { x-t: '' }",
             "headers: { x-t: '*' }",
+            "headers: { cookie: 'a=1' }",
+            "headers: { x-t: 'a; b' }",
         ] {
             assert_eq!(rule(m), Vec::<String>::new(), "{m}");
         }

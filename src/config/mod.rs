@@ -458,7 +458,9 @@ request_path! {
         let cookie = *name == http::header::COOKIE;
         headers.get_all(name).flat_map(move |line| {
             let line = line.trim_ascii();
-            let crumbs = (cookie && line.contains(&b';')).then(|| line.split(|b| *b == b';').map(<[u8]>::trim_ascii));
+            // An empty piece (`a=1;;b=2`, a `;` at the end) is no cookie.
+            let crumbs = (cookie && line.contains(&b';'))
+                .then(|| line.split(|b| *b == b';').map(<[u8]>::trim_ascii).filter(|c| !c.is_empty()));
             std::iter::once(line).chain(crumbs.into_iter().flatten())
         })
     }
@@ -537,6 +539,13 @@ mod tests {
             &matcher("{headers: {cookie: 'a=1; b=2'}}"),
             &one("cookie", "a=1; b=2")
         ));
+        // An empty piece is no cookie (the 39th attack); an empty line is
+        // an empty value, as before.
+        let empty = matcher("{headers: {cookie: ''}}");
+        for line in ["a=1;;b=2", "a=1;", ";", "a=1; ; b=2"] {
+            assert!(!meets(&empty, &one("cookie", line)), "{line:?}");
+        }
+        assert!(meets(&empty, &one("cookie", "")));
         assert!(!meets(&matcher("{headers: {x-tier: free}}"), &one("x-tier", "a; free")));
     }
 
