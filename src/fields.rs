@@ -119,18 +119,27 @@ impl Lines {
         Lines::new(BytesMut::from(&head[..]), spans)
     }
 
-    /// The fields in a map, for a way that takes one.
+    /// The fields in a map, for a way that takes one. Lines always read
+    /// into one (httparse admits what `http` does: the tests pin it, and
+    /// [`Lines::new`] keeps names to `http`'s bound).
     pub fn to_map(&self) -> HeaderMap {
-        let mut map = HeaderMap::with_capacity(self.spans.len().saturating_add(4));
-        for span in &self.spans {
-            let name = HeaderName::from_bytes(self.name_at(span));
-            let value = HeaderValue::from_maybe_shared(self.head.slice_ref(self.value_at(span)));
-            if let (Ok(name), Ok(value)) = (name, value) {
-                map.append(name, value);
-            }
-        }
-        map
+        map_of(&self.head, &self.spans).unwrap_or_default()
     }
+}
+
+/// A map of the fields at `spans` in `head`, sharing its bytes: `None` when
+/// a span lies outside it or holds a name or value a map refuses. Room is
+/// left for the forwarding fields the proxy adds (`X-Forwarded-For`,
+/// `-Proto`, `-Host`, `Host`): a map made only as large as the head grew
+/// rehashed every field on each proxied request (BENCHMARKS.md §57).
+pub fn map_of(head: &Bytes, spans: &[[u32; 4]]) -> Option<HeaderMap> {
+    let mut map = HeaderMap::with_capacity(spans.len().saturating_add(4));
+    for &[name_start, name_end, value_start, value_end] in spans {
+        let name = HeaderName::from_bytes(head.get(name_start as usize..name_end as usize)?).ok()?;
+        let value = head.get(value_start as usize..value_end as usize)?;
+        map.append(name, HeaderValue::from_maybe_shared(head.slice_ref(value)).ok()?);
+    }
+    Some(map)
 }
 
 impl<'a> Fields<'a> {

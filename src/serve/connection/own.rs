@@ -392,19 +392,7 @@ fn get(uri: Uri, headers: HeaderMap, body: RequestBody) -> Request<RequestBody> 
 /// The request `head` holds, its target and fields views of its bytes.
 fn request(head: &Bytes, target: [u32; 2], spans: &[[u32; 4]]) -> Option<Request<RequestBody>> {
     let uri = target_of(head, target)?;
-    // Room for the forwarding fields the proxy adds (`X-Forwarded-For`,
-    // `-Proto`, `-Host`, `Host`): a map made only as large as the head
-    // grew, rehashing every field, on each proxied request (BENCHMARKS.md
-    // §57).
-    let mut headers = HeaderMap::with_capacity(spans.len().saturating_add(4));
-    for span in spans {
-        let [name_start, name_end, value_start, value_end] = span.map(|n| n as usize);
-        let name = HeaderName::from_bytes(head.get(name_start..name_end)?).ok()?;
-        let value = head.get(value_start..value_end)?;
-        let value = HeaderValue::from_maybe_shared(head.slice_ref(value)).ok()?;
-        headers.append(name, value);
-    }
-    Some(get(uri, headers, RequestBody::Empty))
+    Some(get(uri, crate::fields::map_of(head, spans)?, RequestBody::Empty))
 }
 
 /// How a response body is framed on the wire.
