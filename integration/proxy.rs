@@ -201,38 +201,60 @@ rules:
 /// either, so one more cookie on the line cannot take a request out from
 /// under its rule (the 38th attack: `a=1; tier=free` missed a
 /// `cookie: tier=free` rule that `a=1` and `tier=free` on two lines met).
-/// Two rules on the cookie's values, so the rule index keys them.
+/// Two rules on the cookie's values, so the rule index keys them; on the
+/// proxy, ext_authz and auth_request, on both stores.
 #[tokio::test]
 async fn a_cookie_condition_meets_the_cookie_among_others_on_one_line() {
-    let limits = "\
-domain: it
-rules:
-  - name: free
-    match: { headers: { cookie: tier=free } }
-    limits: [{ requests: 2, per: 1m }]
-  - name: paid
-    match: { headers: { cookie: tier=paid } }
-    limits: [{ requests: 100, per: 1m }]
-";
     let upstream = TestUpstream::start().await;
     let c = client();
     for backend in Backend::all() {
-        let tg = start(limits, &upstream, &backend, &[]);
-        let a = get(&c, &tg.url("/"), &[("cookie", "tier=free")]).await;
-        assert_eq!(a.header("ratelimit"), Some("\"free\";r=1;t=60"));
-        let a = get(&c, &tg.url("/"), &[("cookie", "session=s1; tier=free ;theme=dark")]).await;
-        assert_eq!(
-            a.header("ratelimit"),
-            Some("\"free\";r=0;t=60"),
-            "one line, the cookie among others"
-        );
-        let a = get(&c, &tg.url("/"), &[("cookie", "session=s1"), ("cookie", "tier=free")]).await;
-        assert_eq!(a.status, StatusCode::TOO_MANY_REQUESTS, "each on a line of its own");
-        let a = get(&c, &tg.url("/"), &[("cookie", "a=1; tier=paid")]).await;
-        assert_eq!(a.header("ratelimit"), Some("\"paid\";r=99;t=60"));
-        let a = get(&c, &tg.url("/"), &[("cookie", "a=1; tier=freeish")]).await;
-        assert_eq!(a.status, StatusCode::OK);
-        assert!(a.header("ratelimit").is_none(), "no rule's cookie: no rule");
+        for surface in ["proxy", "ext_authz", "auth_request"] {
+            // A domain each: on Redis the counters would be shared.
+            let limits = format!(
+                "domain: it-{surface}\nrules:\n  - name: free\n    match: {{ headers: {{ cookie: tier=free }} }}\n    limits: [{{ requests: 2, per: 1m }}]\n  - name: paid\n    match: {{ headers: {{ cookie: tier=paid }} }}\n    limits: [{{ requests: 100, per: 1m }}]\n"
+            );
+            let tg = start(&limits, &upstream, &backend, &[]);
+            let check = tg.check.unwrap();
+            let ask = async |cookies: &[&str]| {
+                let mut fields: Vec<(&str, &str)> = cookies.iter().map(|v| ("cookie", *v)).collect();
+                let url = match surface {
+                    "proxy" => tg.url("/"),
+                    "ext_authz" => format!("http://{check}/ext_authz/"),
+                    _ => {
+                        fields.push(("x-original-uri", "/"));
+                        format!("http://{check}/auth_request")
+                    }
+                };
+                let r = get(&c, &url, &fields).await;
+                let admitted = matches!(r.status, StatusCode::OK | StatusCode::NO_CONTENT);
+                (admitted, r.header("ratelimit").map(str::to_string))
+            };
+            let told = |state: &str| Some(state.to_string());
+            assert_eq!(
+                ask(&["tier=free"]).await,
+                (true, told("\"free\";r=1;t=60")),
+                "{surface}"
+            );
+            assert_eq!(
+                ask(&["session=s1; tier=free ;theme=dark"]).await,
+                (true, told("\"free\";r=0;t=60")),
+                "{surface}: one line, the cookie among others"
+            );
+            assert!(
+                !ask(&["session=s1", "tier=free"]).await.0,
+                "{surface}: each on a line of its own"
+            );
+            assert_eq!(
+                ask(&["a=1; tier=paid"]).await,
+                (true, told("\"paid\";r=99;t=60")),
+                "{surface}"
+            );
+            assert_eq!(
+                ask(&["a=1; tier=freeish"]).await,
+                (true, None),
+                "{surface}: no rule's cookie, no rule"
+            );
+        }
     }
 }
 
