@@ -531,7 +531,16 @@ mod tests {
         for line in ["tier=free", "a=1; tier=free", " a=1 ;tier=free ; b=2", "tier=free;"] {
             assert!(meets(&cookie, &one("cookie", line)), "{line:?}");
         }
-        for line in ["a=1; tier=freeish", "tier=free, a=1", "a=tier=free"] {
+        // Compared as sent (README): spellings some frameworks read as
+        // `tier=free` do not meet it.
+        for line in [
+            "a=1; tier=freeish",
+            "tier=free, a=1",
+            "a=tier=free",
+            "tier=\"free\"",
+            "tier = free",
+            "%74ier=free",
+        ] {
             assert!(!meets(&cookie, &one("cookie", line)), "{line:?}");
         }
         // The whole line still meets a condition written as one.
