@@ -25,7 +25,7 @@
 //! Around it: `config` parses and validates limits files; `reload` keeps
 //! them live (`reload::watch` decides when) and publishes a new
 //! `limits::Catalog` on every change; `client_ip` and `path` normalise what
-//! callers send; `fields` is a request's header fields as every reader
+//! callers send; `alarm` is the timer a connection keeps; `fields` is a request's header fields as every reader
 //! sees them (hyper's map, or the lines of a head our own server read); `serve` is the accept loop every listener shares and
 //! `serve::connection` one client connection's life; `admin` and `metrics`
 //! report (`activity` keeps the recent past the admin page shows); `heap` gives freed memory back. `settings` holds every flag; `server` starts what
@@ -70,6 +70,7 @@ pub mod upstream;
 
 request_path! {
     pub mod activity;
+    pub mod alarm;
     pub mod client_ip;
     pub mod fields;
     pub mod render;

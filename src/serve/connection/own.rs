@@ -27,6 +27,7 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Body;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+use crate::alarm::Alarm;
 use crate::fields::Lines;
 use crate::upstream::has_token;
 
@@ -160,43 +161,6 @@ pub(super) async fn serve<A: App>(
             // The next head began before this response ended.
             activity.head_read_with_last();
         }
-    }
-}
-
-/// The connection's watchdog timer, kept from request to request: moved
-/// sooner when a check is due sooner, otherwise left to ring early (a
-/// request only moves the connection's deadlines later, and each ring
-/// looks again), so a request costs no timer of its own.
-struct Alarm {
-    sleep: Pin<Box<tokio::time::Sleep>>,
-    /// When it rings, if set since it last did.
-    armed: Option<tokio::time::Instant>,
-}
-
-impl Alarm {
-    fn new() -> Alarm {
-        let now = tokio::time::Instant::now();
-        let never = now.checked_add(Duration::from_secs(365 * 86_400)).unwrap_or(now);
-        Alarm {
-            sleep: Box::pin(tokio::time::sleep_until(never)),
-            armed: None,
-        }
-    }
-
-    /// Rings within `wait` from now at the latest.
-    fn within(&mut self, wait: Duration) {
-        let now = tokio::time::Instant::now();
-        // Past any time an operator can write: no ring needed.
-        let Some(at) = now.checked_add(wait) else { return };
-        if self.armed.is_none_or(|armed| at < armed) {
-            self.sleep.as_mut().reset(at);
-            self.armed = Some(at);
-        }
-    }
-
-    async fn rung(&mut self) {
-        self.sleep.as_mut().await;
-        self.armed = None;
     }
 }
 
