@@ -28,7 +28,7 @@ use tollgate::reload::LiveFiles;
 use tollgate::surfaces::decision_http::DecisionHttp;
 use tollgate::surfaces::envoy_rls::RlsService;
 
-use crate::common::{RedisServer, TestUpstream, client, get};
+use crate::common::{RedisServer, TestUpstream, client, get, property_runtime};
 use crate::envoy::descriptor;
 use tollgate::serve::{ConnLimits, Gate, serve};
 use tollgate::surfaces::proxy::{Proxy, ProxyOptions};
@@ -522,11 +522,7 @@ fn run(rig: &Rig, redis: bool, cache: bool, steps: Vec<Step>) -> Result<(), Test
 
 #[test]
 fn every_decision_path_answers_like_the_model() {
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = property_runtime();
     let upstream = runtime.block_on(TestUpstream::start());
     let rig = Rig {
         runtime,

@@ -563,6 +563,94 @@ async fn upstream_down_is_502_and_slow_is_504() {
     assert_eq!(get(&c, &tg.url("/echo"), &[]).await.status, StatusCode::OK);
 }
 
+/// One step of [`each_request_waits_its_own_upstream_timeout_on_a_kept_connection`].
+#[derive(Clone, Debug)]
+struct TimedStep {
+    /// Idle before it, on the same client connection.
+    gap_ms: u64,
+    /// How long the upstream takes to answer it.
+    upstream_ms: u64,
+    /// Sent with a body (hyper's client upstream) rather than as a plain
+    /// GET (our own, which times the wait on its connection's kept timer).
+    with_body: bool,
+}
+
+/// `--upstream-timeout` in [`each_request_waits_its_own_upstream_timeout_on_a_kept_connection`].
+const TIMED_OUT_AFTER: Duration = Duration::from_millis(600);
+
+/// Our own upstream client keeps one timer per connection, set by each
+/// request and left to ring early (at an earlier request's deadline, or
+/// while the connection was idle). Against the model: a request answered
+/// within the timeout is 200 whatever came before it on the connection,
+/// one answered later is 504 no sooner than the timeout after it began
+/// (and well before the upstream answers).
+#[test]
+fn each_request_waits_its_own_upstream_timeout_on_a_kept_connection() {
+    use proptest::prelude::*;
+    let runtime = property_runtime();
+    let upstream = runtime.block_on(TestUpstream::start());
+    let tg = Tollgate::start(
+        LOGIN,
+        upstream.addr,
+        &["--upstream-timeout", "600ms", "--proxy-threads", "1"],
+    );
+    let sent = AtomicUsize::new(0);
+    let timed_out = AtomicUsize::new(0);
+    let step = (
+        prop::sample::select(vec![0u64, 200, 700]),
+        // Well inside the timeout, or far past it.
+        prop::sample::select(vec![0u64, 150, 3000]),
+        prop::bool::weighted(0.25),
+    )
+        .prop_map(|(gap_ms, upstream_ms, with_body)| TimedStep {
+            gap_ms,
+            upstream_ms,
+            with_body,
+        });
+    let config = ProptestConfig {
+        cases: 10,
+        ..ProptestConfig::default()
+    };
+    proptest!(config, |(steps in prop::collection::vec(step, 2..6))| {
+        // A client of its own: its one connection's requests share the
+        // upstream connections of the one proxy thread.
+        let c = client();
+        for s in &steps {
+            let answered = runtime.block_on(async {
+                tokio::time::sleep(Duration::from_millis(s.gap_ms)).await;
+                let url = tg.url(&format!("/slow/{}", s.upstream_ms));
+                let started = Instant::now();
+                let answer = match s.with_body {
+                    true => send(&c, Method::PUT, &url, &[], b"body".to_vec()).await,
+                    false => get(&c, &url, &[]).await,
+                };
+                (answer.status, started.elapsed())
+            });
+            sent.fetch_add(1, Ordering::Relaxed);
+            let (status, took) = answered;
+            if s.upstream_ms < TIMED_OUT_AFTER.as_millis() as u64 {
+                prop_assert_eq!(status, StatusCode::OK, "{:?} of {:?} took {:?}", s, steps, took);
+            } else {
+                timed_out.fetch_add(1, Ordering::Relaxed);
+                prop_assert_eq!(status, StatusCode::GATEWAY_TIMEOUT, "{:?} of {:?}", s, steps);
+                prop_assert!(took >= TIMED_OUT_AFTER, "{:?} of {:?}: 504 after {:?}, before its own timeout", s, steps, took);
+                prop_assert!(took < Duration::from_millis(2000), "{:?} of {:?}: 504 after {:?}", s, steps, took);
+            }
+        }
+    });
+    // Kept connections carried requests (each 504 closes its connection,
+    // and the request after it opens one), so kept timers timed them.
+    let sent = sent.load(Ordering::Relaxed);
+    let timed_out = timed_out.load(Ordering::Relaxed);
+    let opened = upstream.connections.load(Ordering::Relaxed);
+    assert!(
+        sent.saturating_sub(opened) >= 5,
+        "{opened} connections for {sent} requests, {timed_out} timed out"
+    );
+    let counted = runtime.block_on(metric(&tg, "tollgate_upstream_responses_total{class=\"timeout\"}"));
+    assert_eq!(counted as usize, timed_out, "each 504 counted as an upstream timeout");
+}
+
 /// A bare HTTP/1.1 upstream that answers `ok` to bodiless requests, says
 /// `Connection: close` on every `close_every`-th answer of a connection and
 /// closes connections idle for `idle`, without a word, as servers do.

@@ -504,6 +504,17 @@ async fn upstream_handle(mut req: Request<Incoming>) -> Result<Response<UpBody>,
 /// The HTTP client the tests use.
 pub type TestClient = Client<HttpConnector, Full<Bytes>>;
 
+/// A runtime for a property test's cases to block on (proptest's body is
+/// not async), with one worker beside the test's thread for the servers
+/// it starts.
+pub fn property_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 pub fn client() -> TestClient {
     Client::builder(TokioExecutor::new()).build(HttpConnector::new())
 }

@@ -32,7 +32,7 @@ use crate::limiter::{Decision, Limiter};
 use crate::metrics::{self, Surface};
 use crate::limits::SharedCatalog;
 use crate::serve::{WholeBody, WrittenFields};
-use crate::upstream::{BodyProgress, ClientBody, Upstream, UpstreamBody, UpstreamFields, UpstreamPool};
+use crate::upstream::{BodyProgress, ClientBody, SendError, Upstream, UpstreamBody, UpstreamFields, UpstreamPool};
 
 /// What the proxy answers with: the upstream's body, or one of our own.
 pub type ProxyBody = Either<UpstreamBody, WholeBody>;
@@ -371,13 +371,20 @@ impl Proxy {
         // whole: a long upload is the client's time, not the upstream's
         // (a stalled one is cut by the body timeout instead).
         let timeout = self.options.upstream_timeout;
+        // Our own client times a written request's wait itself, on its
+        // connection's kept timer (its body is none: sent whole at once).
+        let due = match (&fields, caller_bounds) {
+            (Some(_), false) => Some(tokio::time::Instant::from_std(sent).checked_add(timeout)),
+            _ => None,
+        };
         let mut body_sent = body_sent;
         // What the body told, if the wait below took it.
         let body_told = std::sync::OnceLock::new();
         let answer = {
             let waited = async {
-                if caller_bounds {
-                    // The caller's own deadline ends the wait (in `handle`).
+                if caller_bounds || due.is_some() {
+                    // The caller's own deadline ends the wait (in `handle`),
+                    // or the send times itself.
                     return std::future::pending().await;
                 }
                 // The upstream side must keep taking the body: a connection
@@ -419,7 +426,8 @@ impl Proxy {
             // by value, and moved into it they were copied once more.
             let send = std::pin::pin!(async {
                 match fields {
-                    Some(fields) => self.pool.send_written(upstream_req, fields).await,
+                    // Past any time an operator can write: no deadline.
+                    Some(fields) => self.pool.send_written(upstream_req, fields, due.flatten()).await,
                     None => self.pool.send(upstream_req, needs_h2).await,
                 }
             });
@@ -431,8 +439,8 @@ impl Proxy {
         };
         let class = match &answer {
             Ok(Ok(r)) => status_class(r.status()),
+            Ok(Err(SendError::NoAnswer)) | Err(_) => "timeout",
             Ok(Err(_)) => "error",
-            Err(_) => "timeout",
         };
         metrics::get().upstream(class, sent.elapsed());
         match answer {
@@ -446,6 +454,10 @@ impl Proxy {
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Ok(Ok(r)) => Ok(r),
+            Ok(Err(SendError::NoAnswer)) => {
+                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, "upstream timed out");
+                Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
+            }
             Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
                 // Over HTTP/2 hyper reports the stream it reset for it.
                 tracing::info!(error = %e, "client request body failed (stalled past --upstream-body-timeout, or reset); the exchange was ended");

@@ -49,7 +49,7 @@ request_path! {
 pub use body::{BodyProgress, ClientBody};
 pub(crate) use http1::has_token;
 pub use http1::{Length, UpstreamFields};
-pub use pool::{MAX_RESPONSE_HEAD, UpstreamBody, UpstreamPool};
+pub use pool::{MAX_RESPONSE_HEAD, SendError, UpstreamBody, UpstreamPool};
 
 use std::path::Path;
 

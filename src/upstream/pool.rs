@@ -47,6 +47,7 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use super::{Upstream, UpstreamTls};
+use crate::alarm::Alarm;
 
 /// Why a request could not be sent upstream or its response not read.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +69,10 @@ pub enum SendError {
         /// What rustls said.
         source: io::Error,
     },
+    /// No answer's head by the deadline the request was sent with (our
+    /// own client's; hyper's is timed by the proxy).
+    #[error("no answer from the upstream in time")]
+    NoAnswer,
     /// The HTTP exchange failed (connection reset, malformed response...).
     #[error("upstream exchange failed: {0}{causes}", causes = Causes(.0))]
     Http(#[from] hyper::Error),
@@ -271,6 +276,8 @@ struct OwnIdle {
     /// Counts it in the gauge of upstream connections.
     open: crate::metrics::Held,
     since: Instant,
+    /// Times the wait for each answer on it.
+    alarm: Alarm,
 }
 
 impl OwnIdle {
@@ -368,7 +375,7 @@ impl UpstreamPool {
     /// servers speak no HTTP/1.1.
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
         if self.sends_own(needs_h2) && ours::fits(&req) {
-            return self.send_own(req, None).await;
+            return self.send_own(req, None, None).await;
         }
         let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
         // A protocol switch gets a connection of its own, which hyper hands
@@ -503,12 +510,15 @@ impl UpstreamPool {
     /// own HTTP/1.1 client: for a request [`Self::sends_own`] says so of.
     /// Not an `async fn` of its own: a second state machine around
     /// `send_own`'s would be one more copy of it per request.
+    /// The answer's head must come by `due` ([`SendError::NoAnswer`]
+    /// then), connecting included; with none, the caller times the wait.
     pub fn send_written(
         &self,
         req: Request<ClientBody>,
         fields: Vec<u8>,
+        due: Option<tokio::time::Instant>,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, SendError>> + Send + '_ {
-        self.send_own(req, Some(fields))
+        self.send_own(req, Some(fields), due)
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
@@ -518,20 +528,41 @@ impl UpstreamPool {
     /// NGINX's `proxy_next_upstream error` does on a kept connection, and
     /// as hyper's path does (see `send`). The request is only borrowed, so
     /// going again costs nothing until it is needed.
-    async fn send_own(&self, req: Request<ClientBody>, fields: Option<Vec<u8>>) -> Result<Response<UpstreamBody>, SendError> {
+    ///
+    /// The wait is timed by the connection's own [`Alarm`], kept with it
+    /// from request to request, not by a timer per request.
+    async fn send_own(
+        &self,
+        req: Request<ClientBody>,
+        fields: Option<Vec<u8>>,
+        due: Option<tokio::time::Instant>,
+    ) -> Result<Response<UpstreamBody>, SendError> {
         let mut fresh_only = false;
         loop {
             let taken = if fresh_only { None } else { self.take_own() };
-            let (io, open, peer, reused) = match taken {
-                Some(own) => (own.io, own.open, own.peer, true),
+            let (io, open, peer, reused, mut alarm) = match taken {
+                Some(own) => (own.io, own.open, own.peer, true, own.alarm),
                 None => {
-                    let io = Box::pin(self.open_stream()).await?;
+                    let mut alarm = Alarm::new();
+                    let opened = tokio::select! {
+                        biased;
+                        opened = Box::pin(self.open_stream()) => opened?,
+                        () = std::future::poll_fn(|cx| alarm.poll_at(cx, due)) => return Err(SendError::NoAnswer),
+                    };
                     let open = crate::metrics::Held::new(crate::metrics::get().upstream_connections().clone());
-                    (io, open, http::Version::HTTP_11, false)
+                    (opened, open, http::Version::HTTP_11, false, alarm)
                 }
             };
-            match ours::exchange(io, &req, fields.as_deref(), peer).await {
-                Ok(response) => return Ok(self.own_lease(response, open)),
+            let mut exchange = std::pin::pin!(ours::exchange(io, &req, fields.as_deref(), peer));
+            let exchanged = std::future::poll_fn(|cx| match exchange.as_mut().poll(cx) {
+                Poll::Ready(exchanged) => Poll::Ready(Some(exchanged)),
+                Poll::Pending => alarm.poll_at(cx, due).map(|()| None),
+            });
+            let Some(exchanged) = exchanged.await else {
+                return Err(SendError::NoAnswer);
+            };
+            match exchanged {
+                Ok(response) => return Ok(self.own_lease(response, open, alarm)),
                 Err(e) if e.head_lost() && reused && req.method().is_idempotent() => {
                     tracing::debug!(error = %e, "a kept upstream connection ended before the response head; sending the request again on a new one");
                     fresh_only = true;
@@ -553,7 +584,13 @@ impl UpstreamPool {
             match TcpStream::from_std(stream) {
                 Ok(io) => {
                     let peer = http::Version::HTTP_11;
-                    return Some(OwnIdle { io, peer, open, since });
+                    return Some(OwnIdle {
+                        io,
+                        peer,
+                        open,
+                        since,
+                        alarm: Alarm::new(),
+                    });
                 }
                 Err(e) => tracing::debug!(error = %e, "a parked upstream connection could not be used again"),
             }
@@ -562,13 +599,14 @@ impl UpstreamPool {
     }
 
     /// Keeps a connection our own client has finished an exchange on.
-    fn put_own(&self, io: TcpStream, peer: http::Version, open: crate::metrics::Held) {
+    fn put_own(&self, io: TcpStream, peer: http::Version, open: crate::metrics::Held, alarm: Alarm) {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
         idle.own.push_back(OwnIdle {
             io,
             peer,
             open,
             since: Instant::now(),
+            alarm,
         });
         if idle.len() > self.inner.max_idle {
             idle.drop_oldest();
@@ -577,9 +615,19 @@ impl UpstreamPool {
 
     /// Ties the connection to our own client's response body, to come back
     /// once the body has been read to its end.
-    fn own_lease(&self, response: Response<ours::ResponseBody<TcpStream>>, open: crate::metrics::Held) -> Response<UpstreamBody> {
+    fn own_lease(
+        &self,
+        response: Response<ours::ResponseBody<TcpStream>>,
+        open: crate::metrics::Held,
+        alarm: Alarm,
+    ) -> Response<UpstreamBody> {
         let timer = IdleTimer::new(self.inner.body_timeout);
-        response.map(|body| UpstreamBody::new(Received::Own(Box::new(body)), timer, Some(Lease::Own { pool: self.clone(), open }), Framing::Http1))
+        let lease = Lease::Own {
+            pool: self.clone(),
+            open,
+            alarm,
+        };
+        response.map(|body| UpstreamBody::new(Received::Own(Box::new(body)), timer, Some(lease), Framing::Http1))
     }
 
     /// Sends `req` on the thread's HTTP/2 connection. A short body is read
@@ -1115,7 +1163,11 @@ enum Lease {
     Hyper { pool: UpstreamPool, sender: Sender },
     /// One of our own client's: the body hands back the socket when it
     /// can carry another request.
-    Own { pool: UpstreamPool, open: crate::metrics::Held },
+    Own {
+        pool: UpstreamPool,
+        open: crate::metrics::Held,
+        alarm: Alarm,
+    },
 }
 
 /// A response body as one of the two clients reads it.
@@ -1424,11 +1476,11 @@ impl Drop for UpstreamBody {
     fn drop(&mut self) {
         match self.lease.take() {
             Some(Lease::Hyper { pool, sender }) if self.is_end_stream() => pool.put(sender),
-            Some(Lease::Own { pool, open }) => {
+            Some(Lease::Own { pool, open, alarm }) => {
                 if let Received::Own(body) = &mut self.body
                     && let Some((io, peer)) = body.reusable()
                 {
-                    pool.put_own(io, peer, open);
+                    pool.put_own(io, peer, open, alarm);
                 }
             }
             _ => {}
