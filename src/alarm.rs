@@ -49,8 +49,13 @@ impl Alarm {
 
     /// Rings within `wait` from now at the latest.
     pub fn within(&mut self, wait: Duration) {
+        self.within_from(Instant::now(), wait);
+    }
+
+    /// Rings within `wait` from `now`, a moment just read, at the latest.
+    pub fn within_from(&mut self, now: Instant, wait: Duration) {
         // Past any time an operator can write: no ring needed.
-        if let Some(at) = Instant::now().checked_add(wait) {
+        if let Some(at) = now.checked_add(wait) {
             self.by(at);
         }
     }

@@ -110,6 +110,9 @@ impl Limiter {
         let started = Instant::now();
         let now_ms = self.clock.at(started);
         let metrics = metrics::get();
+        // When the store answered, read once for its timing and the
+        // decision's.
+        let mut answered = None;
         let decision = match self.denials.check(hits, now_ms) {
             Some(cached) => {
                 metrics.denial_cache_hit();
@@ -133,7 +136,8 @@ impl Limiter {
             None => {
                 // The store decided after this instant: a cached refusal
                 // counts its retry time from here, never from the reply.
-                let decision = self.ask_store(hits, started).await;
+                let (decision, at) = self.ask_store(hits, started).await;
+                answered = at;
                 self.denials.remember(hits, &decision, now_ms);
                 // A refusal can have charged too: on Redis Cluster, a slot
                 // charged before another refused (the store's gap).
@@ -151,7 +155,8 @@ impl Limiter {
         if decision.verdict == Verdict::Limited {
             self.rejections.record(hits, &decision);
         }
-        metrics.decision_time(started.elapsed());
+        let ended = answered.unwrap_or_else(Instant::now);
+        metrics.decision_time(ended.saturating_duration_since(started));
         decision
     }
 
@@ -177,8 +182,9 @@ impl Limiter {
         Ok((decision_of(hits, answer), Some(counts)))
     }
 
-    /// The store's decision for `hits`, asked at `asked`.
-    async fn ask_store(&self, hits: &[Hit], asked: Instant) -> Decision {
+    /// The store's decision for `hits`, asked at `asked`, and when it
+    /// answered (none when it failed).
+    async fn ask_store(&self, hits: &[Hit], asked: Instant) -> (Decision, Option<Instant>) {
         let checks = checks_of(hits);
         // Nothing to wait for in process: no deadline timer on the hot path.
         let answer = match self.store.in_process() {
@@ -195,16 +201,17 @@ impl Limiter {
         };
         match answer.and_then(|a| self.one_count_per_hit(hits, a)) {
             Ok(answer) => {
-                let took = asked.elapsed();
+                let answered = Instant::now();
+                let took = answered.saturating_duration_since(asked);
                 metrics::get().store_time(took);
                 self.failures.answered();
                 // The admin page shows Redis's round trips; memory has none.
                 if !self.store.in_process() {
                     crate::activity::get().store_answered(took);
                 }
-                decision_of(hits, answer)
+                (decision_of(hits, answer), Some(answered))
             }
-            Err(e) => self.failed(hits, e),
+            Err(e) => (self.failed(hits, e), None),
         }
     }
 

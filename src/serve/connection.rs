@@ -193,6 +193,11 @@ impl Activity {
     /// How long until an idle connection should be parked (zero: now);
     /// `None` while a request is in flight or before the first.
     fn park_in(&self) -> Option<Duration> {
+        self.park_in_at(Instant::now())
+    }
+
+    /// [`Self::park_in`] at `now`, a moment just read.
+    fn park_in_at(&self, now: Instant) -> Option<Duration> {
         if !self.served.load(Ordering::Relaxed)
             || self.in_flight.load(Ordering::Relaxed) > 0
             || self.never_park.load(Ordering::Relaxed)
@@ -203,12 +208,15 @@ impl Activity {
         // packet of the request before is found only when the connection
         // parks, and its timeout must not run out first.
         let after = PARK_AFTER.min(self.listener.limits.header_read_timeout);
-        Some(after.saturating_sub(self.since_last()))
+        Some(after.saturating_sub(self.since_last_at(now)))
     }
 
     fn since_last(&self) -> Duration {
-        self.opened
-            .elapsed()
+        self.since_last_at(Instant::now())
+    }
+
+    fn since_last_at(&self, now: Instant) -> Duration {
+        now.saturating_duration_since(self.opened)
             .saturating_sub(Duration::from_millis(self.last_ms.load(Ordering::Relaxed)))
     }
 
@@ -216,6 +224,11 @@ impl Activity {
     /// time counts from the last response handed over, as NGINX's
     /// `keepalive_timeout` does, never while a request is being handled.
     fn left(&self, limits: &ConnLimits) -> Duration {
+        self.left_at(limits, Instant::now())
+    }
+
+    /// [`Self::left`] at `now`, a moment just read.
+    fn left_at(&self, limits: &ConnLimits, now: Instant) -> Duration {
         let limit = if self.served.load(Ordering::Relaxed) {
             if self.in_flight.load(Ordering::Relaxed) > 0 {
                 return limits.recheck_every();
@@ -230,7 +243,7 @@ impl Activity {
         } else {
             limits.header_read_timeout
         };
-        limit.saturating_sub(self.since_last())
+        limit.saturating_sub(self.since_last_at(now))
     }
 
     /// Whether the connection should close to make room for a new one: its

@@ -427,7 +427,7 @@ impl Proxy {
             let send = std::pin::pin!(async {
                 match fields {
                     // Past any time an operator can write: no deadline.
-                    Some(fields) => self.pool.send_written(upstream_req, fields, due.flatten()).await,
+                    Some(fields) => self.pool.send_written(upstream_req, fields, sent, due.flatten()).await,
                     None => self.pool.send(upstream_req, needs_h2).await,
                 }
             });

@@ -307,10 +307,10 @@ impl Kept {
 
     /// The newest of our own client's connections still fit for a request
     /// (not past `timeout`, nothing arrived on it); those passed over are
-    /// closed.
-    fn pop_own(&mut self, timeout: Duration) -> Option<OwnIdle> {
+    /// closed. `now`: a moment just read.
+    fn pop_own(&mut self, timeout: Duration, now: Instant) -> Option<OwnIdle> {
         while let Some(own) = self.own.pop_back() {
-            if own.since.elapsed() < timeout && own.quiet() {
+            if now.saturating_duration_since(own.since) < timeout && own.quiet() {
                 return Some(own);
             }
         }
@@ -375,7 +375,7 @@ impl UpstreamPool {
     /// servers speak no HTTP/1.1.
     pub async fn send(&self, mut req: Request<ClientBody>, needs_h2: bool) -> Result<Response<UpstreamBody>, SendError> {
         if self.sends_own(needs_h2) && ours::fits(&req) {
-            return self.send_own(req, None, None).await;
+            return self.send_own(req, None, Instant::now(), None).await;
         }
         let h2c = self.inner.h2c || (needs_h2 && self.inner.tls.is_none());
         // A protocol switch gets a connection of its own, which hyper hands
@@ -510,15 +510,17 @@ impl UpstreamPool {
     /// own HTTP/1.1 client: for a request [`Self::sends_own`] says so of.
     /// Not an `async fn` of its own: a second state machine around
     /// `send_own`'s would be one more copy of it per request.
-    /// The answer's head must come by `due` ([`SendError::NoAnswer`]
-    /// then), connecting included; with none, the caller times the wait.
+    /// `sent`: a moment just read. The answer's head must come by `due`
+    /// ([`SendError::NoAnswer`] then), connecting included; with none, the
+    /// caller times the wait.
     pub fn send_written(
         &self,
         req: Request<ClientBody>,
         fields: Vec<u8>,
+        sent: Instant,
         due: Option<tokio::time::Instant>,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, SendError>> + Send + '_ {
-        self.send_own(req, Some(fields), due)
+        self.send_own(req, Some(fields), sent, due)
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
@@ -535,11 +537,12 @@ impl UpstreamPool {
         &self,
         req: Request<ClientBody>,
         fields: Option<Vec<u8>>,
+        sent: Instant,
         due: Option<tokio::time::Instant>,
     ) -> Result<Response<UpstreamBody>, SendError> {
         let mut fresh_only = false;
         loop {
-            let taken = if fresh_only { None } else { self.take_own() };
+            let taken = if fresh_only { None } else { self.take_own(sent) };
             let (io, open, peer, reused, mut alarm) = match taken {
                 Some(own) => (own.io, own.open, own.peer, true, own.alarm),
                 None => {
@@ -574,9 +577,9 @@ impl UpstreamPool {
 
     /// The most recently returned idle connection our own client can use:
     /// one of its own, else a parked socket.
-    fn take_own(&self) -> Option<OwnIdle> {
+    fn take_own(&self, now: Instant) -> Option<OwnIdle> {
         let mut idle = self.inner.idle.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(own) = idle.pop_own(self.inner.idle_timeout) {
+        if let Some(own) = idle.pop_own(self.inner.idle_timeout, now) {
             return Some(own);
         }
         while let Some(parked) = idle.pop_parked(self.inner.idle_timeout) {
@@ -771,7 +774,7 @@ impl UpstreamPool {
             // Otherwise its connection has not yet seen the end of the
             // response it was returned after; it will be ready soon.
         }
-        if let Some(own) = idle.pop_own(self.inner.idle_timeout) {
+        if let Some(own) = idle.pop_own(self.inner.idle_timeout, Instant::now()) {
             return Some(Taken::Own(own));
         }
         idle.pop_parked(self.inner.idle_timeout).map(Taken::Parked)

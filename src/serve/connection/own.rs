@@ -188,13 +188,16 @@ async fn wait_for_bytes(
         buf.reserve(READ_AT_LEAST);
     }
     loop {
-        let park_in = if fresh || !buf.is_empty() { None } else { activity.park_in() };
+        // One read of the time for all three (each read is a system clock
+        // read, several per request add up).
+        let now = std::time::Instant::now();
+        let park_in = if fresh || !buf.is_empty() { None } else { activity.park_in_at(now) };
         let wake = activity
-            .left(limits)
+            .left_at(limits, now)
             .min(limits.recheck_every())
             .min(limits.header_read_timeout.max(Duration::from_millis(10)))
             .min(park_in.unwrap_or(PARK_AFTER));
-        alarm.within(wake);
+        alarm.within_from(tokio::time::Instant::from_std(now), wake);
         tokio::select! {
             biased;
             read = io.read_buf(buf) => {
