@@ -212,13 +212,20 @@ fn check_reports_rules_that_can_never_match() {
 }
 
 #[test]
-fn a_decision_deadline_under_a_millisecond_is_refused() {
+fn a_decision_deadline_or_upstream_timeout_under_a_millisecond_is_refused() {
     // From the twelfth attack: 0s was taken, and a healthy Redis then
-    // failed about half the decisions at random.
-    for deadline in ["0s", "1us"] {
+    // failed about half the decisions at random. From the fortieth: an
+    // upstream timeout of 0 answered a random share of GETs to a healthy
+    // upstream 504.
+    for (flag, deadline) in [
+        ("--redis-timeout", "0s"),
+        ("--redis-timeout", "1us"),
+        ("--upstream-timeout", "0s"),
+        ("--upstream-timeout", "999us"),
+    ] {
         let out = Command::new(binary())
             .args([
-                "--redis-timeout",
+                flag,
                 deadline,
                 "--listen",
                 "127.0.0.1:0",
@@ -227,8 +234,8 @@ fn a_decision_deadline_under_a_millisecond_is_refused() {
             ])
             .output()
             .unwrap();
-        assert!(!out.status.success(), "{deadline}");
+        assert!(!out.status.success(), "{flag} {deadline}");
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(err.contains("--redis-timeout") && err.contains("at least 1ms"), "{err}");
+        assert!(err.contains(flag) && err.contains("at least 1ms"), "{err}");
     }
 }

@@ -164,6 +164,18 @@ async fn the_callers_deadline_and_a_dead_upstream_are_grpc_statuses() {
         took < Duration::from_millis(1500),
         "answered at the caller's deadline, not the upstream's pace: {took:?}"
     );
+    // The upstream's timeout as --upstream-timeout's is (from the 40th
+    // attack: a call cut by its own deadline was neither counted nor
+    // logged).
+    assert!(
+        tg.logged("upstream timed out (the call's grpc-timeout passed)"),
+        "{}",
+        tg.log_text()
+    );
+    assert_eq!(
+        metric(&tg, "tollgate_upstream_responses_total{class=\"timeout\"}").await,
+        1
+    );
     // Nothing listens: UNAVAILABLE, which a gRPC client may retry elsewhere.
     let tg = h2c_upstream(
         format!("127.0.0.1:{}", free_port()).parse().unwrap(),

@@ -196,7 +196,7 @@ pub struct Settings {
     #[arg(long, env = "TOLLGATE_PROXY_THREADS", default_value_t = 0)]
     pub proxy_threads: usize,
     /// Longest wait for the upstream's response headers once the request has been sent (then 504).
-    #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "TOLLGATE_UPSTREAM_TIMEOUT", default_value = "30s", value_parser = parse_upstream_timeout)]
     pub upstream_timeout: Duration,
     /// Longest wait between two pieces of a request or response body; then
     /// the stalled side is cut off (and counted).
@@ -262,6 +262,17 @@ fn parse_decision_deadline(text: &str) -> Result<Duration, String> {
         return Err("must be at least 1ms (a Redis round trip)".into());
     }
     Ok(deadline)
+}
+
+/// `--upstream-timeout`: at least a millisecond, as no upstream answers
+/// sooner (0 answered a random share of requests to a healthy upstream
+/// 504).
+fn parse_upstream_timeout(text: &str) -> Result<Duration, String> {
+    let timeout = humantime::parse_duration(text).map_err(|e| e.to_string())?;
+    if timeout < Duration::from_millis(1) {
+        return Err("must be at least 1ms (an upstream round trip)".into());
+    }
+    Ok(timeout)
 }
 
 /// Reads a listener address, or `off` (or empty) for none.

@@ -189,15 +189,30 @@ impl Proxy {
         // Pinned where it is made: awaited by value, the whole future (the
         // decision's and the upstream exchange's states, ~KBs) was copied
         // once more every request.
+        // When a call with a deadline went upstream: its deadline passed
+        // after that is the upstream's timeout, counted and logged as one.
+        let forwarded = std::sync::OnceLock::new();
         let answer = std::pin::pin!(async {
             let admitted = self.decide(&req, peer).await?;
+            if deadline.is_some() {
+                let _ = forwarded.set(Instant::now());
+            }
             self.forward(req, peer, admitted, call).await
         });
         let answer = match deadline.flatten() {
             None => answer.await,
             Some(deadline) => match tokio::time::timeout_at(deadline, answer).await {
                 Ok(answer) => answer,
-                Err(_) => Err(grpc_failure(StatusCode::GATEWAY_TIMEOUT, "the call's grpc-timeout passed")),
+                Err(_) => {
+                    match forwarded.get() {
+                        Some(&began) => {
+                            metrics::get().upstream("timeout", began.elapsed());
+                            tracing::warn!(upstream = %self.options.upstream.authority(), "upstream timed out (the call's grpc-timeout passed)");
+                        }
+                        None => tracing::info!("a call's grpc-timeout passed before it was decided"),
+                    }
+                    Err(grpc_failure(StatusCode::GATEWAY_TIMEOUT, "the call's grpc-timeout passed"))
+                }
             },
         };
         match answer {
