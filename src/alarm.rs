@@ -47,13 +47,8 @@ impl Alarm {
         }
     }
 
-    /// Rings within `wait` from now at the latest.
-    pub fn within(&mut self, wait: Duration) {
-        self.within_from(Instant::now(), wait);
-    }
-
     /// Rings within `wait` from `now`, a moment just read, at the latest.
-    pub fn within_from(&mut self, now: Instant, wait: Duration) {
+    pub fn within(&mut self, now: Instant, wait: Duration) {
         // Past any time an operator can write: no ring needed.
         if let Some(at) = now.checked_add(wait) {
             self.by(at);
@@ -76,13 +71,8 @@ impl Alarm {
     }
 
     /// Rings at `due`, not before: an earlier ring (a deadline since
-    /// passed by) is waited past.
-    pub async fn at(&mut self, due: Instant) {
-        std::future::poll_fn(|cx| self.poll_at(cx, Some(due))).await
-    }
-
-    /// [`Self::at`] as a poll, for a wait polled beside another (no
-    /// future of its own to keep); never rings without a `due`.
+    /// passed by) is waited past. A poll, for a wait polled beside another
+    /// (no future of its own to keep); never rings without a `due`.
     pub fn poll_at(&mut self, cx: &mut Context<'_>, due: Option<Instant>) -> Poll<()> {
         let Some(due) = due else { return Poll::Pending };
         loop {
@@ -100,17 +90,21 @@ impl Alarm {
 mod tests {
     use super::*;
 
+    async fn ring_at(alarm: &mut Alarm, due: Instant) {
+        std::future::poll_fn(|cx| alarm.poll_at(cx, Some(due))).await
+    }
+
     #[tokio::test(start_paused = true)]
     async fn it_rings_at_the_soonest_time_it_was_set_to() {
         let start = Instant::now();
         let mut alarm = Alarm::new();
-        alarm.within(Duration::from_secs(5));
-        alarm.within(Duration::from_secs(2));
-        alarm.within(Duration::from_secs(9));
+        alarm.within(Instant::now(), Duration::from_secs(5));
+        alarm.within(Instant::now(), Duration::from_secs(2));
+        alarm.within(Instant::now(), Duration::from_secs(9));
         alarm.rung().await;
         assert_eq!(start.elapsed(), Duration::from_secs(2));
         // Rung: set again, it rings at the new time, not at once.
-        alarm.within(Duration::from_secs(3));
+        alarm.within(Instant::now(), Duration::from_secs(3));
         alarm.rung().await;
         assert_eq!(start.elapsed(), Duration::from_secs(5));
     }
@@ -121,7 +115,7 @@ mod tests {
         let mut alarm = Alarm::new();
         // An earlier request's deadline, still set.
         alarm.by(start + Duration::from_secs(1));
-        alarm.at(start + Duration::from_secs(4)).await;
+        ring_at(&mut alarm, start + Duration::from_secs(4)).await;
         assert_eq!(start.elapsed(), Duration::from_secs(4));
     }
 
@@ -132,10 +126,10 @@ mod tests {
         alarm.by(start + Duration::from_secs(1));
         // It rings with nobody waiting (an idle kept connection).
         tokio::time::sleep(Duration::from_secs(3)).await;
-        alarm.at(start + Duration::from_secs(6)).await;
+        ring_at(&mut alarm, start + Duration::from_secs(6)).await;
         assert_eq!(start.elapsed(), Duration::from_secs(6));
         // And once more after a ring that was seen.
-        alarm.at(start + Duration::from_secs(8)).await;
+        ring_at(&mut alarm, start + Duration::from_secs(8)).await;
         assert_eq!(start.elapsed(), Duration::from_secs(8));
     }
 
@@ -144,7 +138,7 @@ mod tests {
         let start = Instant::now();
         let mut alarm = Alarm::new();
         alarm.by(start + Duration::from_secs(10));
-        alarm.at(start + Duration::from_secs(3)).await;
+        ring_at(&mut alarm, start + Duration::from_secs(3)).await;
         assert_eq!(start.elapsed(), Duration::from_secs(3));
     }
 }

@@ -194,7 +194,7 @@ impl Proxy {
         let forwarded = std::sync::OnceLock::new();
         let answer = std::pin::pin!(async {
             let admitted = self.decide(&req, peer).await?;
-            if deadline.is_some() {
+            if matches!(deadline, Some(Some(_))) {
                 let _ = forwarded.set(Instant::now());
             }
             self.forward(req, peer, admitted, call).await
@@ -388,16 +388,13 @@ impl Proxy {
         let timeout = self.options.upstream_timeout;
         // Our own client times a written request's wait itself, on its
         // connection's kept timer (its body is none: sent whole at once).
-        let due = match (&fields, caller_bounds) {
-            (Some(_), false) => Some(tokio::time::Instant::from_std(sent).checked_add(timeout)),
-            _ => None,
-        };
+        let times_itself = fields.is_some();
         let mut body_sent = body_sent;
         // What the body told, if the wait below took it.
         let body_told = std::sync::OnceLock::new();
         let answer = {
             let waited = async {
-                if caller_bounds || due.is_some() {
+                if caller_bounds || times_itself {
                     // The caller's own deadline ends the wait (in `handle`),
                     // or the send times itself.
                     return std::future::pending().await;
@@ -441,8 +438,10 @@ impl Proxy {
             // by value, and moved into it they were copied once more.
             let send = std::pin::pin!(async {
                 match fields {
-                    // Past any time an operator can write: no deadline.
-                    Some(fields) => self.pool.send_written(upstream_req, fields, sent, due.flatten()).await,
+                    Some(fields) => {
+                        let timeout = (!caller_bounds).then_some(timeout);
+                        self.pool.send_written(upstream_req, fields, sent, timeout).await
+                    }
                     None => self.pool.send(upstream_req, needs_h2).await,
                 }
             });

@@ -510,17 +510,17 @@ impl UpstreamPool {
     /// own HTTP/1.1 client: for a request [`Self::sends_own`] says so of.
     /// Not an `async fn` of its own: a second state machine around
     /// `send_own`'s would be one more copy of it per request.
-    /// `sent`: a moment just read. The answer's head must come by `due`
-    /// ([`SendError::NoAnswer`] then), connecting included; with none, the
-    /// caller times the wait.
+    /// `sent`: a moment just read. The answer's head must come within
+    /// `timeout` of it ([`SendError::NoAnswer`] then), connecting included;
+    /// with none, the caller times the wait.
     pub fn send_written(
         &self,
         req: Request<ClientBody>,
         fields: Vec<u8>,
         sent: Instant,
-        due: Option<tokio::time::Instant>,
+        timeout: Option<Duration>,
     ) -> impl Future<Output = Result<Response<UpstreamBody>, SendError>> + Send + '_ {
-        self.send_own(req, Some(fields), sent, due)
+        self.send_own(req, Some(fields), sent, timeout)
     }
 
     /// Sends a body-less `req` by our own HTTP/1.1 client, on the most
@@ -538,8 +538,10 @@ impl UpstreamPool {
         req: Request<ClientBody>,
         fields: Option<Vec<u8>>,
         sent: Instant,
-        due: Option<tokio::time::Instant>,
+        timeout: Option<Duration>,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        // Past any time an operator can write: no deadline.
+        let due = timeout.and_then(|t| tokio::time::Instant::from_std(sent).checked_add(t));
         let mut fresh_only = false;
         loop {
             let taken = if fresh_only { None } else { self.take_own(sent) };

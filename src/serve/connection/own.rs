@@ -197,7 +197,7 @@ async fn wait_for_bytes(
             .min(limits.recheck_every())
             .min(limits.header_read_timeout.max(Duration::from_millis(10)))
             .min(park_in.unwrap_or(PARK_AFTER));
-        alarm.within_from(tokio::time::Instant::from_std(now), wake);
+        alarm.within(tokio::time::Instant::from_std(now), wake);
         tokio::select! {
             biased;
             read = io.read_buf(buf) => {
