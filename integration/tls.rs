@@ -1142,6 +1142,61 @@ async fn an_untrusted_client_cannot_claim_https_in_another_header() {
 }
 
 #[tokio::test]
+async fn no_peer_names_the_upstream_a_host_or_path_the_rules_did_not_see() {
+    // The 41st attack: NGINX and Envoy pass a client's own fields on by
+    // default, so a trusted front's `Forwarded: host=` (Spring, Rack 3),
+    // `X-Forwarded_Host` (PHP and Rack read it as X-Forwarded-Host) or
+    // `X-Original-URL` may be the client's, naming a host or path no rule
+    // matched. Whoever sends them, they go; the host the rules matched goes
+    // as X-Forwarded-Host.
+    let up = TestUpstream::start().await;
+    let targets = [
+        ("forwarded", "for=1.2.3.4;host=api.example.com"),
+        ("x-forwarded_host", "api.example.com"),
+        ("x-original-url", "/admin"),
+        ("x-rewrite-url", "/admin"),
+        ("x-host", "api.example.com"),
+        ("x-original-host", "api.example.com"),
+        ("x-forwarded-server", "api.example.com"),
+        ("x-http-host-override", "api.example.com"),
+    ];
+    for trusted in [false, true] {
+        let args: &[&str] = if trusted {
+            &["--trusted-proxies", "127.0.0.1/32"]
+        } else {
+            &[]
+        };
+        let tg = Tollgate::start(LIMITS, up.addr, args);
+        // A plain GET goes by tollgate's own server and client, a request
+        // with a body by hyper's: both write the upstream's head.
+        for body in [Vec::new(), b"x".to_vec()] {
+            let method = if body.is_empty() {
+                http::Method::GET
+            } else {
+                http::Method::POST
+            };
+            let answer = send(&client(), method.clone(), &tg.url("/echo"), &targets, body).await;
+            assert_eq!(answer.status, 200, "{}", tg.log_text());
+            for (name, _) in &targets {
+                assert_eq!(
+                    answer.header(&format!("x-seen-{name}")),
+                    None,
+                    "{name} reached the upstream ({method}, trusted: {trusted})"
+                );
+            }
+            assert_eq!(
+                answer.header("x-seen-x-forwarded-host"),
+                Some(tg.addr.to_string().as_str())
+            );
+        }
+    }
+    // A trusted front's `Forwarded` that names no host is its to say.
+    let tg = Tollgate::start(LIMITS, up.addr, &["--trusted-proxies", "127.0.0.1/32"]);
+    let answer = get(&client(), &tg.url("/echo"), &[("forwarded", "for=1.2.3.4;proto=https")]).await;
+    assert_eq!(answer.header("x-seen-forwarded"), Some("for=1.2.3.4;proto=https"));
+}
+
+#[tokio::test]
 async fn a_subject_spelled_with_a_comma_is_not_another_identity() {
     // A CN of "client-a, O=Acme" must not read as the two RDNs
     // CN=client-a and O=Acme: one could spend the other's quota.

@@ -55,10 +55,9 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 /// reads `X-Forwarded-Ssl` before `X-Forwarded-Proto`, Spring `Forwarded`,
 /// NGINX's real_ip `X-Real-IP`, Envoy's `X-Forwarded-Client-Cert`, Rails'
 /// `remote_ip` `Client-IP`, PHP code `X-Client-IP`, Akamai's
-/// `True-Client-IP`...), and what it asked for (IIS and the frameworks
-/// that copied it take `X-Original-URL` and `X-Rewrite-URL` for the path,
-/// so the upstream would serve a path no rule saw): believed only from a
-/// trusted proxy, as `X-Forwarded-Proto` is.
+/// `True-Client-IP`...): believed only from a trusted proxy, as
+/// `X-Forwarded-Proto` is. What it asked for (`X-Original-URL`...) is
+/// believed from no one: see [`is_target_claim`].
 fn is_scheme_claim(name: &[u8]) -> bool {
     matches!(
         name,
@@ -75,8 +74,6 @@ fn is_scheme_claim(name: &[u8]) -> bool {
             | b"x-client-ip"
             | b"true-client-ip"
             | b"x-cluster-client-ip"
-            | b"x-original-url"
-            | b"x-rewrite-url"
     )
 }
 
@@ -596,6 +593,7 @@ impl Forwarding<'_> {
         if !trusted {
             strip_claims(headers);
         }
+        strip_target_claims(headers);
         join_cookies(headers);
         append_forwarded_for(headers, peer);
         if !trusted || !headers.contains_key(&X_FORWARDED_PROTO) {
@@ -653,6 +651,9 @@ impl Forwarding<'_> {
             out.extend_from_slice(b"\r\n");
         };
         let (mut trailers, mut has_host, mut has_for, mut has_proto, mut has_forwarded_host) = (false, false, false, false, false);
+        // Whether `Forwarded` goes, told at its first line: its lines come
+        // one after another, and one naming a host takes them all.
+        let mut drop_forwarded = !trusted;
         // The name whose values are being passed: both ways of holding
         // fields give a name's values one after another.
         let mut current: Option<&[u8]> = None;
@@ -664,8 +665,16 @@ impl Forwarding<'_> {
                 trailers |= name == b"te" && says_trailers(value);
                 continue;
             }
-            if !trusted && is_claim(name) {
+            if (!trusted && is_claim(name)) || is_target_claim(name) {
                 continue;
+            }
+            if name == b"forwarded" {
+                if first {
+                    drop_forwarded = drop_forwarded || headers.get_all(&header::FORWARDED).any(forwarded_names_host);
+                }
+                if drop_forwarded {
+                    continue;
+                }
             }
             match name {
                 b"cookie" if first => {
@@ -1104,6 +1113,50 @@ fn strip_claims(headers: &mut HeaderMap) {
     }
 }
 
+/// Removes the fields that name a host or path for the upstream to serve
+/// in place of the request's own, from every peer, a trusted proxy's too
+/// (see [`is_target_claim`]), and a `Forwarded` that names a host.
+fn strip_target_claims(headers: &mut HeaderMap) {
+    let doomed: Vec<HeaderName> = headers.keys().filter(|name| is_target_claim(name.as_str().as_bytes())).cloned().collect();
+    for name in doomed {
+        headers.remove(name);
+    }
+    if headers.get_all(header::FORWARDED).iter().any(|v| forwarded_names_host(v.as_bytes())) {
+        headers.remove(header::FORWARDED);
+    }
+}
+
+/// Whether field `name` names a host or path for the upstream to serve in
+/// place of the request's own, and so goes whoever sent it: the rules
+/// matched the request's own, and a trusted front that passes a client's
+/// fields on unchanged (NGINX and Envoy do by default) would otherwise
+/// hand the upstream one no rule saw, as `X-Forwarded-Host` would (which
+/// tollgate writes itself). IIS-style frameworks serve `X-Original-URL`
+/// and `X-Rewrite-URL`; `X-Host`, `X-Original-Host`, `X-Forwarded-Server`
+/// and `X-HTTP-Host-Override` are read as the host by others; PHP and Rack
+/// read `X-Forwarded_Host` as `X-Forwarded-Host`. Any spelling with `_`
+/// for `-` counts.
+fn is_target_claim(name: &[u8]) -> bool {
+    const TARGETS: [&[u8]; 6] =
+        [b"x-original-url", b"x-rewrite-url", b"x-host", b"x-original-host", b"x-forwarded-server", b"x-http-host-override"];
+    // `_` read as `-`, without a copy: every field of every request is asked.
+    let reads_as = |wanted: &[u8]| {
+        wanted.len() == name.len() && wanted.iter().zip(name).all(|(w, b)| *w == if *b == b'_' { b'-' } else { *b })
+    };
+    TARGETS.iter().any(|t| reads_as(t)) || (name != X_FORWARDED_HOST.as_str().as_bytes() && reads_as(X_FORWARDED_HOST.as_str().as_bytes()))
+}
+
+/// Whether a `Forwarded` value (RFC 7239) names a host: Spring and Rack 3
+/// serve the host it names. Any pair that reads as `host=` counts, one
+/// inside a quoted value too: the field then goes, the safe side.
+fn forwarded_names_host(value: &[u8]) -> bool {
+    value.split(|b| *b == b';' || *b == b',').any(|pair| {
+        let pair = pair.trim_ascii_start();
+        pair.get(..4).is_some_and(|n| n.eq_ignore_ascii_case(b"host"))
+            && pair.get(4..).is_some_and(|rest| rest.trim_ascii_start().first() == Some(&b'='))
+    })
+}
+
 /// Whether an untrusted client's field `name` goes (see [`strip_claims`]).
 fn is_claim(name: &[u8]) -> bool {
     let forwarding = |name: &[u8]| {
@@ -1379,10 +1432,37 @@ mod tests {
             ("x-rewrite-url", b"/admin"),
         ]);
         strip_claims(&mut h);
+        strip_target_claims(&mut h);
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         // X-Forwarded-Proto itself is overwritten by the caller, not here.
         assert_eq!(left, ["x-api_key", "x-forwarded-proto"]);
+    }
+
+    #[test]
+    fn a_host_or_path_for_the_upstream_goes_from_any_peer_in_every_spelling() {
+        for name in [
+            "x-original-url", "x_original_url", "x-rewrite-url", "x-host", "x_host", "x-original-host", "x-forwarded-server",
+            "x-http-host-override", "x-forwarded_host", "x_forwarded_host", "x_forwarded-host",
+        ] {
+            assert!(is_target_claim(name.as_bytes()), "{name}");
+        }
+        // tollgate writes X-Forwarded-Host itself; the rest are no target.
+        for name in ["x-forwarded-host", "host", "x-forwarded-for", "forwarded", "x-hostname", "x-hos", "x-api_key"] {
+            assert!(!is_target_claim(name.as_bytes()), "{name}");
+        }
+        for value in ["host=a", "for=1.2.3.4;host=a", "for=1.2.3.4, HOST = a", "proto=https;Host=\"a\"", "for=\"x;host=y\""] {
+            assert!(forwarded_names_host(value.as_bytes()), "{value}");
+        }
+        for value in ["for=1.2.3.4;proto=https", "by=hostess", "for=\"_hidden\"", "", "host", "hostname=a"] {
+            assert!(!forwarded_names_host(value.as_bytes()), "{value}");
+        }
+        let mut h = headers(&[("forwarded", b"for=1.2.3.4"), ("forwarded", b"for=5.6.7.8;host=a"), ("x-a", b"1")]);
+        strip_target_claims(&mut h);
+        assert!(!h.contains_key("forwarded"), "one line naming a host takes them all");
+        let mut h = headers(&[("forwarded", b"for=1.2.3.4;proto=https")]);
+        strip_target_claims(&mut h);
+        assert!(h.contains_key("forwarded"));
     }
 
     #[test]
@@ -1586,11 +1666,13 @@ mod tests {
                         "host", "cookie", "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x_forwarded_for",
                         "x-forwarded_host", "x_forwarded_proto", "x-real-ip", "forwarded", "te", "connection", "keep-alive",
                         "upgrade", "proxy-authorization", "x-a", "x-b", "user-agent", "accept", "trailer", "transfer-encoding",
+                        "x-original-url", "x_host", "x-forwarded-server",
                     ]),
                     proptest::sample::select(vec![
                         "a", " b ", "trailers", "x-a", "keep-alive", "1.2.3.4", "c=1", "te, trailers", "x-b, close",
                         "host", "cookie", "x-forwarded-for", "x-forwarded-proto", "X-Forwarded-Host, x-a", "https", "",
                         "deflate,  Trailers ", "TRAILERS", "x-a-field-name-longer-than-thirty-two-bytes",
+                        "for=1.2.3.4;host=api.example", "for=1.2.3.4, for=5.6.7.8;proto=https", " Host = x",
                     ]),
                 ),
                 0..10,
