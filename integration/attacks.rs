@@ -282,8 +282,44 @@ rules:
     assert_eq!(status_of(&exchange(&tg, two).await), 400);
     let none = "GET /h HTTP/1.1\r\nConnection: close\r\n\r\n";
     assert_eq!(status_of(&exchange(&tg, none).await), 400);
+    // Even with the host in an absolute target (the 41st attack), as NGINX
+    // answers it; a bare `host:port` target is CONNECT's alone.
+    let absolute = "GET http://api.example.com/h HTTP/1.1\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, absolute).await), 400);
+    let bare = "GET api.example.com:80 HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";
+    assert_eq!(status_of(&exchange(&tg, bare).await), 400);
     let old = "GET /echo HTTP/1.0\r\n\r\n";
     assert_eq!(status_of(&exchange(&tg, old).await), 200, "HTTP/1.0 needs no Host");
+}
+
+#[tokio::test]
+async fn the_check_listener_counts_the_requests_it_refuses_for_their_host() {
+    // The 41st attack: a host tollgate refuses on ext_authz or auth_request
+    // answered 400 (or auth_request's 403) but counted no request, though
+    // README's metrics table has one entry per request.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start(
+        "domain: d\nrules:\n  - name: all\n    limits: [{ requests: 100, per: 60s }]\n",
+        up.addr,
+        &[],
+    );
+    let check = tg.check.unwrap();
+    let bad = |surface: &str| format!("tollgate_requests_total{{surface=\"{surface}\",verdict=\"bad_request\"}}");
+    for (n, host) in ["a@b", "a,b"].iter().enumerate() {
+        let ext = format!("GET /ext_authz/x HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        assert_eq!(
+            status_of(&raw(check, ext.as_bytes(), Duration::from_secs(2)).await),
+            400
+        );
+        assert_eq!(metric(&tg, &bad("ext_authz")).await, n as u64 + 1, "{host}");
+        let auth =
+            format!("GET /auth_request HTTP/1.1\r\nHost: {host}\r\nX-Original-URI: /x\r\nConnection: close\r\n\r\n");
+        assert_eq!(
+            status_of(&raw(check, auth.as_bytes(), Duration::from_secs(2)).await),
+            403
+        );
+        assert_eq!(metric(&tg, &bad("auth_request")).await, n as u64 + 1, "{host}");
+    }
 }
 
 #[tokio::test]

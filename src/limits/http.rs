@@ -85,6 +85,10 @@ pub enum RequestError {
     /// see one and the upstream the other (RFC 9113 §8.3.1 calls it malformed).
     #[error("the request target's host and the Host header differ")]
     HostConflict,
+    /// A target that is a bare `host:port` (authority form): RFC 9112
+    /// §3.2.3 keeps it for CONNECT, which is not proxied. NGINX refuses it.
+    #[error("the request target must be a path or an absolute URI")]
+    TargetForm,
     /// A method not in upper case: methods are case-sensitive (RFC 9110
     /// §9.1), yet some frameworks upper-case them, so `post` could dodge a
     /// POST rule and still reach a POST handler. NGINX refuses them too.
@@ -133,6 +137,9 @@ fn checked_host<'a>(
     uri: &'a http::Uri,
     host: Option<&'a [u8]>,
 ) -> Result<Option<&'a str>, RequestError> {
+    if uri.authority().is_some() && uri.scheme().is_none() {
+        return Err(RequestError::TargetForm);
+    }
     // RFC 9113 §8.3.1: no userinfo in :authority; RFC 9112 §3.2: none in Host.
     // `user@api.example.com` would dodge a rule on api.example.com while
     // an upstream that drops the userinfo serves it as that host.
@@ -155,6 +162,11 @@ fn checked_host<'a>(
         return Err(RequestError::HostInvalid);
     }
     if let Some(authority) = uri.authority() {
+        // RFC 9112 §3.2: an HTTP/1.1 request without Host is a 400, even
+        // with an absolute target (as NGINX answers it).
+        if host.is_none() && version == http::Version::HTTP_11 {
+            return Err(RequestError::HostMissing);
+        }
         let differs = host
             .and_then(|h| text(h).map(canonical_host))
             .is_some_and(|h| h != canonical_host(authority.as_str()));
@@ -974,6 +986,22 @@ rules:
         assert_eq!(strip_port("example.com"), "example.com");
         assert_eq!(strip_port("[::1]:80"), "[::1]");
         assert_eq!(strip_port("[::1]"), "[::1]");
+    }
+
+    #[test]
+    fn an_http11_request_names_its_host_in_host_and_its_target_is_no_bare_authority() {
+        let none = HeaderMap::new();
+        let absolute: http::Uri = "http://api.example.com/x".parse().unwrap();
+        let fields = crate::fields::Fields::Map(&none);
+        assert_eq!(request_host(http::Version::HTTP_11, &absolute, fields), Err(RequestError::HostMissing));
+        // HTTP/1.0 needs no Host; HTTP/2 names it in :authority.
+        assert_eq!(request_host(http::Version::HTTP_10, &absolute, fields), Ok(Some("api.example.com")));
+        assert_eq!(request_host(http::Version::HTTP_2, &absolute, fields), Ok(Some("api.example.com")));
+        let bare: http::Uri = "api.example.com:80".parse().unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert(http::header::HOST, "api.example.com".parse().unwrap());
+        let fields = crate::fields::Fields::Map(&headers);
+        assert_eq!(request_host(http::Version::HTTP_11, &bare, fields), Err(RequestError::TargetForm));
     }
 
     #[test]

@@ -96,7 +96,10 @@ impl DecisionHttp {
         // Envoy over HTTP/2 sends the original host as :authority.
         let host = match crate::limits::request_host(req.version(), req.uri(), Fields::Map(req.headers())) {
             Ok(host) => host,
-            Err(e) => return reply(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(e) => {
+                metrics::get().request(Surface::ExtAuthz, metrics::Answer::BadRequest);
+                return reply(StatusCode::BAD_REQUEST, &e.to_string());
+            }
         };
         let info = RequestInfo {
             method: req.method(),
@@ -135,11 +138,17 @@ impl DecisionHttp {
     /// shipped snippet hands back to [`AUTH_REQUEST_REFUSAL_PATH`].
     async fn auth_request<B>(&self, req: &Request<B>, peer: SocketAddr) -> Response<Full<Bytes>> {
         let headers = req.headers();
+        // Every request counts once (README's metrics table), refused here too.
+        let bad = || metrics::get().request(Surface::AuthRequest, metrics::Answer::BadRequest);
         let uri: Uri = match headers.get("x-original-uri").map(|v| Uri::try_from(v.as_bytes())) {
             Some(Ok(uri)) => uri,
-            Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-URI is not a request target"),
+            Some(Err(_)) => {
+                bad();
+                return denied(StatusCode::BAD_REQUEST, "X-Original-URI is not a request target");
+            }
             // The NGINX configuration is wrong: make that visible, not open.
             None => {
+                bad();
                 return denied(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     "auth_request needs X-Original-URI (see conf/nginx/)",
@@ -151,12 +160,18 @@ impl DecisionHttp {
             .map(|m| Method::from_bytes(m.as_bytes()))
         {
             Some(Ok(m)) => m,
-            Some(Err(_)) => return denied(StatusCode::BAD_REQUEST, "X-Original-Method is not a method"),
+            Some(Err(_)) => {
+                bad();
+                return denied(StatusCode::BAD_REQUEST, "X-Original-Method is not a method");
+            }
             None => Method::GET,
         };
         let host = match crate::limits::request_host(req.version(), req.uri(), Fields::Map(headers)) {
             Ok(host) => host,
-            Err(e) => return denied(StatusCode::BAD_REQUEST, &e.to_string()),
+            Err(e) => {
+                bad();
+                return denied(StatusCode::BAD_REQUEST, &e.to_string());
+            }
         };
         let info = RequestInfo {
             method: &method,
