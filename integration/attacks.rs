@@ -293,6 +293,50 @@ rules:
 }
 
 #[tokio::test]
+async fn a_request_tollgate_refuses_as_malformed_ends_its_connection() {
+    // README: malformed requests get 400 and the connection closes. The
+    // 41st attack: a host, path or method tollgate itself refuses kept the
+    // connection open and served what came after it; NGINX closes it.
+    let up = TestUpstream::start().await;
+    let limits = "domain: d\nrules:\n  - name: one\n    limits: [{ requests: 1, per: 60s }]\n";
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &[]);
+    let next = "GET /echo HTTP/1.1\r\nHost: api.example.com\r\n\r\n";
+    for refused in [
+        "GET /h HTTP/1.1\r\nHost: a@b\r\n\r\n",
+        "GET /a%2Fb HTTP/1.1\r\nHost: api.example.com\r\n\r\n",
+        "get /h HTTP/1.1\r\nHost: api.example.com\r\n\r\n",
+        "POST /h HTTP/1.1\r\nHost: api.example.com\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    ] {
+        let answer = raw(tg.addr, format!("{refused}{next}").as_bytes(), Duration::from_secs(2)).await;
+        let status = status_of(&answer);
+        assert!(status == 400 || status == 501, "{refused:?}: {answer}");
+        assert_eq!(
+            answer.matches("HTTP/1.1 ").count(),
+            1,
+            "served after {refused:?}: {answer}"
+        );
+        assert!(answer.to_ascii_lowercase().contains("connection: close"), "{answer}");
+    }
+    // A refusal by a rule is no malformed request: the connection goes on.
+    let tg = Tollgate::start(limits, up.addr, &[]);
+    let last = "GET /echo HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";
+    let answer = raw(
+        tg.addr,
+        format!("{next}{next}{last}").as_bytes(),
+        Duration::from_secs(2),
+    )
+    .await;
+    assert_eq!(
+        (
+            answer.matches("HTTP/1.1 200").count(),
+            answer.matches("HTTP/1.1 429").count()
+        ),
+        (1, 2),
+        "{answer}"
+    );
+}
+
+#[tokio::test]
 async fn the_check_listener_counts_the_requests_it_refuses_for_their_host() {
     // The 41st attack: a host tollgate refuses on ext_authz or auth_request
     // answered 400 (or auth_request's 403) but counted no request, though

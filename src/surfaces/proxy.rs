@@ -141,13 +141,14 @@ impl Proxy {
     /// Owns its handle on the proxy, so a listener's handler returns this
     /// future itself, not one more future wrapping it.
     pub async fn handle(self: Arc<Self>, req: Request<RequestBody>, peer: SocketAddr) -> Response<ProxyBody> {
+        let http1 = req.version() <= Version::HTTP_11;
         // A reverse proxy has no use for a forward proxy's tunnel (CONNECT)
         // or a question to the server as a whole (`OPTIONS *`): neither has
         // a path to limit or to forward (it went upstream as `/*`, or as a
         // CONNECT to nowhere and an empty reply). NGINX answers both 400.
         if req.method() == http::Method::CONNECT || req.uri().path() == "*" {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-            return plain(StatusCode::BAD_REQUEST, "CONNECT and OPTIONS * are not proxied");
+            return closing(plain(StatusCode::BAD_REQUEST, "CONNECT and OPTIONS * are not proxied"), http1);
         }
         // hyper takes `gzip, chunked` and decodes only the chunks: passed on,
         // the upstream would read gzip bytes as the body. NGINX answers 501
@@ -158,7 +159,7 @@ impl Proxy {
             && !only_token_in(fields(&req).get_all(&header::TRANSFER_ENCODING), b"chunked")
         {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-            return plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported");
+            return closing(plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported"), http1);
         }
         // A gRPC caller's deadline counts from here: tollgate never makes it
         // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
@@ -222,7 +223,7 @@ impl Proxy {
                 let message = answer.extensions().get::<ErrorText>().map_or("", |t| &t.0);
                 grpc_failure(answer.status(), message)
             }
-            Err(answer) => answer,
+            Err(answer) => closing(answer, http1),
         }
     }
 
@@ -1287,6 +1288,17 @@ struct Call {
 /// a gRPC call can be told the same in `grpc-message`.
 #[derive(Clone)]
 struct ErrorText(Box<str>);
+
+/// tollgate's own answer to an HTTP/1 request it could not read (400) or
+/// take (501), made to close the connection, as NGINX closes it: what the
+/// client sends next may not be read as it meant it (README: malformed
+/// requests get 400 and the connection closes).
+fn closing(mut answer: Response<ProxyBody>, http1: bool) -> Response<ProxyBody> {
+    if http1 && matches!(answer.status(), StatusCode::BAD_REQUEST | StatusCode::NOT_IMPLEMENTED) {
+        answer.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    answer
+}
 
 fn plain(status: StatusCode, message: &str) -> Response<ProxyBody> {
     let mut response = render::error(status, message).map(|b| Either::Right(WholeBody::new(b)));
