@@ -212,6 +212,43 @@ fn check_reports_rules_that_can_never_match() {
 }
 
 #[test]
+fn an_upstream_no_request_could_name_is_refused_at_start() {
+    // The 41st attack: these started, and then every request was a 502
+    // with a warning line each.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("limits.yaml");
+    std::fs::write(&config, "domain: d\nrules: []\n").unwrap();
+    let config = config.to_str().unwrap();
+    for url in [
+        "http://127.0.0.1,x:18100",
+        "http://u:p@127.0.0.1:18100",
+        "http://127.0.0.1:18100?x=1",
+    ] {
+        let out = Command::new(binary())
+            .args([
+                "--config",
+                config,
+                "--upstream",
+                url,
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{url}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("must look like http://host:port"), "{url}: {err}");
+        assert_eq!(
+            err.lines().filter(|l| !l.trim().is_empty()).count(),
+            1,
+            "one clear line: {err}"
+        );
+    }
+}
+
+#[test]
 fn a_decision_deadline_or_upstream_timeout_under_a_millisecond_is_refused() {
     // From the twelfth attack: 0s was taken, and a healthy Redis then
     // failed about half the decisions at random. From the fortieth: an

@@ -182,6 +182,13 @@ fn impossible_condition(rule: &Rule) -> Option<String> {
     if m.host.as_deref() == Some("") {
         return Some("an empty host is no request's host (leave `host` out to match every host)".into());
     }
+    if let Some(host) = m.host.as_deref()
+        && !crate::limits::http::valid_host(host.as_bytes())
+    {
+        return Some(format!(
+            "\"{host}\" is no host a request can name (the proxy refuses such a host with 400: userinfo, a list, spaces, %, bytes past ASCII, an empty label)"
+        ));
+    }
     m.headers.iter().find_map(|(name, want)| match want {
         super::HeaderValueMatch::Exact(v) if v.trim_ascii() != v => Some(format!(
             "header {name} is compared without the spaces and tabs around a value, so \"{v}\" never equals one; write \"{}\"",
@@ -469,6 +476,10 @@ mod tests {
         for (m, says) in [
             ("methods: ['*']", "is not a method"),
             ("host: ''", "empty host"),
+            ("host: a@b.com", "no host a request can name"),
+            ("host: 'a b'", "no host a request can name"),
+            ("host: a%2eb", "no host a request can name"),
+            ("host: a..b", "no host a request can name"),
             ("headers: { x-t: ' v' }", "write \"v\""),
             ("headers: { x-t: \"v\\t\" }", "write \"v\""),
             ("headers: { cookie: 'a=1; b=2' }", "match one cookie (\"a=1\")"),
@@ -479,6 +490,9 @@ mod tests {
         for m in [
             "methods: [GET]",
             "host: a.com",
+            "host: API.Example.com.",
+            "host: '[::1]'",
+            "host: my_host",
             "headers: { x-t: v }",
             "headers: { x-t: '' }",
             "headers: { x-t: '*' }",

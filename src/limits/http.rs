@@ -538,7 +538,7 @@ fn canonical_host(host: &str) -> std::borrow::Cow<'_, str> {
 /// not empty, no space, control character, slash, backslash, `@` or `,`, no empty
 /// label (one trailing dot is the root's, as in DNS), a bracketed literal
 /// only whole and first, and a port of digits.
-fn valid_host(host: &[u8]) -> bool {
+pub(crate) fn valid_host(host: &[u8]) -> bool {
     let digits = |port: &[u8]| port.iter().all(u8::is_ascii_digit);
     if host.first() == Some(&b'[') {
         let Some(end) = host.iter().position(|&b| b == b']') else {

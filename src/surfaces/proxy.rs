@@ -1501,6 +1501,12 @@ mod tests {
         assert!(matches!(missing, Err(crate::upstream::UpstreamError::Tls(_))));
         assert!(Upstream::parse("http://x:1/api", None).is_err());
         assert!(Upstream::parse("127.0.0.1:9000", None).is_err());
+        // The 41st attack: these started, and every request was a 502.
+        for bad in ["http://127.0.0.1,x:9000", "http://u:p@127.0.0.1:9000", "http://127.0.0.1:9000?x=1", "http://a..b:1"] {
+            assert!(matches!(Upstream::parse(bad, None), Err(crate::upstream::UpstreamError::Malformed(_))), "{bad}");
+        }
+        assert!(Upstream::parse("http://[::1]:9000", None).is_ok());
+        assert!(Upstream::parse("h2c://localhost:9000", None).is_ok());
     }
 
     proptest::proptest! {

@@ -148,7 +148,12 @@ impl Upstream {
         } else {
             return Err(UpstreamError::Scheme(url.into()));
         };
-        if uri.path() != "/" && !uri.path().is_empty() {
+        if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
+            return Err(UpstreamError::Malformed(url.into()));
+        }
+        // A host as a request may name one: no userinfo (NGINX's proxy_pass
+        // refuses it too), no list, nothing a resolver would read apart.
+        if !crate::limits::http::valid_host(authority.as_str().as_bytes()) {
             return Err(UpstreamError::Malformed(url.into()));
         }
         let host = HeaderValue::from_str(authority.as_str()).map_err(|_| UpstreamError::Malformed(url.into()))?;
