@@ -224,21 +224,7 @@ fn an_upstream_no_request_could_name_is_refused_at_start() {
         "http://u:p@127.0.0.1:18100",
         "http://127.0.0.1:18100?x=1",
     ] {
-        let out = Command::new(binary())
-            .args([
-                "--config",
-                config,
-                "--upstream",
-                url,
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{url}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = refused_at_start(&["--config", config, "--upstream", url]);
         assert!(err.contains("must look like http://host:port"), "{url}: {err}");
         assert_eq!(
             err.lines().filter(|l| !l.trim().is_empty()).count(),
@@ -260,19 +246,20 @@ fn a_decision_deadline_or_upstream_timeout_under_a_millisecond_is_refused() {
         ("--upstream-timeout", "0s"),
         ("--upstream-timeout", "999us"),
     ] {
-        let out = Command::new(binary())
-            .args([
-                flag,
-                deadline,
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .output()
-            .unwrap();
-        assert!(!out.status.success(), "{flag} {deadline}");
-        let err = String::from_utf8_lossy(&out.stderr);
+        let err = refused_at_start(&[flag, deadline]);
         assert!(err.contains(flag) && err.contains("at least 1ms"), "{err}");
     }
+}
+
+/// What tollgate says on stderr when `args` (listeners on free ports
+/// added) keep it from starting; fails the test if it starts.
+fn refused_at_start(args: &[&str]) -> String {
+    let out = Command::new(binary())
+        .args(args)
+        .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(!out.status.success(), "{args:?} started: {err}");
+    err
 }
