@@ -1138,6 +1138,11 @@ fn strip_target_claims(headers: &mut HeaderMap) {
 /// read `X-Forwarded_Host` as `X-Forwarded-Host`. Any spelling with `_`
 /// for `-` counts.
 fn is_target_claim(name: &[u8]) -> bool {
+    // Every one begins with `x` (names come in lower case): most fields
+    // are told by their first byte.
+    if name.first() != Some(&b'x') {
+        return false;
+    }
     const TARGETS: [&[u8]; 6] =
         [b"x-original-url", b"x-rewrite-url", b"x-host", b"x-original-host", b"x-forwarded-server", b"x-http-host-override"];
     // `_` read as `-`, without a copy: every field of every request is asked.
