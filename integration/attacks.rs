@@ -317,6 +317,19 @@ async fn a_request_tollgate_refuses_as_malformed_ends_its_connection() {
         );
         assert!(answer.to_ascii_lowercase().contains("connection: close"), "{answer}");
     }
+    // An HTTP/1.0 client that asked to keep the connection is told `close`
+    // alone (the 42nd attack: `close, keep-alive`, which curl reads as
+    // kept).
+    let old = "GET /a%2Fb HTTP/1.0\r\nHost: api.example.com\r\nConnection: keep-alive\r\n\r\n";
+    let answer = raw(tg.addr, format!("{old}{next}").as_bytes(), Duration::from_secs(2))
+        .await
+        .to_ascii_lowercase();
+    assert_eq!(status_of(&answer), 400, "{answer}");
+    assert!(
+        answer.contains("connection: close\r\n") && !answer.contains("keep-alive"),
+        "{answer}"
+    );
+    assert_eq!(answer.matches("http/1.").count(), 1, "{answer}");
     // A refusal by a rule is no malformed request: the connection goes on.
     let tg = Tollgate::start(limits, up.addr, &[]);
     let last = "GET /echo HTTP/1.1\r\nHost: api.example.com\r\nConnection: close\r\n\r\n";

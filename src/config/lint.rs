@@ -182,8 +182,9 @@ fn impossible_condition(rule: &Rule) -> Option<String> {
     if m.host.as_deref() == Some("") {
         return Some("an empty host is no request's host (leave `host` out to match every host)".into());
     }
+    // The rule's one trailing dot is gone already; one left is an empty label.
     if let Some(host) = m.host.as_deref()
-        && !crate::limits::http::valid_host(host.as_bytes())
+        && (!crate::limits::http::valid_host(host.as_bytes()) || host.ends_with('.'))
     {
         return Some(format!(
             "\"{host}\" is no host a request can name (the proxy refuses such a host with 400: userinfo, a list, spaces, %, bytes past ASCII, an empty label)"
@@ -480,6 +481,7 @@ mod tests {
             ("host: 'a b'", "no host a request can name"),
             ("host: a%2eb", "no host a request can name"),
             ("host: a..b", "no host a request can name"),
+            ("host: a..", "no host a request can name"),
             ("headers: { x-t: ' v' }", "write \"v\""),
             ("headers: { x-t: \"v\\t\" }", "write \"v\""),
             ("headers: { cookie: 'a=1; b=2' }", "match one cookie (\"a=1\")"),

@@ -141,14 +141,14 @@ impl Proxy {
     /// Owns its handle on the proxy, so a listener's handler returns this
     /// future itself, not one more future wrapping it.
     pub async fn handle(self: Arc<Self>, req: Request<RequestBody>, peer: SocketAddr) -> Response<ProxyBody> {
-        let http1 = req.version() <= Version::HTTP_11;
+        let version = req.version();
         // A reverse proxy has no use for a forward proxy's tunnel (CONNECT)
         // or a question to the server as a whole (`OPTIONS *`): neither has
         // a path to limit or to forward (it went upstream as `/*`, or as a
         // CONNECT to nowhere and an empty reply). NGINX answers both 400.
         if req.method() == http::Method::CONNECT || req.uri().path() == "*" {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-            return closing(plain(StatusCode::BAD_REQUEST, "CONNECT and OPTIONS * are not proxied"), http1);
+            return closing(plain(StatusCode::BAD_REQUEST, "CONNECT and OPTIONS * are not proxied"), version);
         }
         // hyper takes `gzip, chunked` and decodes only the chunks: passed on,
         // the upstream would read gzip bytes as the body. NGINX answers 501
@@ -159,7 +159,7 @@ impl Proxy {
             && !only_token_in(fields(&req).get_all(&header::TRANSFER_ENCODING), b"chunked")
         {
             metrics::get().request(Surface::Proxy, metrics::Answer::BadRequest);
-            return closing(plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported"), http1);
+            return closing(plain(StatusCode::NOT_IMPLEMENTED, "only the chunked transfer coding is supported"), version);
         }
         // A gRPC caller's deadline counts from here: tollgate never makes it
         // wait past it (DEADLINE_EXCEEDED, as Envoy answers).
@@ -223,7 +223,7 @@ impl Proxy {
                 let message = answer.extensions().get::<ErrorText>().map_or("", |t| &t.0);
                 grpc_failure(answer.status(), message)
             }
-            Err(answer) => closing(answer, http1),
+            Err(answer) => closing(answer, version),
         }
     }
 
@@ -1153,13 +1153,16 @@ fn is_target_claim(name: &[u8]) -> bool {
 }
 
 /// Whether a `Forwarded` value (RFC 7239) names a host: Spring and Rack 3
-/// serve the host it names. Any pair that reads as `host=` counts, one
-/// inside a quoted value too: the field then goes, the safe side.
+/// serve the host it names. `host` followed by `=` anywhere counts, in a
+/// quoted value or another pair's name too: the field then goes, the safe
+/// side.
 fn forwarded_names_host(value: &[u8]) -> bool {
-    value.split(|b| *b == b';' || *b == b',').any(|pair| {
-        let pair = pair.trim_ascii_start();
-        pair.get(..4).is_some_and(|n| n.eq_ignore_ascii_case(b"host"))
-            && pair.get(4..).is_some_and(|rest| rest.trim_ascii_start().first() == Some(&b'='))
+    // Anywhere, not only as a pair's name: Spring, Vert.x and Reactor
+    // Netty find `host="?...` with an unanchored pattern, so `xhost=` and
+    // `for="_host=..."` name a host to them (the 42nd attack).
+    (0..value.len()).any(|at| {
+        value.get(at..at.saturating_add(4)).is_some_and(|n| n.eq_ignore_ascii_case(b"host"))
+            && value.get(at.saturating_add(4)..).is_some_and(|rest| rest.trim_ascii_start().first() == Some(&b'='))
     })
 }
 
@@ -1298,9 +1301,15 @@ struct ErrorText(Box<str>);
 /// take (501), made to close the connection, as NGINX closes it: what the
 /// client sends next may not be read as it meant it (README: malformed
 /// requests get 400 and the connection closes).
-fn closing(mut answer: Response<ProxyBody>, http1: bool) -> Response<ProxyBody> {
-    if http1 && matches!(answer.status(), StatusCode::BAD_REQUEST | StatusCode::NOT_IMPLEMENTED) {
+fn closing(mut answer: Response<ProxyBody>, version: Version) -> Response<ProxyBody> {
+    if version <= Version::HTTP_11 && matches!(answer.status(), StatusCode::BAD_REQUEST | StatusCode::NOT_IMPLEMENTED) {
         answer.headers_mut().insert(header::CONNECTION, HeaderValue::from_static("close"));
+        // hyper adds `keep-alive` beside `close` for an HTTP/1.0 client
+        // that asked for it, unless the answer is HTTP/1.0 too (the 42nd
+        // attack): said so, it writes `close` alone.
+        if version == Version::HTTP_10 {
+            *answer.version_mut() = Version::HTTP_10;
+        }
     }
     answer
 }
@@ -1468,7 +1477,19 @@ mod tests {
         for name in ["x-forwarded-host", "host", "x-forwarded-for", "forwarded", "x-hostname", "x-hos", "x-api_key"] {
             assert!(!is_target_claim(name.as_bytes()), "{name}");
         }
-        for value in ["host=a", "for=1.2.3.4;host=a", "for=1.2.3.4, HOST = a", "proto=https;Host=\"a\"", "for=\"x;host=y\""] {
+        for value in [
+            "host=a",
+            "for=1.2.3.4;host=a",
+            "for=1.2.3.4, HOST = a",
+            "proto=https;Host=\"a\"",
+            "for=\"x;host=y\"",
+            // Found by unanchored patterns (Spring's, Vert.x's).
+            "for=1;xhost=evil",
+            "for=1;x-host=evil",
+            "for=1;by=host=evil",
+            "for=\"_host=evil\"",
+            "for=\"a host=evil\"",
+        ] {
             assert!(forwarded_names_host(value.as_bytes()), "{value}");
         }
         for value in ["for=1.2.3.4;proto=https", "by=hostess", "for=\"_hidden\"", "", "host", "hostname=a"] {
@@ -1507,8 +1528,19 @@ mod tests {
         assert!(Upstream::parse("http://x:1/api", None).is_err());
         assert!(Upstream::parse("127.0.0.1:9000", None).is_err());
         // The 41st attack: these started, and every request was a 502.
-        for bad in ["http://127.0.0.1,x:9000", "http://u:p@127.0.0.1:9000", "http://127.0.0.1:9000?x=1", "http://a..b:1"] {
-            assert!(matches!(Upstream::parse(bad, None), Err(crate::upstream::UpstreamError::Malformed(_))), "{bad}");
+        for bad in [
+            "http://127.0.0.1,x:9000",
+            "http://u:p@127.0.0.1:9000",
+            "http://127.0.0.1:9000?x=1",
+            "http://a..b:1",
+            // The 42nd attack: these started, going to port 80 or a fragment dropped.
+            "http://127.0.0.1:",
+            "http://127.0.0.1:99999",
+            "http://127.0.0.1:0",
+            "http://127.0.0.1:9000#f",
+            "h2c://u@127.0.0.1:9000",
+        ] {
+            assert!(matches!(Upstream::parse(bad, None), Err(crate::upstream::UpstreamError::Malformed(..))), "{bad}");
         }
         assert!(Upstream::parse("http://[::1]:9000", None).is_ok());
         assert!(Upstream::parse("h2c://localhost:9000", None).is_ok());

@@ -94,9 +94,10 @@ impl std::fmt::Debug for UpstreamTls {
 /// An `--upstream` that tollgate cannot forward to.
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
-    /// Not an absolute `http://host:port` or `https://host:port` URL.
-    #[error("upstream \"{0}\" must look like http://host:port or https://host:port")]
-    Malformed(String),
+    /// Not an absolute `http://host:port` (or `https://`, `h2c://`) URL:
+    /// the URL (quoted, a stray newline shown escaped) and why not.
+    #[error("upstream {0:?}: {1}; it must look like http://host:port, https://host:port or h2c://host:port")]
+    Malformed(String, &'static str),
     /// Neither `http`, `https` nor `h2c`.
     #[error("upstream \"{0}\": only http://, https:// and h2c:// upstreams are supported")]
     Scheme(String),
@@ -135,9 +136,14 @@ impl Upstream {
     /// allowed, a path is not). An `https://` upstream is verified against
     /// `ca` (a PEM bundle), or the system's roots without it.
     pub fn parse(url: &str, ca: Option<&Path>) -> Result<Self, UpstreamError> {
-        let uri: Uri = url.parse().map_err(|_| UpstreamError::Malformed(url.into()))?;
+        let malformed = |why| UpstreamError::Malformed(url.into(), why);
+        // A fragment the URI parser would drop unsaid.
+        if url.contains('#') {
+            return Err(malformed("a fragment (#) is no part of an upstream"));
+        }
+        let uri: Uri = url.parse().map_err(|_| malformed("not a URL"))?;
         let (Some(scheme), Some(authority)) = (uri.scheme(), uri.authority()) else {
-            return Err(UpstreamError::Malformed(url.into()));
+            return Err(malformed("no scheme or no host"));
         };
         let (https, h2c) = if scheme == &Scheme::HTTP {
             (false, false)
@@ -149,20 +155,37 @@ impl Upstream {
             return Err(UpstreamError::Scheme(url.into()));
         };
         if uri.path() != "/" && !uri.path().is_empty() || uri.query().is_some() {
-            return Err(UpstreamError::Malformed(url.into()));
+            return Err(malformed("a path or query is no part of an upstream"));
         }
         // A host as a request may name one: no userinfo (NGINX's proxy_pass
         // refuses it too), no list, nothing a resolver would read apart.
-        if !crate::limits::http::valid_host(authority.as_str().as_bytes()) {
-            return Err(UpstreamError::Malformed(url.into()));
+        if authority.as_str().contains('@') {
+            return Err(malformed("userinfo (user@) is not sent upstream"));
         }
-        let host = HeaderValue::from_str(authority.as_str()).map_err(|_| UpstreamError::Malformed(url.into()))?;
+        if !crate::limits::http::valid_host(authority.as_str().as_bytes()) {
+            return Err(malformed("not a host name or address and port"));
+        }
+        // `host:` and a port past 65535 would go to port 80 unsaid. A host
+        // has no `:` (an address in brackets ends at `]`).
+        let text = authority.as_str();
+        let after_host = match text.split_once(']') {
+            Some((_, rest)) => rest,
+            None => text.find(':').and_then(|at| text.get(at..)).unwrap_or(""),
+        };
+        if let Some(port) = after_host.strip_prefix(':')
+            && port.parse::<u16>().ok().is_none_or(|p| p == 0)
+        {
+            return Err(malformed("not a port from 1 to 65535"));
+        }
+        let host =
+            HeaderValue::from_str(authority.as_str()).map_err(|_| malformed("not a host name or address and port"))?;
         let tls = match https {
             false => None,
             true => {
                 // `[::1]` is how an authority writes an IPv6 address.
                 let bare = authority.host().trim_start_matches('[').trim_end_matches(']');
-                let name = ServerName::try_from(bare.to_string()).map_err(|_| UpstreamError::Malformed(url.into()))?;
+                let name =
+                    ServerName::try_from(bare.to_string()).map_err(|_| malformed("not a name TLS can verify"))?;
                 Some(UpstreamTls {
                     connector: TlsConnector::from(crate::tls::upstream_config(ca)?),
                     name,
