@@ -350,6 +350,30 @@ async fn a_request_tollgate_refuses_as_malformed_ends_its_connection() {
 }
 
 #[tokio::test]
+async fn explain_refuses_an_empty_host_as_the_proxy_does() {
+    // The 41st attack: the proxy refuses `Host:` with nothing in it, and
+    // explain answered `{"host": ""}` allowed, as if no host were named.
+    let up = TestUpstream::start().await;
+    let tg = Tollgate::start("domain: d\nrules: []\n", up.addr, &[]);
+    let proxied = raw(tg.addr, b"GET /x HTTP/1.1\r\nHost: \r\n\r\n", Duration::from_secs(2)).await;
+    assert_eq!(status_of(&proxied), 400);
+    let explained = send(
+        &client(),
+        Method::POST,
+        &format!("http://{}/api/explain", tg.admin),
+        &[("content-type", "application/json")],
+        br#"{"path":"/x","host":""}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(explained.status, StatusCode::BAD_REQUEST);
+    let reason = String::from_utf8_lossy(&explained.body).into_owned();
+    assert!(
+        reason.contains("not a valid host name") && proxied.contains("not a valid host name"),
+        "{reason} / {proxied}"
+    );
+}
+
+#[tokio::test]
 async fn the_check_listener_counts_the_requests_it_refuses_for_their_host() {
     // The 41st attack: a host tollgate refuses on ext_authz or auth_request
     // answered 400 (or auth_request's 403) but counted no request, though

@@ -573,9 +573,10 @@ pub(super) async fn explain(
                     .map_err(|_| ExplainError::Field(format!("not a header value for {name}")))?;
                 headers.append(name, value);
             }
-            if let Some(host) = &q.host
-                && !host.is_empty()
-            {
+            // An empty one is asked as given: a request whose Host is
+            // empty, which the proxy refuses (the page leaves the field
+            // out when it is blank).
+            if let Some(host) = &q.host {
                 let value = HeaderValue::from_str(host).map_err(|_| ExplainError::Field("not a host".into()))?;
                 // Appended: a Host header given besides is two hosts (400).
                 headers.append(http::header::HOST, value);
