@@ -591,10 +591,7 @@ impl Forwarding<'_> {
         if trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        if !trusted {
-            strip_claims(headers);
-        }
-        strip_target_claims(headers);
+        strip_claims(headers, trusted);
         join_cookies(headers);
         append_forwarded_for(headers, peer);
         if !trusted || !headers.contains_key(&X_FORWARDED_PROTO) {
@@ -652,9 +649,10 @@ impl Forwarding<'_> {
             out.extend_from_slice(b"\r\n");
         };
         let (mut trailers, mut has_host, mut has_for, mut has_proto, mut has_forwarded_host) = (false, false, false, false, false);
-        // Whether `Forwarded` goes, told at its first line: its lines come
-        // one after another, and one naming a host takes them all.
-        let mut drop_forwarded = !trusted;
+        // Whether a trusted proxy's `Forwarded` goes on, told at its first
+        // line: its lines come one after another, and one naming a host
+        // takes them all.
+        let mut forwarded_passes = true;
         // The name whose values are being passed: both ways of holding
         // fields give a name's values one after another.
         let mut current: Option<&[u8]> = None;
@@ -666,18 +664,18 @@ impl Forwarding<'_> {
                 trailers |= name == b"te" && says_trailers(value);
                 continue;
             }
-            if (!trusted && is_claim(name)) || is_target_claim(name) {
+            if goes(name, trusted) {
                 continue;
             }
-            if name == b"forwarded" {
-                if first {
-                    drop_forwarded = drop_forwarded || headers.get_all(&header::FORWARDED).any(forwarded_names_host);
-                }
-                if drop_forwarded {
-                    continue;
-                }
-            }
             match name {
+                b"forwarded" => {
+                    if first {
+                        forwarded_passes = !headers.get_all(&header::FORWARDED).any(forwarded_names_host);
+                    }
+                    if forwarded_passes {
+                        line(name, value);
+                    }
+                }
                 b"cookie" if first => {
                     let lines = headers.get_all(&header::COOKIE).count();
                     match lines {
@@ -1102,29 +1100,24 @@ fn plain_length(v: &[u8]) -> bool {
     (1..=19).contains(&v.len()) && v.iter().all(u8::is_ascii_digit) && (v.len() == 1 || v.first() != Some(&b'0'))
 }
 
-/// Removes what an untrusted client says of how it came: the scheme
-/// claims, and any header that reads as a forwarding header once `_` is
-/// read as `-` (CGI-style servers, PHP and Rack among them, put
-/// `X-Forwarded_Proto` and `X-Forwarded-Proto` in one variable; NGINX drops
-/// such names by default).
-fn strip_claims(headers: &mut HeaderMap) {
-    let doomed: Vec<HeaderName> = headers.keys().filter(|name| is_claim(name.as_str().as_bytes())).cloned().collect();
-    for name in doomed {
-        headers.remove(name);
-    }
-}
-
-/// Removes the fields that name a host or path for the upstream to serve
-/// in place of the request's own, from every peer, a trusted proxy's too
-/// (see [`is_target_claim`]), and a `Forwarded` that names a host.
-fn strip_target_claims(headers: &mut HeaderMap) {
-    let doomed: Vec<HeaderName> = headers.keys().filter(|name| is_target_claim(name.as_str().as_bytes())).cloned().collect();
+/// Removes the claims a client's fields make that do not go upstream
+/// (see [`goes`]), and a `Forwarded` that names a host, whoever sent it.
+fn strip_claims(headers: &mut HeaderMap, trusted: bool) {
+    let doomed: Vec<HeaderName> = headers.keys().filter(|name| goes(name.as_str().as_bytes(), trusted)).cloned().collect();
     for name in doomed {
         headers.remove(name);
     }
     if headers.get_all(header::FORWARDED).iter().any(|v| forwarded_names_host(v.as_bytes())) {
         headers.remove(header::FORWARDED);
     }
+}
+
+/// Whether field `name` goes before the request does upstream: a claim
+/// of a host or path to serve, from anyone ([`is_target_claim`]), or of
+/// who the client is and how it came, from a peer not trusted
+/// ([`is_claim`]).
+fn goes(name: &[u8], trusted: bool) -> bool {
+    is_target_claim(name) || (!trusted && is_claim(name))
 }
 
 /// Whether field `name` names a host or path for the upstream to serve in
@@ -1160,19 +1153,20 @@ fn forwarded_names_host(value: &[u8]) -> bool {
     // Anywhere, not only as a pair's name: Spring, Vert.x and Reactor
     // Netty find `host="?...` with an unanchored pattern, so `xhost=` and
     // `for="_host=..."` name a host to them (the 42nd attack).
-    (0..value.len()).any(|at| {
-        value.get(at..at.saturating_add(4)).is_some_and(|n| n.eq_ignore_ascii_case(b"host"))
+    value.windows(4).enumerate().any(|(at, word)| {
+        word.eq_ignore_ascii_case(b"host")
             && value.get(at.saturating_add(4)..).is_some_and(|rest| rest.trim_ascii_start().first() == Some(&b'='))
     })
 }
 
-/// Whether an untrusted client's field `name` goes (see [`strip_claims`]).
+/// Whether an untrusted client's field `name` goes: the scheme claims,
+/// and any field that reads as a forwarding field once `_` is read as `-`
+/// (CGI-style servers, PHP and Rack among them, put `X-Forwarded_Proto`
+/// and `X-Forwarded-Proto` in one variable; NGINX drops such names by
+/// default). `X-Forwarded_Host` goes from anyone ([`is_target_claim`]).
 fn is_claim(name: &[u8]) -> bool {
     let forwarding = |name: &[u8]| {
-        is_scheme_claim(name)
-            || name == X_FORWARDED_FOR.as_str().as_bytes()
-            || name == X_FORWARDED_PROTO.as_str().as_bytes()
-            || name == X_FORWARDED_HOST.as_str().as_bytes()
+        is_scheme_claim(name) || name == X_FORWARDED_FOR.as_str().as_bytes() || name == X_FORWARDED_PROTO.as_str().as_bytes()
     };
     let dashed = || name.iter().map(|b| if *b == b'_' { b'-' } else { *b }).collect::<Vec<u8>>();
     is_scheme_claim(name) || (name.contains(&b'_') && forwarding(&dashed()))
@@ -1457,8 +1451,7 @@ mod tests {
             ("x-original-url", b"/admin"),
             ("x-rewrite-url", b"/admin"),
         ]);
-        strip_claims(&mut h);
-        strip_target_claims(&mut h);
+        strip_claims(&mut h, false);
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         left.sort_unstable();
         // X-Forwarded-Proto itself is overwritten by the caller, not here.
@@ -1496,10 +1489,10 @@ mod tests {
             assert!(!forwarded_names_host(value.as_bytes()), "{value}");
         }
         let mut h = headers(&[("forwarded", b"for=1.2.3.4"), ("forwarded", b"for=5.6.7.8;host=a"), ("x-a", b"1")]);
-        strip_target_claims(&mut h);
+        strip_claims(&mut h, true);
         assert!(!h.contains_key("forwarded"), "one line naming a host takes them all");
         let mut h = headers(&[("forwarded", b"for=1.2.3.4;proto=https")]);
-        strip_target_claims(&mut h);
+        strip_claims(&mut h, true);
         assert!(h.contains_key("forwarded"));
     }
 

@@ -165,16 +165,9 @@ impl Upstream {
         if !crate::limits::http::valid_host(authority.as_str().as_bytes()) {
             return Err(malformed("not a host name or address and port"));
         }
-        // `host:` and a port past 65535 would go to port 80 unsaid. A host
-        // has no `:` (an address in brackets ends at `]`).
-        let text = authority.as_str();
-        let after_host = match text.split_once(']') {
-            Some((_, rest)) => rest,
-            None => text.find(':').and_then(|at| text.get(at..)).unwrap_or(""),
-        };
-        if let Some(port) = after_host.strip_prefix(':')
-            && port.parse::<u16>().ok().is_none_or(|p| p == 0)
-        {
+        // `host:` and a port past 65535 would go to port 80 unsaid: past
+        // the host, a port that reads as none.
+        if authority.as_str().len() > authority.host().len() && authority.port_u16().is_none_or(|p| p == 0) {
             return Err(malformed("not a port from 1 to 65535"));
         }
         let host =
