@@ -1104,6 +1104,11 @@ rules:
         ("GET", "/h", &[("host", "api.example.com..")], "bad"),
         ("GET", "/h", &[("host", "api.example.com:80:90")], "bad"),
         ("GET", "/h", &[("host", "api%2Eexample.com")], "bad"),
+        // Userinfo and lists, which the one-pass host tells from the table
+        // alone; a port is the same host.
+        ("GET", "/h", &[("host", "u@api.example.com")], "bad"),
+        ("GET", "/h", &[("host", "api.example.com,other")], "bad"),
+        ("GET", "/h", &[("host", "api.example.com:8443")], "limited"),
         // An HTTP/2 browser's cookie fields are the one line of HTTP/1.1.
         ("GET", "/s", &[("cookie", "sid=1"), ("cookie", "csrf=2")], "admitted"),
         ("GET", "/s", &[("cookie", "sid=1; csrf=2")], "limited"),
