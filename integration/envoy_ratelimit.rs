@@ -1235,6 +1235,45 @@ async fn config_directory_subdirectories_merges_and_start_up() {
     assert!(!out.status.success() && err.contains("d.yaml"), "{err}");
 }
 
+/// Its `LOG_LEVEL` takes logrus's levels, `warning`, `fatal` and `panic`
+/// among them: each keeps the log on, so a limits file that cannot start
+/// says why. Any other word is refused at start rather than silencing the
+/// log, and so is a `RUST_LOG` that is no filter.
+#[test]
+fn every_log_level_it_takes_keeps_the_log_and_others_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("bad.yaml");
+    std::fs::write(
+        &file,
+        "domain: m\ndescriptors:\n  - key: k\n    rate_limit: {unit: fortnight, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let start = |var: &str, value: &str| {
+        let out = Command::new(binary())
+            .arg("--config")
+            .arg(&file)
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"])
+            .env(var, value)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{var}={value} started");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    for level in ["debug", "info", "warn", "warning", "WARNING", "error", "fatal", "panic"] {
+        let err = start("LOG_LEVEL", level);
+        assert!(
+            err.contains("bad.yaml"),
+            "LOG_LEVEL={level} hid why it could not start: {err:?}"
+        );
+    }
+    for word in ["verbose", "nonsense"] {
+        let err = start("LOG_LEVEL", word);
+        assert!(err.contains(&format!("LOG_LEVEL={word} is not a log level")), "{err:?}");
+    }
+    let err = start("RUST_LOG", "tollgate=verbose");
+    assert!(err.contains("RUST_LOG=tollgate=verbose is not a log filter"), "{err:?}");
+}
+
 /// A memcache deployment of envoyproxy/ratelimit would silently become one
 /// set of counters per replica: refused at start, saying why.
 #[test]

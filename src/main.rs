@@ -39,7 +39,10 @@ fn main() -> ExitCode {
     if let Some(Command::Explain(args)) = cli.command {
         return explain(&args);
     }
-    init_logging(cli.run.log_format);
+    if let Err(problem) = init_logging(cli.run.log_format) {
+        eprintln!("tollgate: {problem}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {
@@ -111,11 +114,15 @@ fn explain(args: &tollgate::settings::ExplainArgs) -> ExitCode {
     }
 }
 
-fn init_logging(format: LogFormat) {
-    let fallback = tollgate::ratelimit_env::log_filter(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
-        .unwrap_or_else(|| "info".into());
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(fallback));
+/// Sets up the log, or says why its filter is refused: a filter that
+/// cannot be read would leave the process running with no log at all.
+fn init_logging(format: LogFormat) -> Result<(), String> {
+    let get = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let filter = match get("RUST_LOG") {
+        Some(directives) => tracing_subscriber::EnvFilter::try_new(&directives)
+            .map_err(|e| format!("RUST_LOG={directives} is not a log filter: {e}"))?,
+        None => tracing_subscriber::EnvFilter::new(tollgate::ratelimit_env::log_filter(get)?.unwrap_or("info")),
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -124,6 +131,7 @@ fn init_logging(format: LogFormat) {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),
     }
+    Ok(())
 }
 
 /// The process's signal handlers: SIGTERM/SIGINT stop, SIGHUP reloads.

@@ -124,12 +124,35 @@ pub fn unsupported(get: impl Fn(&str) -> Option<String>) -> Option<String> {
     })
 }
 
-/// `RUST_LOG` from its `LOG_LEVEL`, when `RUST_LOG` is not set.
-pub fn log_filter(get: impl Fn(&str) -> Option<String>) -> Option<String> {
-    match get("RUST_LOG") {
-        Some(_) => None,
-        None => get("LOG_LEVEL").map(|l| l.to_ascii_lowercase()),
+/// `RUST_LOG` from its `LOG_LEVEL`, when `RUST_LOG` is not set, or why
+/// the `LOG_LEVEL` is refused.
+///
+/// Its levels are logrus's, which it parses: `warning`, `fatal` and `panic`
+/// are levels there. Passed to the log filter as they are, any word but
+/// tracing's own five names a log *target* instead, and every line,
+/// the one saying why the process cannot start included, went unlogged.
+pub fn log_filter(get: impl Fn(&str) -> Option<String>) -> Result<Option<&'static str>, String> {
+    if get("RUST_LOG").is_some() {
+        return Ok(None);
     }
+    let Some(level) = get("LOG_LEVEL") else {
+        return Ok(None);
+    };
+    let filter = match level.to_ascii_lowercase().as_str() {
+        "trace" => "trace",
+        "debug" => "debug",
+        "info" => "info",
+        "warn" | "warning" => "warn",
+        // tollgate neither exits nor panics on its own log lines: what
+        // these keep is the errors.
+        "error" | "fatal" | "panic" => "error",
+        _ => {
+            return Err(format!(
+                "LOG_LEVEL={level} is not a log level: one of trace, debug, info, warn (warning), error, fatal, panic"
+            ));
+        }
+    };
+    Ok(Some(filter))
 }
 
 /// Its runtime directory: RUNTIME_ROOT/RUNTIME_SUBDIRECTORY/RUNTIME_APPDIRECTORY.
@@ -297,9 +320,36 @@ mod tests {
         let vars = |v: &'static [(&'static str, &'static str)]| {
             move |k: &str| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
         };
-        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG")])).as_deref(), Some("debug"));
-        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG"), ("RUST_LOG", "warn")])), None);
-        assert_eq!(log_filter(vars(&[])), None);
+        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG")])), Ok(Some("debug")));
+        assert_eq!(
+            log_filter(vars(&[("LOG_LEVEL", "DEBUG"), ("RUST_LOG", "warn")])),
+            Ok(None)
+        );
+        assert_eq!(log_filter(vars(&[])), Ok(None));
+    }
+
+    #[test]
+    fn every_logrus_level_is_a_level_and_any_other_word_is_refused() {
+        let level = |l: &'static str| log_filter(move |k: &str| (k == "LOG_LEVEL").then(|| l.to_string()));
+        for (logrus, ours) in [
+            ("trace", "trace"),
+            ("debug", "debug"),
+            ("Info", "info"),
+            ("warn", "warn"),
+            ("warning", "warn"),
+            ("WARNING", "warn"),
+            ("error", "error"),
+            ("fatal", "error"),
+            ("panic", "error"),
+        ] {
+            assert_eq!(level(logrus), Ok(Some(ours)), "{logrus}");
+        }
+        for word in ["verbose", "nonsense", "tollgate=debug", "off"] {
+            assert!(
+                level(word).is_err_and(|e| e.contains(word) && e.contains("warning")),
+                "{word}"
+            );
+        }
     }
 
     #[test]
