@@ -78,6 +78,10 @@ pub struct LiveFile {
     /// poll reads the file only when they change, so a large file at rest
     /// costs a `stat` every poll, not a read and a hash.
     last_stat: Mutex<Option<FileStamp>>,
+    /// The file at `last_stat` could not be read (too large, a directory,
+    /// no permission): the poll waits for its stamp to change instead of
+    /// reading, and counting a failed reload, every 2 s.
+    unreadable: std::sync::atomic::AtomicBool,
     on_change: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
 }
 
@@ -108,6 +112,7 @@ impl LiveFile {
             status: ArcSwap::from_pointee(status),
             last_seen: Mutex::new(Some(version)),
             last_stat: Mutex::new(FileStamp::of(path)),
+            unreadable: std::sync::atomic::AtomicBool::new(false),
             on_change: Mutex::new(Vec::new()),
         })
     }
@@ -154,17 +159,25 @@ impl LiveFile {
         });
     }
 
-    /// As [`LiveFile::reload`]; unless `force`d, a file whose identity,
-    /// size and mtime are those last read is taken as unchanged unread.
+    /// As [`LiveFile::reload`]; unless `force`d, a file whose stamp is the
+    /// one last read is taken as unchanged unread. A refused file is read
+    /// again all the same (a file waiting for another to give up its
+    /// domain has not changed), unless it could not be read at all.
     fn reload_inner(&self, force: bool, defer_clash: bool) -> Result<Reloaded, ReloadError> {
+        use std::sync::atomic::Ordering;
         let stamp = FileStamp::of(&self.path);
         {
             let mut last = self.last_stat.lock().unwrap_or_else(|e| e.into_inner());
-            if !force && stamp.is_some() && *last == stamp && self.status().last_error.is_none() {
+            if !force
+                && stamp.is_some()
+                && *last == stamp
+                && (self.status().last_error.is_none() || self.unreadable.load(Ordering::Relaxed))
+            {
                 return Ok(Reloaded::Unchanged);
             }
             *last = stamp.clone();
         }
+        self.unreadable.store(false, Ordering::Relaxed);
         let name = self.path.display().to_string();
         let text = match config::read_limits(&self.path) {
             Ok(t) => t,
@@ -182,6 +195,7 @@ impl LiveFile {
                 // A directory in its place, no permission, a link loop, too
                 // large: shown on /config and in the metrics like a bad file.
                 let message = format!("{name}: cannot read: {e}");
+                self.unreadable.store(true, Ordering::Relaxed);
                 crate::metrics::get().reload(&name, false);
                 *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
                 self.update_status(|s| {
@@ -325,13 +339,16 @@ impl LiveFile {
     }
 }
 
-/// What identifies one version of a file without reading it.
+/// What identifies one version of a file without reading it. The inode's
+/// change time moves with a `chmod` or `chown` too: a file made readable
+/// again is read at the next poll.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct FileStamp {
     device: u64,
     inode: u64,
     len: u64,
     modified: Option<SystemTime>,
+    changed: (i64, i64),
 }
 
 impl FileStamp {
@@ -343,6 +360,7 @@ impl FileStamp {
             inode: m.ino(),
             len: m.len(),
             modified: m.modified().ok(),
+            changed: (m.ctime(), m.ctime_nsec()),
         })
     }
 }
@@ -442,5 +460,55 @@ mod tests {
             "{status:?}"
         );
         assert_eq!(limit(&live), 1, "the last good limits stay");
+    }
+
+    /// A file that cannot be read is one failed reload, not one every poll
+    /// (an alert on failed reloads would never clear); once it changes, the
+    /// poll reads it again.
+    #[test]
+    fn a_file_that_cannot_be_read_is_one_failure_until_it_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let live = LiveFile::load(&path).unwrap();
+        let poll = || live.reload_inner(false, false);
+        std::fs::write(&path, vec![b'#'; crate::config::MAX_FILE_BYTES + 1]).unwrap();
+        assert!(matches!(poll(), Err(ReloadError::Read(..))));
+        for _ in 0..3 {
+            assert_eq!(poll().unwrap(), Reloaded::Unchanged);
+        }
+        assert_eq!(live.status().reloads_failed, 1);
+        assert!(live.status().last_error.is_some(), "still shown");
+        // A directory in its place: a new stamp, one more failure.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(poll(), Err(ReloadError::Read(..))));
+        assert_eq!(poll().unwrap(), Reloaded::Unchanged);
+        assert_eq!(live.status().reloads_failed, 2);
+        std::fs::remove_dir(&path).unwrap();
+        std::fs::write(&path, B).unwrap();
+        assert_eq!(poll().unwrap(), Reloaded::Changed);
+        assert_eq!(limit(&live), 2);
+        assert_eq!(live.status().last_error, None);
+        // A bad file that can be read is still read at every poll (another
+        // file may have given up the domain it asks for), counted once.
+        std::fs::write(&path, "domain: d\nrules: [").unwrap();
+        assert!(poll().is_err());
+        assert_eq!(poll().unwrap(), Reloaded::Unchanged);
+        assert_eq!(live.status().reloads_failed, 3);
+    }
+
+    /// Made readable again by `chmod` alone (its size and mtime unchanged),
+    /// a file is read at the next poll.
+    #[test]
+    fn a_files_stamp_moves_with_its_mode() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("l.yaml");
+        std::fs::write(&path, A).unwrap();
+        let before = FileStamp::of(&path);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_ne!(FileStamp::of(&path), before);
     }
 }
