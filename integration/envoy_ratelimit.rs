@@ -1164,6 +1164,79 @@ async fn odd_entries_in_a_config_directory_are_refused_not_waited_on() {
     );
 }
 
+/// Found by an independent tester: a directory's file refused for its
+/// domain was shown by `tollgate_config_info` as active, and a removed
+/// file's series stayed for as long as the process ran, so an alert on a
+/// refused edit never cleared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_config_directorys_metrics_follow_the_files_it_serves() {
+    let dir = tempfile::tempdir().unwrap();
+    let limit = |domain: &str| {
+        format!("domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{ unit: hour, requests_per_unit: 3 }}\n")
+    };
+    std::fs::write(dir.path().join("a.yaml"), limit("a")).unwrap();
+    let tg = &Tollgate::start_rls(&[dir.path().to_path_buf()], &[]);
+    let series = |text: &str, file: &str| -> Vec<String> {
+        text.lines()
+            .filter(|l| l.starts_with("tollgate_config_") && !l.starts_with("tollgate_config_reloads"))
+            .filter(|l| l.contains(&format!("{file}\"")))
+            .map(str::to_string)
+            .collect()
+    };
+    let metrics = || async { metrics_holding(tg, &[]).await };
+    let until = |what: &'static str| async move {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !tg.logged(what) {
+            assert!(std::time::Instant::now() < deadline, "{what}: {}", tg.log_text());
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    };
+    let text = metrics().await;
+    assert!(
+        series(&text, "a.yaml")
+            .iter()
+            .any(|l| l.starts_with("tollgate_config_info{") && l.ends_with(" 1")),
+        "{text}"
+    );
+    assert!(
+        series(&text, "a.yaml").contains(&format!(
+            "tollgate_config_last_reload_failed{{file=\"{}\"}} 0",
+            dir.path().join("a.yaml").display()
+        )),
+        "{text}"
+    );
+
+    // Refused for its domain: failed, never active.
+    std::fs::write(dir.path().join("dup.yaml"), limit("a")).unwrap();
+    until("dup.yaml").await;
+    let text = metrics().await;
+    let dup = series(&text, "dup.yaml");
+    assert!(
+        dup.iter()
+            .any(|l| l.starts_with("tollgate_config_last_reload_failed{") && l.ends_with(" 1")),
+        "{text}"
+    );
+    assert!(!dup.iter().any(|l| l.starts_with("tollgate_config_info{")), "{dup:?}");
+
+    // Removed: gone from the metrics, as from /config.
+    std::fs::remove_file(dir.path().join("dup.yaml")).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !series(&metrics().await, "dup.yaml").is_empty() {
+        assert!(std::time::Instant::now() < deadline, "{}", metrics().await);
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+
+    // A served file removed: its limits no longer apply, its series go too.
+    std::fs::write(dir.path().join("b.yaml"), limit("b")).unwrap();
+    until("limits file added").await;
+    assert!(!series(&metrics().await, "b.yaml").is_empty());
+    std::fs::remove_file(dir.path().join("b.yaml")).unwrap();
+    until("limits no longer apply").await;
+    let text = metrics().await;
+    assert!(series(&text, "b.yaml").is_empty(), "{text}");
+    assert!(!series(&text, "a.yaml").is_empty(), "{text}");
+}
+
 /// README's promises about the config directory that the other tests do
 /// not reach: files in sub-directories are read (live too), merged files of
 /// one domain are checked again on every change, and a bad file stops the

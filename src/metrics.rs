@@ -681,6 +681,28 @@ impl Metrics {
             .set(i64::from(!ok));
     }
 
+    /// Retires every series of a limits file no longer served (removed
+    /// from its directory, or refused and then removed): an alert on its
+    /// refused edit would otherwise fire for as long as the process runs.
+    pub fn forget_file(&self, file: &str) {
+        let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = versions.remove(file) {
+            self.config.remove(&ConfigLabels {
+                file: file.to_string(),
+                version: old,
+            });
+        }
+        self.config_error.remove(&FileLabels { file: file.to_string() });
+    }
+
+    /// A file just served: its version published, no refused edit.
+    pub fn file_served(&self, file: &str, version: &str) {
+        self.config_version(file, version);
+        self.config_error
+            .get_or_create(&FileLabels { file: file.to_string() })
+            .set(0);
+    }
+
     /// Publishes the active version of `file`, retiring the previous one.
     pub fn config_version(&self, file: &str, version: &str) {
         let mut versions = self.versions.lock().unwrap_or_else(|e| e.into_inner());

@@ -87,6 +87,8 @@ pub struct LiveFile {
 
 impl LiveFile {
     /// Loads `path` for the first time; a bad file here is fatal to start-up.
+    /// Its version is published once it is served (a directory's file may
+    /// yet be refused for its domain).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = config::read_limits(path).map_err(|e| ConfigError {
             file: path.display().to_string(),
@@ -104,7 +106,6 @@ impl LiveFile {
             reloads_ok: 0,
             reloads_failed: 0,
         };
-        crate::metrics::get().config_version(&path.display().to_string(), &version);
         Ok(LiveFile {
             path: path.to_path_buf(),
             in_force: std::sync::OnceLock::new(),

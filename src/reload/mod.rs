@@ -306,8 +306,10 @@ impl LiveFiles {
         })
     }
 
-    /// Ties a file to the domain checks, and its changes to publishing.
+    /// Ties a file to the domain checks, and its changes to publishing;
+    /// from here it is served.
     fn attach(file: &Arc<LiveFile>, in_force: &Arc<InForce>) {
+        crate::metrics::get().file_served(&file.path.display().to_string(), &file.status().version);
         let _ = file.in_force.set(in_force.clone());
         let publish = in_force.clone();
         file.on_change(move || publish.publish());
@@ -413,6 +415,7 @@ impl LiveFiles {
                     .unwrap_or_else(|e| e.into_inner())
                     .retain(|(p, _, _)| *p != f.path);
                 tracing::info!(cause, file = %f.path.display(), %domain, "limits file removed; its limits no longer apply");
+                crate::metrics::get().forget_file(&f.path.display().to_string());
                 changed = true;
             } else {
                 next.push(f.clone());
@@ -436,10 +439,13 @@ impl LiveFiles {
                 }
             }
         }
-        self.refused
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|p, _| on_disk.contains(p));
+        self.refused.lock().unwrap_or_else(|e| e.into_inner()).retain(|p, _| {
+            let kept = on_disk.contains(p);
+            if !kept {
+                crate::metrics::get().forget_file(&p.display().to_string());
+            }
+            kept
+        });
         if changed {
             // Keep `--config` order: sources first, a directory's files by name.
             let order = |f: &Arc<LiveFile>| {
