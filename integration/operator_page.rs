@@ -445,6 +445,72 @@ async fn explain_answers_as_the_rls_does_in_shadow_mode() {
     assert_eq!(a["rules"][0]["would_refuse"], true, "{a}");
 }
 
+/// Found by an independent tester: a Redis that answers reads but refuses
+/// writes (out of memory under `noeviction`, a read-only replica) made the
+/// proxy answer a fail-closed rule's 503 while explain, which only read,
+/// answered "allowed". A caller already over the limit is refused either
+/// way: the proxy's refusal writes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explain_answers_as_the_proxy_while_redis_refuses_writes() {
+    let redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let limits = "domain: api\nrules:\n  - name: strict\n    by: [header:x-user]\n    failure_mode: closed\n    limits: [{ requests: 2, per: 1m }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url()]);
+    let explain = format!("http://{}/api/explain", tg.admin);
+    let ask = |user: &str| json!({ "path": "/", "headers": [["x-user", user]] });
+    let proxied = async |user: &str| get(&client(), &tg.url("/"), &[("x-user", user)]).await.status;
+    assert_eq!(proxied("full").await, StatusCode::OK);
+    assert_eq!(proxied("full").await, StatusCode::OK);
+    let (_, a) = post_json(&explain, &ask("fresh")).await;
+    assert_eq!(
+        (a["verdict"].as_str(), a["status"].as_u64()),
+        (Some("allowed"), Some(200)),
+        "{a}"
+    );
+    let keys_before = redis.cli(&["DBSIZE"]);
+
+    for (refuse, allow) in [
+        (
+            &["CONFIG", "SET", "maxmemory", "1"][..],
+            &["CONFIG", "SET", "maxmemory", "0"][..],
+        ),
+        (&["REPLICAOF", "127.0.0.1", "1"][..], &["REPLICAOF", "NO", "ONE"][..]),
+    ] {
+        if refuse[0] == "CONFIG" {
+            redis.cli(&["CONFIG", "SET", "maxmemory-policy", "noeviction"]);
+        }
+        redis.cli(refuse);
+        assert_eq!(proxied("fresh").await, StatusCode::SERVICE_UNAVAILABLE, "{refuse:?}");
+        let (_, a) = post_json(&explain, &ask("fresh")).await;
+        assert_eq!(
+            (a["verdict"].as_str(), a["status"].as_u64()),
+            (Some("failed_closed"), Some(503)),
+            "{refuse:?}: {a}"
+        );
+        assert!(a["store_error"].is_string(), "{a}");
+        // Over its limit, the proxy refuses without a write, and so does explain.
+        assert_eq!(proxied("full").await, StatusCode::TOO_MANY_REQUESTS, "{refuse:?}");
+        let (_, a) = post_json(&explain, &ask("full")).await;
+        assert_eq!(
+            (a["verdict"].as_str(), a["status"].as_u64()),
+            (Some("limited"), Some(429)),
+            "{a}"
+        );
+        redis.cli(allow);
+    }
+    let (_, a) = post_json(&explain, &ask("fresh")).await;
+    assert_eq!(
+        (a["verdict"].as_str(), a["status"].as_u64()),
+        (Some("allowed"), Some(200)),
+        "{a}"
+    );
+    assert_eq!(
+        redis.cli(&["DBSIZE"]),
+        keys_before,
+        "explain's dry runs left no key behind"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
     let mut redis = RedisServer::start();

@@ -721,6 +721,22 @@ local function open(key, s, cost)
   end
 end
 
+-- A dry run charges nothing, but where a real call would write it makes
+-- one write that changes nothing: SETRANGE of nothing to a key no counter
+-- or ring can be named (a counter's key ends its last component with `|`,
+-- so `|dry` could only begin another, which starts with digits), in the
+-- counter's hash tag. A Redis that refuses writes (out of memory under
+-- noeviction, a read-only replica, a failed save) refuses it as it
+-- refuses the real call's first write, so a dry run (explain) answers
+-- what a real decision gets. Once per call is enough.
+local probed = false
+local function probe(key)
+  if not probed then
+    probed = true
+    call('SETRANGE', key .. '|dry', 0, '')
+  end
+end
+
 -- Per key of the decision being made, three slots each (its counter,
 -- whether it fits, its rings), reused from decision to decision.
 local held = {}
@@ -764,7 +780,10 @@ for _ = 1, num(ARGV[a]) do
     local charged = 0
     if kind[1] or late then
       -- Nothing is charged: each meets the counts the first met.
-      if room > 0 then room = n end
+      if room > 0 then
+        room = n
+        if not late then probe(key) end
+      end
     elseif room > 0 then
       charged = 1
       if s.pend_n == 0 then open(key, s, cost) end
@@ -878,6 +897,7 @@ for _ = 1, num(ARGV[a]) do
           if shape[4] > s.longest then s.longest = shape[4] end
         end
       end
+      if admitted == 1 and dry and not late and fits and cost > 0 then probe(KEYS[k + i]) end
       reply[at] = charged
       at = at + 1 + 3 * shape[5]
     end
