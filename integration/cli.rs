@@ -211,6 +211,44 @@ fn check_reports_rules_that_can_never_match() {
     );
 }
 
+/// The 43rd attack: `TOLLGATE_ADMIN_TOKEN=` (a deploy template's unset
+/// variable) turned the token check on with a token no client can send:
+/// every admin answer 401, `/metrics` included, and nothing said why.
+#[test]
+fn an_empty_admin_token_is_refused_at_start() {
+    for (flag, env) in [(true, None), (false, Some(""))] {
+        let mut cmd = Command::new(binary());
+        cmd.args(["--config", "conf/limits.yaml", "--upstream", "http://127.0.0.1:9"])
+            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
+        if flag {
+            cmd.args(["--admin-token", ""]);
+        }
+        if let Some(v) = env {
+            cmd.env("TOLLGATE_ADMIN_TOKEN", v);
+        }
+        // Started, it would run on: give it 5 s to refuse.
+        let mut child = cmd.stderr(std::process::Stdio::piped()).spawn().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while child.try_wait().unwrap().is_none() {
+            if std::time::Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("started with an empty token (flag: {flag})");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{err}");
+        assert!(err.contains("a value is required for '--admin-token"), "{err}");
+    }
+    let out = Command::new(binary())
+        .args(["explain", "--admin", "127.0.0.1:9", "--admin-token", "", "/"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--admin-token"));
+}
+
 #[test]
 fn an_upstream_no_request_could_name_is_refused_at_start() {
     // The 41st attack: these started, and then every request was a 502

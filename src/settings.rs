@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use clap::builder::NonEmptyStringValueParser;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 
 /// The `tollgate` command line.
@@ -50,7 +51,7 @@ pub struct ExplainArgs {
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     pub admin: String,
     /// Its `--admin-token`, if it has one.
-    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true, value_parser = NonEmptyStringValueParser::new())]
     pub admin_token: Option<String>,
     /// The request's method.
     #[arg(short = 'X', long, default_value = "GET")]
@@ -167,7 +168,9 @@ pub struct Settings {
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     pub admin_listen: SocketAddr,
     /// Require `Authorization: Bearer <token>` on the admin listener (all but /healthz and /readyz).
-    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
+    /// An empty one is refused at start: no client could send it, and an
+    /// unset variable in a deploy template must not pass for a token.
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true, value_parser = NonEmptyStringValueParser::new())]
     pub admin_token: Option<String>,
     /// Host names the admin listener answers to besides IP literals and localhost (comma-separated).
     #[arg(long, env = "TOLLGATE_ADMIN_HOSTS", value_delimiter = ',')]
