@@ -76,6 +76,7 @@ request_path! {
     pub mod render;
     pub mod limiter;
     pub mod limits;
+    pub mod log_every;
     pub mod path;
     pub mod serve;
     pub mod tls;

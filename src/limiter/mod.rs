@@ -399,7 +399,7 @@ struct FailureLog {
     /// Failed decisions not told yet, by the verdict they got.
     open: AtomicU64,
     closed: AtomicU64,
-    last_logged_ms: AtomicU64,
+    lines: crate::log_every::LineEvery,
     /// When the last decision failed (ms on the log's clock).
     last_failed_ms: AtomicU64,
 }
@@ -408,7 +408,7 @@ impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
         let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
         pending.fetch_add(1, Ordering::Relaxed);
-        self.last_failed_ms.store(log_clock_ms(), Ordering::Relaxed);
+        self.last_failed_ms.store(crate::log_every::clock_ms(), Ordering::Relaxed);
         if let Some((open, closed)) = self.take_if_due() {
             let mode = match (open > 0, closed > 0) {
                 (true, true) => "failing open and closed",
@@ -427,7 +427,7 @@ impl FailureLog {
         if self.open.load(Ordering::Relaxed) == 0 && self.closed.load(Ordering::Relaxed) == 0 {
             return;
         }
-        if log_clock_ms().saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) < 1000 {
+        if crate::log_every::clock_ms().saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) < 1000 {
             return;
         }
         if let Some((open, closed)) = self.take_if_due()
@@ -440,23 +440,10 @@ impl FailureLog {
     /// The untold failures (open, closed), when a second has passed since
     /// the last line; this caller then writes the next one.
     fn take_if_due(&self) -> Option<(u64, u64)> {
-        let now = log_clock_ms();
-        let last = self.last_logged_ms.load(Ordering::Relaxed);
-        let due = now.saturating_sub(last) >= 1000
-            && self
-                .last_logged_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok();
-        due.then(|| (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed)))
+        self.lines
+            .claim()
+            .then(|| (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed)))
     }
-}
-
-/// Ms since the first look, plus a second (so that a zero "last logged"
-/// is already a second ago).
-fn log_clock_ms() -> u64 {
-    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    let elapsed = u64::try_from(START.get_or_init(Instant::now).elapsed().as_millis()).unwrap_or(u64::MAX);
-    elapsed.saturating_add(1000)
 }
 
 // Tested at the limiter level, on both stores: integration/limiter.rs.
