@@ -544,6 +544,53 @@ async fn websocket_upgrades_pass_through() {
     }
 }
 
+/// The 43rd attack: an upstream down got a WARN line per request, 1,999
+/// lines in 2 s at 1,000 requests a second. Now at most one a second, each
+/// with how many failures it stands for, and one when the upstream answers
+/// again: the lines add up to every failed request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_down_is_a_line_a_second_not_one_a_request() {
+    let port = free_port();
+    let tg = Tollgate::start(LOGIN, format!("127.0.0.1:{port}").parse().unwrap(), &[]);
+    let c = client();
+    let started = Instant::now();
+    for _ in 0..20 {
+        let mut batch = tokio::task::JoinSet::new();
+        for _ in 0..10 {
+            let (c, url) = (c.clone(), tg.url("/"));
+            batch.spawn(async move { get(&c, &url, &[]).await.status });
+        }
+        while let Some(status) = batch.join_next().await {
+            assert_eq!(status.unwrap(), StatusCode::BAD_GATEWAY);
+        }
+    }
+    let seconds = started.elapsed().as_secs();
+    assert!(tg.logged("upstream failed"), "{}", tg.log_text());
+    let _upstream = TestUpstream::start_on(&format!("127.0.0.1:{port}")).await;
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(get(&c, &tg.url("/"), &[]).await.status, StatusCode::OK);
+    assert!(tg.logged("upstream answering again"), "{}", tg.log_text());
+    let log = tg.log_text();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("upstream failed") || l.contains("upstream answering again"))
+        .collect();
+    assert!(
+        lines.len() as u64 <= seconds + 2,
+        "{} lines in {seconds} s:\n{log}",
+        lines.len()
+    );
+    let told: u64 = lines
+        .iter()
+        .map(|l| {
+            let n = l.split("failures=").nth(1).and_then(|r| r.split_whitespace().next());
+            n.and_then(|n| n.parse::<u64>().ok())
+                .unwrap_or_else(|| panic!("no count: {l}"))
+        })
+        .sum();
+    assert_eq!(told, 200, "{log}");
+}
+
 #[tokio::test]
 async fn upstream_down_is_502_and_slow_is_504() {
     let dead = free_port();

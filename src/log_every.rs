@@ -14,6 +14,13 @@ pub struct LineEvery {
 }
 
 impl LineEvery {
+    /// No line written yet: the first is due at once.
+    pub const fn new() -> Self {
+        LineEvery {
+            last_logged_ms: AtomicU64::new(0),
+        }
+    }
+
     /// Whether a line is due (a second or more since the last), claiming it
     /// for this caller: of callers racing for it, one is told yes.
     pub fn claim(&self) -> bool {
@@ -24,6 +31,53 @@ impl LineEvery {
                 .last_logged_ms
                 .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
                 .is_ok()
+    }
+}
+
+/// Failures of one kind told at most once a second, each line saying how
+/// many it stands for. Those of the last second of an outage are told by
+/// the first success a second or more after the last failure, so the
+/// lines add up to every failure.
+#[derive(Default)]
+pub struct Folded {
+    untold: AtomicU64,
+    last_failed_ms: AtomicU64,
+    lines: LineEvery,
+}
+
+impl Folded {
+    /// Nothing failed yet.
+    pub const fn new() -> Self {
+        Folded {
+            untold: AtomicU64::new(0),
+            last_failed_ms: AtomicU64::new(0),
+            lines: LineEvery::new(),
+        }
+    }
+
+    /// One more failure. When a line is due, how many failures it stands
+    /// for (this one included): this caller writes it.
+    pub fn failed(&self) -> Option<u64> {
+        self.untold.fetch_add(1, Ordering::Relaxed);
+        self.last_failed_ms.store(clock_ms(), Ordering::Relaxed);
+        self.lines.claim().then(|| self.untold.swap(0, Ordering::Relaxed))
+    }
+
+    /// A success. When failures are untold, none came for a second and a
+    /// line is due, how many they are: this caller writes the line saying
+    /// it works again.
+    pub fn answered(&self) -> Option<u64> {
+        // One load while nothing failed: no write shared between threads.
+        if self.untold.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        if clock_ms().saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) < 1000 {
+            return None;
+        }
+        self.lines
+            .claim()
+            .then(|| self.untold.swap(0, Ordering::Relaxed))
+            .filter(|&n| n > 0)
     }
 }
 
@@ -54,5 +108,22 @@ mod tests {
             .map(|t| t.join().unwrap())
             .sum();
         assert_eq!(told, 1, "of callers racing for it, one writes the line");
+    }
+
+    #[test]
+    fn folded_failures_add_up_to_every_failure() {
+        let f = Folded::new();
+        assert_eq!(f.answered(), None, "nothing failed");
+        assert_eq!(f.failed(), Some(1), "the first failure is told at once");
+        for _ in 0..99 {
+            assert_eq!(f.failed(), None);
+        }
+        assert_eq!(f.answered(), None, "a failure came less than a second ago");
+        std::thread::sleep(std::time::Duration::from_millis(1010));
+        assert_eq!(f.failed(), Some(100), "the next line stands for the 99 and itself");
+        f.failed();
+        std::thread::sleep(std::time::Duration::from_millis(1010));
+        assert_eq!(f.answered(), Some(1), "the last second's, told on the way back");
+        assert_eq!(f.answered(), None, "and once");
     }
 }

@@ -388,7 +388,12 @@ pub fn pattern(n: usize) -> Vec<u8> {
 
 impl TestUpstream {
     pub async fn start() -> TestUpstream {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        Self::start_on("127.0.0.1:0").await
+    }
+
+    /// On a given address (an upstream coming back where one was down).
+    pub async fn start_on(addr: &str) -> TestUpstream {
+        let listener = TcpListener::bind(addr).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -105,6 +105,12 @@ pub struct Proxy {
     options: ProxyOptions,
 }
 
+/// The upstream's failures, told at most once a second for the process:
+/// an upstream down fails every request, and a line each buried the log
+/// (thousands a second). `failures` on each line counts the requests it
+/// stands for.
+static UPSTREAM_FAILURES: crate::log_every::Folded = crate::log_every::Folded::new();
+
 /// Why the wait for the upstream ended before its answer.
 enum Waited {
     /// Nothing of the request's body was taken for this long (the
@@ -205,7 +211,9 @@ impl Proxy {
                     match forwarded.get() {
                         Some(&began) => {
                             metrics::get().upstream("timeout", began.elapsed());
-                            tracing::warn!(upstream = %self.options.upstream.authority(), "upstream timed out (the call's grpc-timeout passed)");
+                            if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                                tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream timed out (the call's grpc-timeout passed)");
+                            }
                         }
                         None => tracing::info!("a call's grpc-timeout passed before it was decided"),
                     }
@@ -302,7 +310,9 @@ impl Proxy {
             // answers 502 ("upstream sent unknown Transfer-Encoding"). The
             // connection is closed, even after an answer with no body (a
             // HEAD's, a 204): where its next answer begins is not known.
-            tracing::warn!(upstream = %self.options.upstream.authority(), "upstream sent a transfer coding other than chunked");
+            if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream sent a transfer coding other than chunked");
+            }
             body.discard();
             return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
         }
@@ -462,12 +472,21 @@ impl Proxy {
                 if r.version() == Version::HTTP_2
                     && crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD =>
             {
-                tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), "upstream sent a response head larger than 64 KB");
+                if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), failures, "upstream sent a response head larger than 64 KB");
+                }
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
-            Ok(Ok(r)) => Ok(r),
+            Ok(Ok(r)) => {
+                if let Some(failures) = UPSTREAM_FAILURES.answered() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream answering again; requests failed since the last line");
+                }
+                Ok(r)
+            }
             Ok(Err(SendError::NoAnswer)) => {
-                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, "upstream timed out");
+                if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
+                }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
             Ok(Err(e)) if e.is_client_body() || body_told.get().copied().or_else(|| body_sent.try_finished()) == Some(false) => {
@@ -476,16 +495,22 @@ impl Proxy {
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "upstream failed");
+                if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                    tracing::warn!(error = %e, failures, "upstream failed");
+                }
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Err(Waited::NotTaken(limit)) => {
                 metrics::get().body_stalled(true);
-                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?limit, "upstream took none of the request body within --upstream-body-timeout (connecting, or not reading)");
+                if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?limit, failures, "upstream took none of the request body within --upstream-body-timeout (connecting, or not reading)");
+                }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
             Err(Waited::NoAnswer) => {
-                tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, "upstream timed out");
+                if let Some(failures) = UPSTREAM_FAILURES.failed() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
+                }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
         }
