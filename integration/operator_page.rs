@@ -511,6 +511,48 @@ async fn explain_answers_as_the_proxy_while_redis_refuses_writes() {
     );
 }
 
+/// Found by an independent tester: another program's string under a
+/// counter's key was logged as Lua's "attempt to perform arithmetic on
+/// local 't'". Each kind of foreign value is now said as what it is, and
+/// the rule's failure mode answers, as for any store error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_value_under_a_counters_key_is_said_as_such() {
+    let redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let limits =
+        "domain: api\nrules:\n  - name: open\n    by: [header:x-user]\n    limits: [{ requests: 5, per: 1m }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url()]);
+    let explain = format!("http://{}/api/explain", tg.admin);
+    let (_, a) = post_json(&explain, &json!({ "path": "/", "headers": [["x-user", "u"]] })).await;
+    let key = a["rules"][0]["counter"].as_str().unwrap().to_string();
+    for (write, said) in [
+        (
+            vec!["SET", &key, "not-a-counter:zz"],
+            "holds a string that is not a tollgate counter",
+        ),
+        (
+            vec!["SET", &key, "17643*x"],
+            "holds a string that is not a tollgate counter",
+        ),
+        (vec!["RPUSH", &key, "a"], "holds a list"),
+        (vec!["HSET", &key, "f", "v"], "holds a hash"),
+    ] {
+        redis.cli(&["DEL", &key]);
+        redis.cli(&write);
+        let answer = get(&client(), &tg.url("/"), &[("x-user", "u")]).await;
+        assert_eq!(answer.status, StatusCode::OK, "{write:?}: the rule fails open");
+        assert!(tg.logged(said), "{write:?}: {}", tg.log_text());
+        // The next line comes a second later.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    assert!(!tg.log_text().contains("attempt to"), "{}", tg.log_text());
+    redis.cli(&["DEL", &key]);
+    assert_eq!(
+        get(&client(), &tg.url("/"), &[("x-user", "u")]).await.status,
+        StatusCode::OK
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
     let mut redis = RedisServer::start();

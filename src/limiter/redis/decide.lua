@@ -150,22 +150,33 @@ end
 
 local compact_max = num(ARGV[2])
 
--- A compact counter's entries: times, costs and running totals.
+-- A compact counter's entries: times, costs and running totals; nil for
+-- a string that is not one (another program's value under our key): said
+-- as such, not as Lua's arithmetic on nil.
 local function parse(v)
   local ms, n, c = {}, {}, {}
   if not find(v, '*', 1, true) then
     local t = tonumber(sub(v, 1, 13))
+    if not t then return nil end
     ms[1], n[1], c[1] = t, 1, 1
-    if #v > 13 then ms[2], n[2], c[2] = t + tonumber(sub(v, 14)), 1, 2 end
+    if #v > 13 then
+      local d = tonumber(sub(v, 14))
+      if not d then return nil end
+      ms[2], n[2], c[2] = t + d, 1, 2
+    end
   else
     local t, total, i = 0, 0, 0
     for entry in gmatch(v, '[^,]+') do
       local star = find(entry, '*', 1, true)
+      if not star then return nil end
+      local d, cost = tonumber(sub(entry, 1, star - 1)), tonumber(sub(entry, star + 1))
+      if not d or not cost then return nil end
       i = i + 1
-      t = t + tonumber(sub(entry, 1, star - 1))
-      total = total + tonumber(sub(entry, star + 1))
-      ms[i], n[i], c[i] = t, tonumber(sub(entry, star + 1)), total
+      t = t + d
+      total = total + cost
+      ms[i], n[i], c[i] = t, cost, total
     end
+    if i == 0 then return nil end
   end
   return { ms = ms, n = n, c = c }
 end
@@ -208,6 +219,7 @@ local function counter(key)
     end
   elseif kind == 'string' then
     compact = parse(call('GET', key))
+    if not compact then return error('counter ' .. key .. ' holds a string that is not a tollgate counter') end
     local count = #compact.ms
     total, last_ms = compact.c[count], compact.ms[count]
   elseif kind == 'none' then
