@@ -807,6 +807,41 @@ async fn a_wrong_redis_password_is_reported_as_such_not_as_a_timeout() {
     assert!(tg.logged("AuthenticationFailed"), "{}", tg.log_text());
 }
 
+/// The 43rd attack: a password set on a running Redis (`requirepass`,
+/// clients killed) was logged as Redis's "Protocol error: unauthenticated
+/// multibulk length", which does not say what to do.
+#[tokio::test]
+async fn a_password_set_on_a_running_redis_is_said_as_such() {
+    let (redis, _upstream, tg) = on_redis().await;
+    assert_eq!(probe(&tg).await, 3);
+    redis.cli(&["CONFIG", "SET", "requirepass", "later"]);
+    let with_password = |args: &[&str]| {
+        std::process::Command::new("redis-cli")
+            .args(["-p", &redis.port.to_string(), "-a", "later", "--no-auth-warning"])
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    with_password(&["CLIENT", "KILL", "TYPE", "normal"]);
+    let started = Instant::now();
+    while !tg
+        .log_text()
+        .contains("Redis asks for a password tollgate was not given")
+    {
+        assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+        probe(&tg).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(tg.logged("transient=false"), "{}", tg.log_text());
+    // The password taken away again: decisions come back without a restart.
+    with_password(&["CONFIG", "SET", "requirepass", ""]);
+    let started = Instant::now();
+    while probe(&tg).await != 3 {
+        assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The sum of `failures=N` over the log's outage lines.
 fn failures_logged(tg: &Tollgate) -> u64 {
     tg.log_text()

@@ -505,20 +505,33 @@ fn refused_login(e: &redis::RedisError) -> bool {
         || ["AuthenticationFailed", "WRONGPASS", "NOAUTH"].iter().any(|w| text.contains(w))
 }
 
+/// Whether `e` is Redis refusing a client that never logged in: a password
+/// set (`requirepass`, an ACL) after tollgate connected without one. Redis
+/// says it only as a protocol error ("unauthenticated multibulk length")
+/// once a command is longer than it lets such a client send.
+fn unauthenticated(e: &redis::RedisError) -> bool {
+    e.to_string().contains("unauthenticated")
+}
+
 impl From<::redis::RedisError> for StoreError {
     fn from(e: ::redis::RedisError) -> Self {
         // A refused login is never transient, though the Cluster client
         // wraps a seed node's refusal in an I/O-kind error of its own.
+        let refused = refused_login(&e) || unauthenticated(&e);
         let transient = (e.is_io_error()
             || e.is_connection_dropped()
             || e.is_connection_refusal()
             || e.is_timeout()
             || e.is_cluster_error())
-            && !refused_login(&e);
+            && !refused;
+        let source: Box<dyn std::error::Error + Send + Sync> = match unauthenticated(&e) {
+            true => format!("Redis asks for a password tollgate was not given (--redis redis://:password@host:port): {e}").into(),
+            false => Box::new(e),
+        };
         StoreError::Failed {
             store: "redis",
             transient,
-            source: Box::new(e),
+            source,
         }
     }
 }
