@@ -213,40 +213,86 @@ fn check_reports_rules_that_can_never_match() {
 
 /// The 43rd attack: `TOLLGATE_ADMIN_TOKEN=` (a deploy template's unset
 /// variable) turned the token check on with a token no client can send:
-/// every admin answer 401, `/metrics` included, and nothing said why.
+/// every admin answer 401, `/metrics` included, and nothing said why. The
+/// 44th: so did a token of spaces, edged with them, or not ASCII; and
+/// refusing the empty one in the command line's parser broke `check` and
+/// `explain` run with that environment.
 #[test]
-fn an_empty_admin_token_is_refused_at_start() {
-    for (flag, env) in [(true, None), (false, Some(""))] {
+fn an_admin_token_no_client_could_send_is_refused_at_start() {
+    let start = |flag: Option<&str>, env: Option<&str>| {
         let mut cmd = Command::new(binary());
         cmd.args(["--config", "conf/limits.yaml", "--upstream", "http://127.0.0.1:9"])
-            .args(["--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"]);
-        if flag {
-            cmd.args(["--admin-token", ""]);
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+                "--grpc-listen",
+                "off",
+            ])
+            .stderr(std::process::Stdio::piped());
+        if let Some(v) = flag {
+            cmd.args(["--admin-token", v]);
         }
         if let Some(v) = env {
             cmd.env("TOLLGATE_ADMIN_TOKEN", v);
         }
-        // Started, it would run on: give it 5 s to refuse.
-        let mut child = cmd.stderr(std::process::Stdio::piped()).spawn().unwrap();
+        // Started, it runs on: 5 s to refuse, then it is taken as started.
+        let mut child = cmd.spawn().unwrap();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
         while child.try_wait().unwrap().is_none() {
             if std::time::Instant::now() > deadline {
                 child.kill().unwrap();
-                panic!("started with an empty token (flag: {flag})");
+                let _ = child.wait();
+                return None;
             }
             std::thread::sleep(std::time::Duration::from_millis(20));
         }
         let out = child.wait_with_output().unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "{err}");
-        assert!(err.contains("a value is required for '--admin-token"), "{err}");
+        assert!(!out.status.success());
+        Some(String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    for (flag, env, why) in [
+        (Some(""), None, "is empty"),
+        (None, Some(""), "is empty"),
+        (Some(" "), None, "begins or ends with a space"),
+        (None, Some("\t"), "begins or ends with a space"),
+        (Some(" s3cret"), None, "begins or ends with a space"),
+        (Some("ünï©ødé"), None, "other than visible ASCII"),
+    ] {
+        let err = start(flag, env).unwrap_or_else(|| panic!("started with {flag:?} / {env:?}"));
+        assert!(
+            err.contains("--admin-token (TOLLGATE_ADMIN_TOKEN) ") && err.contains(why),
+            "{err}"
+        );
+        assert_eq!(
+            err.lines().filter(|l| !l.trim().is_empty()).count(),
+            1,
+            "one clear line: {err}"
+        );
     }
-    let out = Command::new(binary())
-        .args(["explain", "--admin", "127.0.0.1:9", "--admin-token", "", "/"])
+    assert_eq!(
+        start(Some("a b"), None),
+        None,
+        "a token with a space inside can be sent"
+    );
+    // The same environment does not stop the commands that are no server.
+    let check = Command::new(binary())
+        .args(["check", "--config", "conf/limits.yaml"])
+        .env("TOLLGATE_ADMIN_TOKEN", "")
         .output()
         .unwrap();
-    assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("--admin-token"));
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let explain = Command::new(binary())
+        .args(["explain", "--admin", "127.0.0.1:9", "/"])
+        .env("TOLLGATE_ADMIN_TOKEN", "")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&explain.stderr);
+    assert!(
+        !err.contains("--admin-token"),
+        "asked the server, not refused for its token: {err}"
+    );
 }
 
 #[test]

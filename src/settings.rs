@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use clap::builder::NonEmptyStringValueParser;
 use clap::{ArgAction, Parser, Subcommand, ValueEnum};
 
 /// The `tollgate` command line.
@@ -51,7 +50,7 @@ pub struct ExplainArgs {
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     pub admin: String,
     /// Its `--admin-token`, if it has one.
-    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true, value_parser = NonEmptyStringValueParser::new())]
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// The request's method.
     #[arg(short = 'X', long, default_value = "GET")]
@@ -168,9 +167,9 @@ pub struct Settings {
     #[arg(long, env = "TOLLGATE_ADMIN_LISTEN", default_value = "127.0.0.1:9901")]
     pub admin_listen: SocketAddr,
     /// Require `Authorization: Bearer <token>` on the admin listener (all but /healthz and /readyz).
-    /// An empty one is refused at start: no client could send it, and an
-    /// unset variable in a deploy template must not pass for a token.
-    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true, value_parser = NonEmptyStringValueParser::new())]
+    /// Refused at start when no client could send it (empty, edged with
+    /// spaces, not visible ASCII).
+    #[arg(long, env = "TOLLGATE_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
     /// Host names the admin listener answers to besides IP literals and localhost (comma-separated).
     #[arg(long, env = "TOLLGATE_ADMIN_HOSTS", value_delimiter = ',')]

@@ -94,7 +94,9 @@ async fn ask_once(args: &ExplainArgs) -> Result<Json, ClientError> {
     let mut req = Request::post("/api/explain")
         .header(header::HOST, args.admin.as_str())
         .header(header::CONTENT_TYPE, "application/json");
-    if let Some(token) = &args.admin_token {
+    // An empty one (an unset template variable) is none: the server
+    // refuses to start with it.
+    if let Some(token) = args.admin_token.as_deref().filter(|t| !t.is_empty()) {
         req = req.header(header::AUTHORIZATION, format!("Bearer {token}"));
     }
     let req = req

@@ -357,3 +357,37 @@ fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
     );
     r
 }
+
+/// Why `--admin-token` could never be matched, if it could not: the
+/// listener compares the field's value as ASCII text with its edges
+/// trimmed, as HTTP reads it. An unset variable in a deploy template
+/// (`TOLLGATE_ADMIN_TOKEN=`) would otherwise lock every admin answer
+/// behind a 401, `/metrics` included, with nothing saying why.
+pub fn token_problem(token: &str) -> Option<&'static str> {
+    if token.is_empty() {
+        Some("is empty: no client could send it")
+    } else if token.starts_with([' ', '\t']) || token.ends_with([' ', '\t']) {
+        Some("begins or ends with a space or tab, which HTTP drops from a field's value: no client could send it")
+    } else if !token.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        Some(
+            "holds a character other than visible ASCII and spaces: clients send such characters in encodings the listener does not read",
+        )
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::token_problem;
+
+    #[test]
+    fn a_token_no_client_could_send_is_refused() {
+        for bad in ["", " ", "\t", " a", "a ", "a\t", "ünï©ødé", "a\u{7f}b", "a\nb"] {
+            assert!(token_problem(bad).is_some(), "{bad:?}");
+        }
+        for good in ["a", "a b", "a\"b,c;d=e", "s3cr3t-~_.+/="] {
+            assert_eq!(token_problem(good), None, "{good:?}");
+        }
+    }
+}

@@ -59,6 +59,9 @@ pub enum StartError {
     /// The listeners' certificate, key or client CA cannot be used.
     #[error("--tls-cert/--tls-key/--tls-client-ca: {0}")]
     Tls(#[from] crate::tls::TlsError),
+    /// `--admin-token` is one no client could send.
+    #[error("--admin-token (TOLLGATE_ADMIN_TOKEN) {0}")]
+    AdminToken(&'static str),
 }
 
 /// Where a started server listens (port 0 in the settings is resolved here).
@@ -103,6 +106,9 @@ impl Server {
     pub async fn start(settings: Settings) -> Result<Server, StartError> {
         // Its clock is the page's uptime: started with the server.
         crate::activity::get();
+        if let Some(problem) = settings.admin_token.as_deref().and_then(crate::admin::token_problem) {
+            return Err(StartError::AdminToken(problem));
+        }
         let upstream = settings
             .upstream
             .as_deref()
