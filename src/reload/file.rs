@@ -355,7 +355,12 @@ pub(super) struct FileStamp {
 impl FileStamp {
     pub(super) fn of(path: &Path) -> Option<FileStamp> {
         use std::os::unix::fs::MetadataExt;
-        let m = std::fs::metadata(path).ok()?;
+        // A link that leads nowhere (a loop, a missing target) is stamped
+        // as the link: it cannot be read until the link changes or its
+        // target appears (which the link's target's stamp then shows).
+        let m = std::fs::metadata(path)
+            .or_else(|_| std::fs::symlink_metadata(path))
+            .ok()?;
         Some(FileStamp {
             device: m.dev(),
             inode: m.ino(),
@@ -487,6 +492,23 @@ mod tests {
         assert_eq!(poll().unwrap(), Reloaded::Unchanged);
         assert_eq!(live.status().reloads_failed, 2);
         std::fs::remove_dir(&path).unwrap();
+        // A link loop (the 44th attack: still read every poll, its stamp
+        // unknown), through two links.
+        let other = dir.path().join("other");
+        std::os::unix::fs::symlink(&other, &path).unwrap();
+        std::os::unix::fs::symlink(&path, &other).unwrap();
+        assert!(matches!(poll(), Err(ReloadError::Read(..))));
+        for _ in 0..3 {
+            assert_eq!(poll().unwrap(), Reloaded::Unchanged);
+        }
+        assert_eq!(live.status().reloads_failed, 3);
+        // Fixed at the far link: the near one is as it was.
+        std::fs::remove_file(&other).unwrap();
+        std::fs::write(&other, A).unwrap();
+        assert_eq!(poll().unwrap(), Reloaded::Changed, "read again");
+        assert_eq!(live.status().last_error, None);
+        std::fs::remove_file(&other).unwrap();
+        std::fs::remove_file(&path).unwrap();
         std::fs::write(&path, B).unwrap();
         assert_eq!(poll().unwrap(), Reloaded::Changed);
         assert_eq!(limit(&live), 2);
@@ -496,7 +518,7 @@ mod tests {
         std::fs::write(&path, "domain: d\nrules: [").unwrap();
         assert!(poll().is_err());
         assert_eq!(poll().unwrap(), Reloaded::Unchanged);
-        assert_eq!(live.status().reloads_failed, 3);
+        assert_eq!(live.status().reloads_failed, 4);
     }
 
     /// Made readable again by `chmod` alone (its size and mtime unchanged),
