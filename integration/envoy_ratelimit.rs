@@ -1237,6 +1237,44 @@ async fn a_config_directorys_metrics_follow_the_files_it_serves() {
     assert!(!series(&text, "a.yaml").is_empty(), "{text}");
 }
 
+/// The 44th attack: a served file whose link came to lead nowhere (its
+/// ConfigMap key gone) kept its last limits and its domain, and a file now
+/// declaring that domain was refused as a duplicate until the link itself
+/// went. A link leading nowhere is now the file gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_link_left_leading_nowhere_lets_its_domain_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = tempfile::tempdir().unwrap();
+    let limit = |n: u32| {
+        format!("domain: a\ndescriptors:\n  - key: k\n    rate_limit: {{ unit: hour, requests_per_unit: {n} }}\n")
+    };
+    std::fs::write(data.path().join("b.yaml"), limit(3)).unwrap();
+    std::os::unix::fs::symlink(data.path().join("b.yaml"), dir.path().join("b.yaml")).unwrap();
+    let tg = Tollgate::start_rls(&[dir.path().to_path_buf()], &[]);
+    let mut rls = RateLimitServiceClient::connect(format!("http://{}", tg.grpc.unwrap()))
+        .await
+        .unwrap();
+    let look = || single("a", descriptor(&[("k".into(), "v".into())]), 0);
+    let rpu = |r: RateLimitResponse| r.statuses[0].current_limit.as_ref().map(|l| l.requests_per_unit);
+    assert_eq!(rpu(rls.should_rate_limit(look()).await.unwrap().into_inner()), Some(3));
+
+    std::fs::remove_file(data.path().join("b.yaml")).unwrap();
+    std::fs::write(dir.path().join("c.yaml"), limit(4)).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while rpu(rls.should_rate_limit(look()).await.unwrap().into_inner()) != Some(4) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "c.yaml not served: {}",
+            tg.log_text()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let config = get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json();
+    let refused = config["refused"].to_string();
+    assert!(refused.contains("b.yaml") && !refused.contains("c.yaml"), "{config}");
+    assert!(tg.logged("limits file removed"), "{}", tg.log_text());
+}
+
 /// README's promises about the config directory that the other tests do
 /// not reach: files in sub-directories are read (live too), merged files of
 /// one domain are checked again on every change, and a bad file stops the

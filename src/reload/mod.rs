@@ -254,6 +254,12 @@ fn collect_files(dir: &Path, depth: usize, files: &mut Vec<PathBuf>) -> std::io:
     Ok(())
 }
 
+/// Whether `path` is a link whose target does not exist.
+fn leads_nowhere(path: &Path) -> bool {
+    path.symlink_metadata().is_ok_and(|m| m.file_type().is_symlink())
+        && std::fs::metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
+}
+
 impl LiveFiles {
     /// Loads every file (and every file of every directory); any invalid
     /// file or a repeated domain is fatal here. With `merge`,
@@ -407,7 +413,11 @@ impl LiveFiles {
         let mut next: Vec<Arc<LiveFile>> = Vec::with_capacity(on_disk.len());
         for f in current.iter() {
             let from_dir = f.path.starts_with(dir) && !self.sources.contains(&f.path);
-            if from_dir && !on_disk.contains(&f.path) {
+            // A link left leading nowhere (its ConfigMap key gone, its
+            // target deleted) is the file gone: its domain is let go, and
+            // the link is refused below as any new one would be. Kept, its
+            // last limits would hold the domain against a file on disk.
+            if from_dir && (!on_disk.contains(&f.path) || leads_nowhere(&f.path)) {
                 let domain = f.active().load().domain.clone();
                 self.in_force
                     .by_file
