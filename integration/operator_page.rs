@@ -553,6 +553,45 @@ async fn a_foreign_value_under_a_counters_key_is_said_as_such() {
     );
 }
 
+/// The 44th attack: a bucketed window's ring overwritten with other bytes
+/// was read as counts, and its newest bucket, millions of years ahead,
+/// made a 429 with a retry time of as many years, cached past the key's
+/// deletion. Now it is said as what it is and the failure mode answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_value_under_a_rings_key_is_said_as_such() {
+    let redis = RedisServer::start();
+    let up = TestUpstream::start().await;
+    let limits = "domain: api\nrules:\n  - name: closed\n    by: [header:x-user]\n    failure_mode: closed\n    limits: [{ requests: 5, per: 1m, precision: 1s }]\n";
+    let tg = Tollgate::start(limits, up.addr, &["--redis", &redis.url()]);
+    let ask = async || get(&client(), &tg.url("/"), &[("x-user", "u")]).await;
+    assert_eq!(ask().await.status, StatusCode::OK);
+    let rings = redis.cli(&["--scan", "--pattern", "*60000/1000"]).unwrap_or_default();
+    let ring = rings
+        .lines()
+        .next()
+        .unwrap_or_else(|| panic!("no ring key: {rings:?}"))
+        .to_string();
+    let len: usize = redis.cli(&["STRLEN", &ring]).unwrap().trim().parse().unwrap();
+    for value in ["garbage".to_string(), format!("F{}", "~".repeat(len - 1))] {
+        redis.cli(&["SET", &ring, &value]);
+        let answer = ask().await;
+        assert_eq!(
+            answer.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "{value}: the rule fails closed"
+        );
+        assert_eq!(answer.header("retry-after"), Some("1"));
+        assert!(tg.logged("is not a tollgate ring"), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    redis.cli(&["DEL", &ring]);
+    assert_eq!(
+        ask().await.status,
+        StatusCode::OK,
+        "the key gone, counting starts again"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explain_shows_a_store_outage_as_each_rules_failure_mode_decides() {
     let mut redis = RedisServer::start();

@@ -575,6 +575,13 @@ local function rings_setup()
         s.type = 'u' .. s.w
       else
         s.w, s.cur, s.sum, s.first = h[1] % BLOCKED, h[2], h[3], h[4]
+        -- Another program's value under the ring's key: said as such, not
+        -- read as counts (a newest bucket millions of years ahead made a
+        -- retry time of as many years). A clock stepped back leaves the
+        -- newest bucket ahead by less than a window.
+        if h[1] >= 2 * BLOCKED or s.w == 0 or s.w > 52 or s.cur > b + len or s.first > s.cur then
+          return error('ring ' .. rkey .. ' holds a value that is not a tollgate ring')
+        end
         s.type = 'u' .. s.w
         if (h[1] < BLOCKED and s.b > 0) or b > s.cur then cold() end
         if h[1] < BLOCKED and s.b > 0 then rewrite(s, s.w) end

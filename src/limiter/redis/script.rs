@@ -424,10 +424,10 @@ fn parse_reply(
                 let windows = check
                     .windows
                     .iter()
-                    .map(|_| {
+                    .map(|w| {
                         let used = u64::try_from(next()).unwrap_or(0);
                         let reset_ms = u64::try_from(next()).unwrap_or(0);
-                        window_count(used, reset_ms, next())
+                        window_count(w, used, reset_ms, next())
                     })
                     .collect();
                 CheckCount { charged, windows }
@@ -438,11 +438,20 @@ fn parse_reply(
     Ok(answers)
 }
 
-fn window_count(used: u64, reset_ms: u64, retry: i64) -> WindowCount {
+/// A window's count as the script told it. No unit counts longer than an
+/// exact window's period, or than a bucketed window's ring of buckets (one
+/// more than the period takes): a time past that can only come from a
+/// value the script misread (another program's under the key), and would
+/// be cached as a refusal for as long, so it is held to that bound.
+fn window_count(window: &Window, used: u64, reset_ms: u64, retry: i64) -> WindowCount {
+    let longest = match window.precision_ms {
+        0 => window.period_ms,
+        p => window.period_ms.div_ceil(p).saturating_add(1).saturating_mul(p),
+    };
     WindowCount {
         used,
-        reset_ms,
-        retry_ms: u64::try_from(retry).ok(),
+        reset_ms: reset_ms.min(longest),
+        retry_ms: u64::try_from(retry).ok().map(|r| r.min(longest)),
         never: retry == -2,
     }
 }
@@ -453,13 +462,13 @@ fn window_count(used: u64, reset_ms: u64, retry: i64) -> WindowCount {
 fn run_answers(check: &OwnedCheck, count: usize, next: &mut impl FnMut() -> i64) -> Vec<StoreAnswer> {
     let admitted = usize::try_from(next()).unwrap_or(0).min(count);
     let charged = next() == 1;
-    let windows: Vec<(u64, u64, i64)> = check
+    let windows: Vec<(&Window, u64, u64, i64)> = check
         .windows
         .iter()
-        .map(|_| {
+        .map(|w| {
             let used = u64::try_from(next()).unwrap_or(0);
             let reset_ms = u64::try_from(next()).unwrap_or(0);
-            (used, reset_ms, next())
+            (w, used, reset_ms, next())
         })
         .collect();
     (0..count)
@@ -468,9 +477,9 @@ fn run_answers(check: &OwnedCheck, count: usize, next: &mut impl FnMut() -> i64)
             let charges = if charged { u64::try_from(i.min(admitted)).unwrap_or(u64::MAX) } else { 0 };
             let counts = windows
                 .iter()
-                .map(|&(used, reset_ms, retry)| {
+                .map(|&(window, used, reset_ms, retry)| {
                     let used = used.saturating_add(charges.saturating_mul(check.cost));
-                    window_count(used, reset_ms, if yes { -1 } else { retry })
+                    window_count(window, used, reset_ms, if yes { -1 } else { retry })
                 })
                 .collect();
             StoreAnswer {
@@ -508,6 +517,37 @@ mod tests {
 
     fn check(key: &str, cost: u64, requests: u64) -> OwnedCheck {
         OwnedCheck::per_minute(key, requests, cost, false)
+    }
+
+    /// The 44th attack: a misread ring gave a retry time of 8.9 million
+    /// years, cached as a refusal for as long.
+    #[test]
+    fn no_time_told_outlasts_the_window_and_a_bucket() {
+        let w = Window {
+            requests: 5,
+            period_ms: 60_000,
+            precision_ms: 1_000,
+        };
+        let c = window_count(&w, 5, 281_473_180_864_420, 281_473_180_864_420);
+        assert_eq!((c.reset_ms, c.retry_ms), (61_000, Some(61_000)));
+        // Buckets that do not divide the period: the ring holds one more
+        // than the period takes, 6 of 200 ms for 900 ms.
+        let odd = Window {
+            requests: 5,
+            period_ms: 900,
+            precision_ms: 200,
+        };
+        assert_eq!(window_count(&odd, 5, 1_150, 5_000).retry_ms, Some(1_200));
+        let exact = Window {
+            requests: 5,
+            period_ms: 900,
+            precision_ms: 0,
+        };
+        assert_eq!(window_count(&exact, 5, 900, 5_000).retry_ms, Some(900));
+        let c = window_count(&w, 5, 30_000, 12_345);
+        assert_eq!((c.reset_ms, c.retry_ms, c.never), (30_000, Some(12_345), false));
+        let c = window_count(&w, 0, 60_000, -2);
+        assert_eq!((c.retry_ms, c.never), (None, true));
     }
 
     #[test]
