@@ -884,6 +884,55 @@ async fn a_short_outage_is_told_whole() {
     assert!(tg.logged("counter store answering again"), "{}", tg.log_text());
 }
 
+/// The 44th attack: an outage whose last second no answer followed was
+/// never told whole, not even when the process stopped. At a stop, the
+/// failures not told yet are, for the store and the upstream alike.
+#[tokio::test]
+async fn an_outage_no_answer_followed_is_told_whole_at_shutdown() {
+    let (mut redis, _upstream, mut tg) = on_redis().await;
+    assert_eq!(probe(&tg).await, 3);
+    redis.kill();
+    let c = client();
+    for _ in 0..30 {
+        assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::OK);
+    }
+    let metrics =
+        String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    let failed: u64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("tollgate_store_errors_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum();
+    assert!(failed >= 30, "{metrics}");
+    tg.signal("TERM");
+    assert_eq!(tg.wait_exit(Duration::from_secs(10)), Some(true), "{}", tg.log_text());
+    assert!(tg.logged("told at shutdown"), "{}", tg.log_text());
+    assert_eq!(failures_logged(&tg), failed, "{}", tg.log_text());
+
+    // The upstream's, the same way.
+    let dead = free_port();
+    let mut tg = Tollgate::start(LIMITS, format!("127.0.0.1:{dead}").parse().unwrap(), &[]);
+    for _ in 0..30 {
+        assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::BAD_GATEWAY);
+    }
+    tg.signal("TERM");
+    assert_eq!(tg.wait_exit(Duration::from_secs(10)), Some(true), "{}", tg.log_text());
+    let told: u64 = tg
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("upstream"))
+        .filter_map(|l| {
+            l.split("failures=")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum();
+    assert_eq!(told, 30, "{}", tg.log_text());
+}
+
 #[tokio::test]
 async fn a_redis_timeout_past_half_a_second_is_waited_for_whole() {
     let (redis, _upstream, tg) = on_redis_with(&["--enable-debug-command", "yes"], "3s").await;

@@ -81,6 +81,14 @@ impl Folded {
     }
 }
 
+impl Folded {
+    /// The failures not told yet, if any, taken to be told now whatever
+    /// the time (the process is stopping: there is no later line).
+    pub fn untold(&self) -> Option<u64> {
+        Some(self.untold.swap(0, Ordering::Relaxed)).filter(|&n| n > 0)
+    }
+}
+
 /// Ms since the first look, plus a second (so that a zero "last logged"
 /// is already a second ago).
 pub fn clock_ms() -> u64 {
@@ -125,5 +133,10 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(1010));
         assert_eq!(f.answered(), Some(1), "the last second's, told on the way back");
         assert_eq!(f.answered(), None, "and once");
+        assert_eq!(f.untold(), None);
+        f.failed();
+        f.failed();
+        assert_eq!(f.untold(), Some(2), "at a stop, whatever the time");
+        assert_eq!(f.untold(), None);
     }
 }

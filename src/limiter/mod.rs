@@ -160,6 +160,12 @@ impl Limiter {
         decision
     }
 
+    /// Tells the store failures no log line has told yet: called as the
+    /// process stops, after the last decision.
+    pub fn tell_untold_failures(&self) {
+        self.failures.tell_untold();
+    }
+
     /// What `hits` would get now, charging nothing (the admin page's dry
     /// run), as [`Limiter::decide`] would answer it: from the denial cache
     /// when it holds a refusal for them (`None` counts then), else from the
@@ -434,6 +440,15 @@ impl FailureLog {
             && open.saturating_add(closed) > 0
         {
             tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store answering again; decisions failed since the last line");
+        }
+    }
+
+    /// Tells the failures no line has told yet, whatever the time: the
+    /// process is stopping, and no later decision will.
+    fn tell_untold(&self) {
+        let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
+        if open.saturating_add(closed) > 0 {
+            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store: decisions failed since the last line, told at shutdown");
         }
     }
 

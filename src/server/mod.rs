@@ -90,6 +90,8 @@ pub struct Server {
     _watch: Option<Vec<WatchGuard>>,
     /// The listeners' certificate, read again on SIGHUP.
     tls_cert: Option<Arc<LiveCert>>,
+    /// Told at the stop of the store failures its log has not told yet.
+    limiter: Arc<Limiter>,
 }
 
 /// Starts tollgate, serves until `shutdown` resolves, then drains.
@@ -159,7 +161,7 @@ impl Server {
         let addresses = listeners.addresses(settings.admin_listen)?;
         let (stop, stop_rx) = watch::channel(false);
         let parts = Parts {
-            limiter,
+            limiter: limiter.clone(),
             catalog: files.catalog(),
             files: files.clone(),
             trusted,
@@ -200,6 +202,7 @@ impl Server {
             grace: settings.shutdown_timeout,
             _watch: watch_guard,
             tls_cert: tls.cert.clone(),
+            limiter,
         })
     }
 
@@ -239,6 +242,10 @@ impl Server {
             }
         })
         .await;
+        // Failures of the last second of an outage are told by the next
+        // answer; at a stop there is none.
+        self.limiter.tell_untold_failures();
+        crate::surfaces::proxy::tell_untold_failures();
         tracing::info!("stopped");
     }
 }

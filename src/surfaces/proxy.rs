@@ -111,6 +111,14 @@ pub struct Proxy {
 /// stands for.
 static UPSTREAM_FAILURES: crate::log_every::Folded = crate::log_every::Folded::new();
 
+/// Tells the upstream failures no line has told yet, as the process stops
+/// (no later answer will): the lines add up to every failed request.
+pub fn tell_untold_failures() {
+    if let Some(failures) = UPSTREAM_FAILURES.untold() {
+        tracing::warn!(failures, "upstream failures since the last line, told at shutdown");
+    }
+}
+
 /// Why the wait for the upstream ended before its answer.
 enum Waited {
     /// Nothing of the request's body was taken for this long (the
