@@ -842,6 +842,18 @@ async fn a_password_set_on_a_running_redis_is_said_as_such() {
     }
 }
 
+/// The sum of `tollgate_store_errors_total` over its kinds, and `/metrics`.
+async fn store_errors_counted(tg: &Tollgate) -> (u64, String) {
+    let metrics =
+        String::from_utf8_lossy(&get(&client(), &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
+    let failed = metrics
+        .lines()
+        .filter(|l| l.starts_with("tollgate_store_errors_total"))
+        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
+        .sum();
+    (failed, metrics)
+}
+
 /// The sum of `failures=N` over the log's outage lines.
 fn failures_logged(tg: &Tollgate) -> u64 {
     tg.log_text()
@@ -872,13 +884,7 @@ async fn a_short_outage_is_told_whole() {
     redis.signal("CONT");
     tokio::time::sleep(Duration::from_millis(1100)).await;
     assert_eq!(probe(&tg).await, 3);
-    let metrics =
-        String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
-    let failed: u64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("tollgate_store_errors_total"))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
-        .sum();
+    let (failed, metrics) = store_errors_counted(&tg).await;
     assert!(failed >= 8, "{metrics}");
     assert_eq!(failures_logged(&tg), failed, "{}", tg.log_text());
     assert!(tg.logged("counter store answering again"), "{}", tg.log_text());
@@ -896,13 +902,7 @@ async fn an_outage_no_answer_followed_is_told_whole_at_shutdown() {
     for _ in 0..30 {
         assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::OK);
     }
-    let metrics =
-        String::from_utf8_lossy(&get(&c, &format!("http://{}/metrics", tg.admin), &[]).await.body).into_owned();
-    let failed: u64 = metrics
-        .lines()
-        .filter(|l| l.starts_with("tollgate_store_errors_total"))
-        .filter_map(|l| l.split_whitespace().last()?.parse::<u64>().ok())
-        .sum();
+    let (failed, metrics) = store_errors_counted(&tg).await;
     assert!(failed >= 30, "{metrics}");
     tg.signal("TERM");
     assert_eq!(tg.wait_exit(Duration::from_secs(10)), Some(true), "{}", tg.log_text());
