@@ -139,8 +139,11 @@ pub fn log_filter(get: impl Fn(&str) -> Option<String>) -> Result<Option<&'stati
         return Ok(None);
     };
     let filter = match level.to_ascii_lowercase().as_str() {
-        "trace" => "trace",
-        "debug" => "debug",
+        // Its level is its own lines': the libraries' trace lines (the file
+        // watcher's among them) would flood the log, and feed themselves
+        // when the log file lies in the watched directory.
+        "trace" => "info,tollgate=trace",
+        "debug" => "info,tollgate=debug",
         "info" => "info",
         "warn" | "warning" => "warn",
         // tollgate neither exits nor panics on its own log lines: what
@@ -320,7 +323,10 @@ mod tests {
         let vars = |v: &'static [(&'static str, &'static str)]| {
             move |k: &str| v.iter().find(|(n, _)| *n == k).map(|(_, x)| x.to_string())
         };
-        assert_eq!(log_filter(vars(&[("LOG_LEVEL", "DEBUG")])), Ok(Some("debug")));
+        assert_eq!(
+            log_filter(vars(&[("LOG_LEVEL", "DEBUG")])),
+            Ok(Some("info,tollgate=debug"))
+        );
         assert_eq!(
             log_filter(vars(&[("LOG_LEVEL", "DEBUG"), ("RUST_LOG", "warn")])),
             Ok(None)
@@ -332,8 +338,8 @@ mod tests {
     fn every_logrus_level_is_a_level_and_any_other_word_is_refused() {
         let level = |l: &'static str| log_filter(move |k: &str| (k == "LOG_LEVEL").then(|| l.to_string()));
         for (logrus, ours) in [
-            ("trace", "trace"),
-            ("debug", "debug"),
+            ("trace", "info,tollgate=trace"),
+            ("debug", "info,tollgate=debug"),
             ("Info", "info"),
             ("warn", "warn"),
             ("warning", "warn"),
