@@ -933,6 +933,42 @@ async fn an_outage_no_answer_followed_is_told_whole_at_shutdown() {
     assert_eq!(told, 30, "{}", tg.log_text());
 }
 
+/// The 43rd attack: failures untold at the end of one outage were told
+/// under the next one's error, when no decision came between them. They
+/// are told apart now, before the next outage's first line.
+#[tokio::test]
+async fn failures_before_a_quiet_second_are_not_told_under_the_next_error() {
+    let (mut redis, _upstream, mut tg) = on_redis().await;
+    assert_eq!(probe(&tg).await, 3);
+    let c = client();
+    redis.signal("STOP");
+    for _ in 0..6 {
+        assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::OK);
+    }
+    redis.signal("CONT");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    redis.kill();
+    for _ in 0..4 {
+        assert_eq!(get(&c, &tg.url("/load"), &[]).await.status, StatusCode::OK);
+    }
+    let (failed, metrics) = store_errors_counted(&tg).await;
+    assert_eq!(failed, 10, "{metrics}");
+    tg.signal("TERM");
+    assert_eq!(tg.wait_exit(Duration::from_secs(10)), Some(true), "{}", tg.log_text());
+    let log = tg.log_text();
+    let apart = log
+        .lines()
+        .position(|l| l.contains("decisions failed before the last second, not told yet") && l.contains("failures=5"))
+        .unwrap_or_else(|| panic!("the first outage's 5 untold not told apart:\n{log}"));
+    assert!(
+        log.lines()
+            .skip(apart + 1)
+            .any(|l| l.contains("counter store unavailable")),
+        "the second outage's own line comes after:\n{log}"
+    );
+    assert_eq!(failures_logged(&tg), failed, "{log}");
+}
+
 #[tokio::test]
 async fn a_redis_timeout_past_half_a_second_is_waited_for_whole() {
     let (redis, _upstream, tg) = on_redis_with(&["--enable-debug-command", "yes"], "3s").await;

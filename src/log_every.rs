@@ -55,12 +55,20 @@ impl Folded {
         }
     }
 
-    /// One more failure. When a line is due, how many failures it stands
-    /// for (this one included): this caller writes it.
-    pub fn failed(&self) -> Option<u64> {
+    /// One more failure: how many failures from before a second without
+    /// any are untold (no success came to tell them), to be said apart
+    /// rather than under this one's cause, which may differ; and, when a line is
+    /// due, how many failures it stands for (this one included). This
+    /// caller writes both.
+    pub fn failed(&self) -> (Option<u64>, Option<u64>) {
+        let now = clock_ms();
+        let earlier = match now.saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) >= 1000 {
+            true => Some(self.untold.swap(0, Ordering::Relaxed)).filter(|&n| n > 0),
+            false => None,
+        };
         self.untold.fetch_add(1, Ordering::Relaxed);
-        self.last_failed_ms.store(clock_ms(), Ordering::Relaxed);
-        self.lines.claim().then(|| self.untold.swap(0, Ordering::Relaxed))
+        self.last_failed_ms.store(now, Ordering::Relaxed);
+        (earlier, self.lines.claim().then(|| self.untold.swap(0, Ordering::Relaxed)))
     }
 
     /// A success. When failures are untold, none came for a second and a
@@ -122,13 +130,15 @@ mod tests {
     fn folded_failures_add_up_to_every_failure() {
         let f = Folded::new();
         assert_eq!(f.answered(), None, "nothing failed");
-        assert_eq!(f.failed(), Some(1), "the first failure is told at once");
+        assert_eq!(f.failed(), (None, Some(1)), "the first failure is told at once");
         for _ in 0..99 {
-            assert_eq!(f.failed(), None);
+            assert_eq!(f.failed(), (None, None));
         }
         assert_eq!(f.answered(), None, "a failure came less than a second ago");
         std::thread::sleep(std::time::Duration::from_millis(1010));
-        assert_eq!(f.failed(), Some(100), "the next line stands for the 99 and itself");
+        // A second without failures and no success: the 99 are told apart
+        // from this one, whose cause may differ.
+        assert_eq!(f.failed(), (Some(99), Some(1)));
         f.failed();
         std::thread::sleep(std::time::Duration::from_millis(1010));
         assert_eq!(f.answered(), Some(1), "the last second's, told on the way back");

@@ -412,9 +412,20 @@ struct FailureLog {
 
 impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
+        let now = crate::log_every::clock_ms();
+        // Failures untold from before a second without any (an earlier
+        // outage's, or this one's before a lull; no decision came to tell
+        // them): said apart, not under this error's name, which may be
+        // another's.
+        if now.saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) >= 1000 {
+            let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
+            if open.saturating_add(closed) > 0 {
+                tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store: decisions failed before the last second, not told yet");
+            }
+        }
         let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
         pending.fetch_add(1, Ordering::Relaxed);
-        self.last_failed_ms.store(crate::log_every::clock_ms(), Ordering::Relaxed);
+        self.last_failed_ms.store(now, Ordering::Relaxed);
         if let Some((open, closed)) = self.take_if_due() {
             let mode = match (open > 0, closed > 0) {
                 (true, true) => "failing open and closed",
