@@ -514,3 +514,43 @@ async fn config_shows_each_windows_precision_and_a_bad_one_keeps_the_last() {
     assert_eq!(windows(&c)[1]["precision_ms"], 600_000);
     assert_eq!(enforced_limit(&tg).await, 2);
 }
+
+/// The 45th attack: a link loop changed into another loop was counted as
+/// a second failed reload but not logged, the line's text being the same;
+/// and (found beside it) a file refused for a domain another holds was
+/// counted again at every poll. Each refusal that follows a change is
+/// logged and counted once; one read again unchanged is neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_refusal_after_a_change_is_one_line_and_one_count() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.yaml");
+    std::fs::write(&path, limits(5)).unwrap();
+    let tg = spawn_on(&path, &upstream);
+    let errors = || {
+        tg.log_text()
+            .lines()
+            .filter(|l| l.contains("ERROR") && l.contains("cannot read"))
+            .count()
+    };
+    let wait = async |n: usize| {
+        let started = Instant::now();
+        while errors() < n {
+            assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    std::fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&path, &path).unwrap();
+    wait(1).await;
+    let a = dir.path().join("a");
+    std::os::unix::fs::symlink(&path, &a).unwrap();
+    std::fs::remove_file(&path).unwrap();
+    std::os::unix::fs::symlink(&a, &path).unwrap();
+    wait(2).await;
+    // Two polls later, still two.
+    tokio::time::sleep(Duration::from_millis(4500)).await;
+    assert_eq!(errors(), 2, "{}", tg.log_text());
+    assert_eq!(config(&tg).await["status"]["reloads_failed"], 2, "{}", tg.log_text());
+    assert_eq!(enforced_limit(&tg).await, 5, "the last good limits stay");
+}

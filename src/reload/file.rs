@@ -82,6 +82,13 @@ pub struct LiveFile {
     /// no permission): the poll waits for its stamp to change instead of
     /// reading, and counting a failed reload, every 2 s.
     unreadable: std::sync::atomic::AtomicBool,
+    /// A file refused for a domain another file holds is read again every
+    /// poll: the same version's refusal is counted and logged once. The
+    /// version whose refusal was counted, the one refused last (to be
+    /// counted by [`LiveFile::refuse`]), and whether that was a repeat.
+    clash_counted: Mutex<Option<String>>,
+    clash_last: Mutex<Option<String>>,
+    repeat: std::sync::atomic::AtomicBool,
     on_change: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
 }
 
@@ -114,6 +121,9 @@ impl LiveFile {
             last_seen: Mutex::new(Some(version)),
             last_stat: Mutex::new(FileStamp::of(path)),
             unreadable: std::sync::atomic::AtomicBool::new(false),
+            clash_counted: Mutex::new(None),
+            clash_last: Mutex::new(None),
+            repeat: std::sync::atomic::AtomicBool::new(false),
             on_change: Mutex::new(Vec::new()),
         })
     }
@@ -151,6 +161,11 @@ impl LiveFile {
 
     /// Records a refusal [`LiveFile::reload_deferring_clash`] left unrecorded.
     pub(super) fn refuse(&self, error: &ReloadError) {
+        if self.repeated() {
+            return;
+        }
+        let last = self.clash_last.lock().unwrap_or_else(|e| e.into_inner()).take();
+        *self.clash_counted.lock().unwrap_or_else(|e| e.into_inner()) = last;
         crate::metrics::get().reload(&self.path.display().to_string(), false);
         let message = error.to_string();
         self.update_status(|s| {
@@ -179,6 +194,7 @@ impl LiveFile {
             *last = stamp.clone();
         }
         self.unreadable.store(false, Ordering::Relaxed);
+        self.repeat.store(false, Ordering::Relaxed);
         let name = self.path.display().to_string();
         let text = match config::read_limits(&self.path) {
             Ok(t) => t,
@@ -250,6 +266,15 @@ impl LiveFile {
             // Valid on its own: try it again once the other file moves away.
             *self.last_seen.lock().unwrap_or_else(|e| e.into_inner()) = None;
         }
+        {
+            let mut counted = self.clash_counted.lock().unwrap_or_else(|e| e.into_inner());
+            let repeat = clashed && counted.as_deref() == Some(version.as_str());
+            if !clashed {
+                *counted = None;
+            }
+            *self.clash_last.lock().unwrap_or_else(|e| e.into_inner()) = clashed.then(|| version.clone());
+            self.repeat.store(repeat, Ordering::Relaxed);
+        }
         match parsed {
             Ok(limits) => {
                 if let Some(taken) = taken.as_mut()
@@ -282,25 +307,24 @@ impl LiveFile {
         }
     }
 
+    /// Whether the last refusal was the same version's domain clash again:
+    /// neither counted nor logged again.
+    pub(super) fn repeated(&self) -> bool {
+        self.repeat.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Reloads and logs the outcome in one line.
     pub fn reload_and_log(&self, cause: &str) {
-        let error_before = self.status().last_error.clone();
         // The poll is a backstop for lost events: it looks at the file's
         // stamp first. An event or an operator's SIGHUP always reads.
         let started = std::time::Instant::now();
         let outcome = self.reload_inner(cause != "poll", false);
-        self.log(cause, error_before.as_deref(), started, outcome);
+        self.log(cause, started, outcome);
     }
 
     /// Logs what a reload begun at `started` came to, in one line; a
-    /// refusal already said (`error_before`) is not said again.
-    pub(super) fn log(
-        &self,
-        cause: &str,
-        error_before: Option<&str>,
-        started: std::time::Instant,
-        outcome: Result<Reloaded, ReloadError>,
-    ) {
+    /// refusal already said (a domain clash read again) is not said again.
+    pub(super) fn log(&self, cause: &str, started: std::time::Instant, outcome: Result<Reloaded, ReloadError>) {
         match outcome {
             Ok(Reloaded::Changed) => {
                 let status = self.status();
@@ -321,14 +345,9 @@ impl LiveFile {
             }
             Ok(Reloaded::Unchanged) => tracing::debug!(cause, file = %self.path.display(), "limits unchanged"),
             // The same refusal again (a file waiting for another to give
-            // up its domain is re-read on every poll): said once.
-            Err(e)
-                if cause != "SIGHUP"
-                    && error_before.is_some()
-                    && self.status().last_error.as_deref() == error_before =>
-            {
-                tracing::debug!(cause, "{e}")
-            }
+            // up its domain is re-read on every poll): said once. Any
+            // other refusal follows a change, and is said.
+            Err(e) if cause != "SIGHUP" && self.repeated() => tracing::debug!(cause, "{e}"),
             Err(e) => tracing::error!(cause, "{e}"),
         }
     }

@@ -355,15 +355,10 @@ impl LiveFiles {
         // A refusal met in one pass may be such a mix too (a file clashing
         // with its neighbour's next version): refusals are said once the
         // last pass is known, each file's latest one.
-        let errors_before: HashMap<PathBuf, Option<String>> = self
-            .files()
-            .iter()
-            .map(|f| (f.path.clone(), f.status().last_error.clone()))
-            .collect();
         let mut refusals = HashMap::new();
         for _ in 0..MAX_PASSES {
             let before = stamps_in(dir);
-            self.rescan_once(dir, cause, &errors_before, &mut refusals);
+            self.rescan_once(dir, cause, &mut refusals);
             if stamps_in(dir) == before {
                 break;
             }
@@ -375,8 +370,7 @@ impl LiveFiles {
                     if matches!(error, ReloadError::Clash(_)) {
                         f.refuse(&error);
                     }
-                    let before = errors_before.get(&path).cloned().flatten();
-                    f.log(cause, before.as_deref(), started, Err(error));
+                    f.log(cause, started, Err(error));
                 }
                 Refusal::Admit(reason) => {
                     let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
@@ -392,13 +386,7 @@ impl LiveFiles {
 
     /// One pass of [`LiveFiles::rescan`], under its hold: successes are
     /// said at once, refusals left in `refusals` by file.
-    fn rescan_once(
-        &self,
-        dir: &Path,
-        cause: &str,
-        errors_before: &HashMap<PathBuf, Option<String>>,
-        refusals: &mut HashMap<PathBuf, Refusal>,
-    ) {
+    fn rescan_once(&self, dir: &Path, cause: &str, refusals: &mut HashMap<PathBuf, Refusal>) {
         let on_disk = match files_in(dir) {
             Ok(list) => list,
             // The directory is gone or unreadable for now: keep serving what
@@ -489,8 +477,7 @@ impl LiveFiles {
                 Ok(Reloaded::Unchanged) if refusals.contains_key(&f.path) => {}
                 Ok(done) => {
                     refusals.remove(&f.path);
-                    let before = errors_before.get(&f.path).cloned().flatten();
-                    f.log(cause, before.as_deref(), started, Ok(done));
+                    f.log(cause, started, Ok(done));
                 }
             }
         }
@@ -556,6 +543,12 @@ mod tests {
         std::fs::write(&b, B).unwrap();
         let err = files.files()[1].reload().unwrap_err();
         assert!(err.to_string().contains("already declared by"), "{err}");
+        // Read again at every poll (the other file may let the domain go),
+        // the same refusal is one failed reload, not one a poll.
+        for _ in 0..3 {
+            files.files()[1].reload_and_log("poll");
+        }
+        assert_eq!(files.files()[1].status().reloads_failed, 1);
         assert_eq!(
             catalog.load().domain("e").unwrap().rules[0].windows[0].requests,
             1,
