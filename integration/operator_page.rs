@@ -536,6 +536,16 @@ async fn a_foreign_value_under_a_counters_key_is_said_as_such() {
         ),
         (vec!["RPUSH", &key, "a"], "holds a list"),
         (vec!["HSET", &key, "f", "v"], "holds a hash"),
+        // The 45th attack: a stream not of tollgate's entries was counted
+        // from, or failed as Lua's arithmetic on nil.
+        (
+            vec!["XADD", &key, "*", "a", "b"],
+            "holds a stream that is not a tollgate counter",
+        ),
+        (
+            vec!["XADD", &key, "*", "n", "x", "c", "1"],
+            "holds a stream that is not a tollgate counter",
+        ),
     ] {
         redis.cli(&["DEL", &key]);
         redis.cli(&write);
@@ -572,16 +582,24 @@ async fn a_foreign_value_under_a_rings_key_is_said_as_such() {
         .unwrap_or_else(|| panic!("no ring key: {rings:?}"))
         .to_string();
     let len: usize = redis.cli(&["STRLEN", &ring]).unwrap().trim().parse().unwrap();
-    for value in ["garbage".to_string(), format!("F{}", "~".repeat(len - 1))] {
-        redis.cli(&["SET", &ring, &value]);
+    let garbage = format!("F{}", "~".repeat(len - 1));
+    for (write, said) in [
+        (vec!["SET", &ring, "garbage"], "is not a tollgate ring"),
+        (vec!["SET", &ring, &garbage], "is not a tollgate ring"),
+        // The 45th attack: these were Redis's bare WRONGTYPE, naming no key.
+        (vec!["RPUSH", &ring, "a"], "holds a list"),
+        (vec!["HSET", &ring, "f", "v"], "holds a hash"),
+    ] {
+        redis.cli(&["DEL", &ring]);
+        redis.cli(&write);
         let answer = ask().await;
         assert_eq!(
             answer.status,
             StatusCode::SERVICE_UNAVAILABLE,
-            "{value}: the rule fails closed"
+            "{write:?}: the rule fails closed"
         );
         assert_eq!(answer.header("retry-after"), Some("1"));
-        assert!(tg.logged("is not a tollgate ring"), "{}", tg.log_text());
+        assert!(tg.logged(said), "{write:?}: {}", tg.log_text());
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
     redis.cli(&["DEL", &ring]);

@@ -122,9 +122,9 @@ else
 end
 
 -- n and c of a stream entry { id, { field, value, ... } }.
-local function amounts(entry)
+local function amounts(key, entry)
   local f = entry[2]
-  local n, c = 0, 0
+  local n, c
   for i = 1, #f, 2 do
     local name = f[i]
     if name == 'n' then
@@ -133,6 +133,11 @@ local function amounts(entry)
     elseif name == 'c' then
       c = tonumber(f[i + 1])
     end
+  end
+  -- Another program's stream under our key: said as such, not counted
+  -- from, nor Lua's arithmetic on nil.
+  if not n or not c then
+    return error('counter ' .. key .. ' holds a stream that is not a tollgate counter')
   end
   return n, c
 end
@@ -213,7 +218,7 @@ local function counter(key)
   if kind == 'stream' then
     local last = call('XREVRANGE', key, '+', '-', 'COUNT', '1')[1]
     if last then
-      local _, c = amounts(last)
+      local _, c = amounts(key, last)
       total = c
       last_ms, last_seq = id_parts(last[1])
     end
@@ -251,7 +256,7 @@ local function first_in_window(key, s, period)
     if start < 0 then start = 0 end
     local e = call('XRANGE', key, int(start), '+', 'COUNT', '1')[1]
     if e then
-      local n, c = amounts(e)
+      local n, c = amounts(key, e)
       f = { c, n, id_ms(e[1]) }
     end
   end
@@ -294,7 +299,7 @@ local function retry_after(key, s, f, period, excess)
       local mid = math.floor((lo + hi) / 2)
       local e = call('XREVRANGE', key, int(mid), '-', 'COUNT', '1')[1]
       local c = base
-      if e then c = select(2, amounts(e)) end
+      if e then c = select(2, amounts(key, e)) end
       if e and (c - base) % M >= excess then
         hi = id_ms(e[1])
       else
@@ -566,7 +571,8 @@ local function rings_setup()
     local s = rings[rkey]
     if not s then
       local b = math.floor(now / precision)
-      local h = call('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
+      local h = redis.pcall('BITFIELD', rkey, 'GET', 'u8', 0, 'GET', 'u48', 8, 'GET', 'u48', 56, 'GET', 'u48', 104)
+      if h.err then return error('ring ' .. rkey .. ' holds a ' .. call('TYPE', rkey).ok) end
       local len = math.floor((period + precision - 1) / precision) + 1
       s = { key = rkey, len = len, b = block_size(len), p = precision, period = period, pend = 0, dirty = false,
             fresh = h[1] == 0 }
