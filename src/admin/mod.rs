@@ -358,6 +358,11 @@ fn text(status: StatusCode, body: &str) -> Response<Full<Bytes>> {
     r
 }
 
+/// The longest `--admin-token`: NGINX's default bound on one request
+/// field (`large_client_header_buffers`); past 64 KB, the admin listener's
+/// own bound on a request's fields answers 431.
+const MAX_TOKEN_BYTES: usize = 8 * 1024;
+
 /// Why `--admin-token` could never be matched, if it could not: the
 /// listener compares the field's value as ASCII text with its edges
 /// trimmed, as HTTP reads it. An unset variable in a deploy template
@@ -372,6 +377,8 @@ pub fn token_problem(token: &str) -> Option<&'static str> {
         Some(
             "holds a character other than visible ASCII and spaces: clients send such characters in encodings the listener does not read",
         )
+    } else if token.len() > MAX_TOKEN_BYTES {
+        Some("is longer than 8 KB, NGINX's default bound on one request field: a client behind one could not send it")
     } else {
         None
     }
@@ -379,14 +386,15 @@ pub fn token_problem(token: &str) -> Option<&'static str> {
 
 #[cfg(test)]
 mod tests {
-    use super::token_problem;
+    use super::{MAX_TOKEN_BYTES, token_problem};
 
     #[test]
     fn a_token_no_client_could_send_is_refused() {
         for bad in ["", " ", "\t", " a", "a ", "a\t", "ünï©ødé", "a\u{7f}b", "a\nb"] {
             assert!(token_problem(bad).is_some(), "{bad:?}");
         }
-        for good in ["a", "a b", "a\"b,c;d=e", "s3cr3t-~_.+/="] {
+        assert!(token_problem(&"z".repeat(MAX_TOKEN_BYTES + 1)).is_some());
+        for good in ["a", "a b", "a\"b,c;d=e", "s3cr3t-~_.+/=", &"z".repeat(MAX_TOKEN_BYTES)] {
             assert_eq!(token_problem(good), None, "{good:?}");
         }
     }
