@@ -556,6 +556,25 @@ async fn a_foreign_value_under_a_counters_key_is_said_as_such() {
         tokio::time::sleep(Duration::from_millis(1100)).await;
     }
     assert!(!tg.log_text().contains("attempt to"), "{}", tg.log_text());
+    // The 46th attack: a foreign value met less than a second after the
+    // last line was told only as "answering again", naming nothing.
+    let ask = async || get(&client(), &tg.url("/"), &[("x-user", "u")]).await.status;
+    redis.cli(&["DEL", &key]);
+    redis.cli(&["SADD", &key, "a"]);
+    assert_eq!(ask().await, StatusCode::OK);
+    assert!(tg.logged("holds a set"), "{}", tg.log_text());
+    redis.cli(&["DEL", &key]);
+    redis.cli(&["ZADD", &key, "1", "a"]);
+    assert_eq!(ask().await, StatusCode::OK);
+    redis.cli(&["DEL", &key]);
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    assert_eq!(ask().await, StatusCode::OK);
+    assert!(tg.logged("answering again"), "{}", tg.log_text());
+    assert!(
+        tg.logged("holds a zset"),
+        "the line telling it names it: {}",
+        tg.log_text()
+    );
     redis.cli(&["DEL", &key]);
     assert_eq!(
         get(&client(), &tg.url("/"), &[("x-user", "u")]).await.status,

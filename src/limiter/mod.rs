@@ -408,6 +408,10 @@ struct FailureLog {
     lines: crate::log_every::LineEvery,
     /// When the last decision failed (ms on the log's clock).
     last_failed_ms: AtomicU64,
+    /// The error of the last failure not told yet: the line that tells it
+    /// names it (an outage shorter than the log's second, say a foreign
+    /// value under one key, has no line of its own).
+    untold_error: std::sync::Mutex<Option<String>>,
 }
 
 impl FailureLog {
@@ -420,7 +424,8 @@ impl FailureLog {
         if now.saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) >= 1000 {
             let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
             if open.saturating_add(closed) > 0 {
-                tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store: decisions failed before the last second, not told yet");
+                let last = self.untold_error();
+                tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store: decisions failed before the last second, not told yet");
             }
         }
         let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
@@ -432,8 +437,20 @@ impl FailureLog {
                 (false, true) => "failing closed",
                 _ => "failing open",
             };
+            let _ = self.untold_error();
             tracing::warn!(%error, transient = error.is_transient(), failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store unavailable, {mode}");
+        } else {
+            *self.untold_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
         }
+    }
+
+    /// The last untold failure's error, taken (empty when none was kept).
+    fn untold_error(&self) -> String {
+        self.untold_error
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .unwrap_or_default()
     }
 
     /// The store answered: failures not told yet are, if a line is due and
@@ -450,7 +467,8 @@ impl FailureLog {
         if let Some((open, closed)) = self.take_if_due()
             && open.saturating_add(closed) > 0
         {
-            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store answering again; decisions failed since the last line");
+            let last = self.untold_error();
+            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store answering again; decisions failed since the last line");
         }
     }
 
@@ -459,7 +477,8 @@ impl FailureLog {
     fn tell_untold(&self) {
         let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
         if open.saturating_add(closed) > 0 {
-            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store: decisions failed since the last line, told at shutdown");
+            let last = self.untold_error();
+            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store: decisions failed since the last line, told at shutdown");
         }
     }
 
