@@ -554,3 +554,52 @@ async fn each_refusal_after_a_change_is_one_line_and_one_count() {
     assert_eq!(config(&tg).await["status"]["reloads_failed"], 2, "{}", tg.log_text());
     assert_eq!(enforced_limit(&tg).await, 5, "the last good limits stay");
 }
+
+/// The 46th attack: a SIGHUP meeting a file still refused for its domain
+/// logged a second ERROR line without a second count. It is answered at
+/// info now: the refusal was counted and logged when first met.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sighup_meeting_a_refusal_already_counted_answers_without_an_error() {
+    let upstream = TestUpstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.yaml"), dir.path().join("b.yaml"));
+    std::fs::write(&a, limits(5)).unwrap();
+    std::fs::write(&b, limits(5).replace("domain: it", "domain: other")).unwrap();
+    let mut args: Vec<String> = ["--config", a.to_str().unwrap(), "--config", b.to_str().unwrap()]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.extend(
+        [
+            "--upstream",
+            &format!("http://{}", upstream.addr),
+            "--listen",
+            "127.0.0.1:0",
+        ]
+        .iter()
+        .map(|s| s.to_string()),
+    );
+    args.extend(
+        ["--admin-listen", "127.0.0.1:0", "--grpc-listen", "off"]
+            .iter()
+            .map(|s| s.to_string()),
+    );
+    let tg = Tollgate::spawn(&args, a.clone(), tempfile::tempdir().unwrap());
+    let errors = || {
+        tg.log_text()
+            .lines()
+            .filter(|l| l.contains("ERROR") && l.contains("already declared"))
+            .count()
+    };
+    std::fs::write(&b, limits(7)).unwrap();
+    let started = Instant::now();
+    while errors() < 1 {
+        assert!(started.elapsed() < Duration::from_secs(10), "{}", tg.log_text());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tg.signal("HUP");
+    assert!(tg.logged("still refused, unchanged since"), "{}", tg.log_text());
+    assert_eq!(errors(), 1, "{}", tg.log_text());
+    let files = get(&client(), &format!("http://{}/config", tg.admin), &[]).await.json()["files"].clone();
+    assert_eq!(files[1]["status"]["reloads_failed"], 1, "{files}");
+}

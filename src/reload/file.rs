@@ -347,7 +347,12 @@ impl LiveFile {
             // The same refusal again (a file waiting for another to give
             // up its domain is re-read on every poll): said once. Any
             // other refusal follows a change, and is said.
-            Err(e) if cause != "SIGHUP" && self.repeated() => tracing::debug!(cause, "{e}"),
+            Err(e) if self.repeated() => match cause {
+                // An operator's SIGHUP is answered, but the refusal was
+                // counted and logged as an error when it was first met.
+                "SIGHUP" => tracing::info!(cause, "still refused, unchanged since: {e}"),
+                _ => tracing::debug!(cause, "{e}"),
+            },
             Err(e) => tracing::error!(cause, "{e}"),
         }
     }
