@@ -534,6 +534,16 @@ async fn a_foreign_value_under_a_counters_key_is_said_as_such() {
             vec!["SET", &key, "17643*x"],
             "holds a string that is not a tollgate counter",
         ),
+        // The 46th attack: numbers, but no counter of ours.
+        (
+            vec!["SET", &key, "12345"],
+            "holds a string that is not a tollgate counter",
+        ),
+        (vec!["SET", &key, "-5"], "holds a string that is not a tollgate counter"),
+        (
+            vec!["SET", &key, "1764300000000*-5"],
+            "holds a string that is not a tollgate counter",
+        ),
         (vec!["RPUSH", &key, "a"], "holds a list"),
         (vec!["HSET", &key, "f", "v"], "holds a hash"),
         // The 45th attack: a stream not of tollgate's entries was counted

@@ -161,6 +161,9 @@ local compact_max = num(ARGV[2])
 local function parse(v)
   local ms, n, c = {}, {}, {}
   if not find(v, '*', 1, true) then
+    -- A 13-digit ms, maybe followed by a delta: digits only (`12345`,
+    -- `-5` or `3.5` are no counter of ours).
+    if #v < 13 or find(v, '%D') then return nil end
     local t = tonumber(sub(v, 1, 13))
     if not t then return nil end
     ms[1], n[1], c[1] = t, 1, 1
@@ -172,8 +175,8 @@ local function parse(v)
   else
     local t, total, i = 0, 0, 0
     for entry in gmatch(v, '[^,]+') do
+      if not find(entry, '^%d+%*%d+$') then return nil end
       local star = find(entry, '*', 1, true)
-      if not star then return nil end
       local d, cost = tonumber(sub(entry, 1, star - 1)), tonumber(sub(entry, star + 1))
       if not d or not cost then return nil end
       i = i + 1
