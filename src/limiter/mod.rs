@@ -20,7 +20,6 @@ pub use memory::{DEFAULT_MAX_COUNTERS, MemoryStore};
 pub use redis::{COMPACT_ENTRIES, RedisMode, RedisStore, SentinelAuth};
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::config::{FailureMode, Rule, Window};
@@ -397,97 +396,42 @@ fn rule_outcome(verdict: Verdict, rule: &RuleOutcome) -> Option<metrics::RuleEve
 }
 
 /// Logs store failures at most once a second, with how many were folded in,
-/// so an outage is one readable line per second rather than one per request;
-/// the failures of an outage's last second are told by the first answer a
-/// second or more after the last line ("answering again").
+/// so an outage is one readable line per second rather than one per request
+/// ([`crate::log_every::Folded`]: the lines add up to every failed decision).
 #[derive(Default)]
-struct FailureLog {
-    /// Failed decisions not told yet, by the verdict they got.
-    open: AtomicU64,
-    closed: AtomicU64,
-    lines: crate::log_every::LineEvery,
-    /// When the last decision failed (ms on the log's clock).
-    last_failed_ms: AtomicU64,
-    /// The error of the last failure not told yet: the line that tells it
-    /// names it (an outage shorter than the log's second, say a foreign
-    /// value under one key, has no line of its own).
-    untold_error: std::sync::Mutex<Option<String>>,
-}
+struct FailureLog(crate::log_every::Folded);
 
 impl FailureLog {
     fn record(&self, error: &StoreError, verdict: Verdict) {
-        let now = crate::log_every::clock_ms();
-        // Failures untold from before a second without any (an earlier
-        // outage's, or this one's before a lull; no decision came to tell
-        // them): said apart, not under this error's name, which may be
-        // another's.
-        if now.saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) >= 1000 {
-            let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
-            if open.saturating_add(closed) > 0 {
-                let last = self.untold_error();
-                tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store: decisions failed before the last second, not told yet");
-            }
+        let (earlier, now) = self.0.failed(verdict == Verdict::FailedClosed, || error.to_string());
+        if let Some(t) = earlier {
+            tracing::warn!(failures = t.failures(), failed_open = t.open, failed_closed = t.closed, last_error = %t.cause, "counter store: decisions failed before the last second, not told yet");
         }
-        let pending = if verdict == Verdict::FailedClosed { &self.closed } else { &self.open };
-        pending.fetch_add(1, Ordering::Relaxed);
-        self.last_failed_ms.store(now, Ordering::Relaxed);
-        if let Some((open, closed)) = self.take_if_due() {
-            let mode = match (open > 0, closed > 0) {
+        if let Some(t) = now {
+            let mode = match (t.open > 0, t.closed > 0) {
                 (true, true) => "failing open and closed",
                 (false, true) => "failing closed",
                 _ => "failing open",
             };
-            let _ = self.untold_error();
-            tracing::warn!(%error, transient = error.is_transient(), failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, "counter store unavailable, {mode}");
-        } else {
-            *self.untold_error.lock().unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
+            tracing::warn!(%error, transient = error.is_transient(), failures = t.failures(), failed_open = t.open, failed_closed = t.closed, "counter store unavailable, {mode}");
         }
-    }
-
-    /// The last untold failure's error, taken (empty when none was kept).
-    fn untold_error(&self) -> String {
-        self.untold_error
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()
-            .unwrap_or_default()
     }
 
     /// The store answered: failures not told yet are, if a line is due and
     /// none failed for a second (while some still fail, their own lines,
     /// which carry the error, tell them).
     fn answered(&self) {
-        // One load each while nothing failed: no write shared between threads.
-        if self.open.load(Ordering::Relaxed) == 0 && self.closed.load(Ordering::Relaxed) == 0 {
-            return;
-        }
-        if crate::log_every::clock_ms().saturating_sub(self.last_failed_ms.load(Ordering::Relaxed)) < 1000 {
-            return;
-        }
-        if let Some((open, closed)) = self.take_if_due()
-            && open.saturating_add(closed) > 0
-        {
-            let last = self.untold_error();
-            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store answering again; decisions failed since the last line");
+        if let Some(t) = self.0.answered() {
+            tracing::warn!(failures = t.failures(), failed_open = t.open, failed_closed = t.closed, last_error = %t.cause, "counter store answering again; decisions failed since the last line");
         }
     }
 
     /// Tells the failures no line has told yet, whatever the time: the
     /// process is stopping, and no later decision will.
     fn tell_untold(&self) {
-        let (open, closed) = (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed));
-        if open.saturating_add(closed) > 0 {
-            let last = self.untold_error();
-            tracing::warn!(failures = open.saturating_add(closed), failed_open = open, failed_closed = closed, last_error = %last, "counter store: decisions failed since the last line, told at shutdown");
+        if let Some(t) = self.0.untold() {
+            tracing::warn!(failures = t.failures(), failed_open = t.open, failed_closed = t.closed, last_error = %t.cause, "counter store: decisions failed since the last line, told at shutdown");
         }
-    }
-
-    /// The untold failures (open, closed), when a second has passed since
-    /// the last line; this caller then writes the next one.
-    fn take_if_due(&self) -> Option<(u64, u64)> {
-        self.lines
-            .claim()
-            .then(|| (self.open.swap(0, Ordering::Relaxed), self.closed.swap(0, Ordering::Relaxed)))
     }
 }
 

@@ -115,19 +115,20 @@ static UPSTREAM_FAILURES: crate::log_every::Folded = crate::log_every::Folded::n
 /// caller writes now stands for, when one is due. Failures from before a
 /// second without any, not told yet, are told first, apart: they may have
 /// had another cause.
-fn upstream_failed() -> Option<u64> {
-    let (earlier, now) = UPSTREAM_FAILURES.failed();
-    if let Some(failures) = earlier {
-        tracing::warn!(failures, "upstream failures before the last second, not told yet");
+/// `cause` is kept for the line that tells this one, when it is folded.
+fn upstream_failed(cause: impl FnOnce() -> String) -> Option<u64> {
+    let (earlier, now) = UPSTREAM_FAILURES.failed(false, cause);
+    if let Some(t) = earlier {
+        tracing::warn!(failures = t.failures(), last_error = %t.cause, "upstream failures before the last second, not told yet");
     }
-    now
+    now.map(|t| t.failures())
 }
 
 /// Tells the upstream failures no line has told yet, as the process stops
 /// (no later answer will): the lines add up to every failed request.
 pub fn tell_untold_failures() {
-    if let Some(failures) = UPSTREAM_FAILURES.untold() {
-        tracing::warn!(failures, "upstream failures since the last line, told at shutdown");
+    if let Some(t) = UPSTREAM_FAILURES.untold() {
+        tracing::warn!(failures = t.failures(), last_error = %t.cause, "upstream failures since the last line, told at shutdown");
     }
 }
 
@@ -231,7 +232,7 @@ impl Proxy {
                     match forwarded.get() {
                         Some(&began) => {
                             metrics::get().upstream("timeout", began.elapsed());
-                            if let Some(failures) = upstream_failed() {
+                            if let Some(failures) = upstream_failed(|| "timed out (the call's grpc-timeout passed)".into()) {
                                 tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream timed out (the call's grpc-timeout passed)");
                             }
                         }
@@ -330,7 +331,7 @@ impl Proxy {
             // answers 502 ("upstream sent unknown Transfer-Encoding"). The
             // connection is closed, even after an answer with no body (a
             // HEAD's, a 204): where its next answer begins is not known.
-            if let Some(failures) = upstream_failed() {
+            if let Some(failures) = upstream_failed(|| "sent a transfer coding other than chunked".into()) {
                 tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream sent a transfer coding other than chunked");
             }
             body.discard();
@@ -492,19 +493,19 @@ impl Proxy {
                 if r.version() == Version::HTTP_2
                     && crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD =>
             {
-                if let Some(failures) = upstream_failed() {
+                if let Some(failures) = upstream_failed(|| "sent a response head larger than 64 KB".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), failures, "upstream sent a response head larger than 64 KB");
                 }
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Ok(Ok(r)) => {
-                if let Some(failures) = UPSTREAM_FAILURES.answered() {
-                    tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream answering again; requests failed since the last line");
+                if let Some(t) = UPSTREAM_FAILURES.answered() {
+                    tracing::warn!(upstream = %self.options.upstream.authority(), failures = t.failures(), last_error = %t.cause, "upstream answering again; requests failed since the last line");
                 }
                 Ok(r)
             }
             Ok(Err(SendError::NoAnswer)) => {
-                if let Some(failures) = upstream_failed() {
+                if let Some(failures) = upstream_failed(|| "timed out".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
                 }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
@@ -515,20 +516,20 @@ impl Proxy {
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
             Ok(Err(e)) => {
-                if let Some(failures) = upstream_failed() {
+                if let Some(failures) = upstream_failed(|| e.to_string()) {
                     tracing::warn!(error = %e, failures, "upstream failed");
                 }
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Err(Waited::NotTaken(limit)) => {
                 metrics::get().body_stalled(true);
-                if let Some(failures) = upstream_failed() {
+                if let Some(failures) = upstream_failed(|| "took none of the request body in time".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?limit, failures, "upstream took none of the request body within --upstream-body-timeout (connecting, or not reading)");
                 }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
             Err(Waited::NoAnswer) => {
-                if let Some(failures) = upstream_failed() {
+                if let Some(failures) = upstream_failed(|| "timed out".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
                 }
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
