@@ -1,11 +1,14 @@
-# Build stage: the release binary.
+# Build stage: the release binary, profile-guided (scripts/build: ~10 %
+# less CPU per request). redis-server only trains the Redis store's paths.
 FROM rust:1-bookworm AS build
+RUN apt-get update && apt-get install -y --no-install-recommends redis-server && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
 COPY integration ./integration
 COPY bench ./bench
-RUN cargo build --release --locked
+COPY scripts ./scripts
+RUN scripts/build
 
 # Run stage: the binary and the example limits, nothing else.
 FROM debian:bookworm-slim

@@ -5,6 +5,7 @@
 //! `grpc_load serve PORT` | `grpc_load load ADDR CONCURRENCY SECONDS`
 
 #[path = "load_common.rs"]
+#[allow(dead_code)] // the RLS call is the RLS load generators'
 mod load_common;
 
 use std::time::{Duration, Instant};

@@ -1,6 +1,27 @@
 //! What the gRPC load generators share: their HTTP/2 connections (a few,
 //! as Envoy and gRPC client pools keep) and the one JSON line they print
-//! (calls per second and the p50/p99 of their latencies).
+//! (calls per second and the p50/p99 of their latencies), and the RLS call
+//! they make.
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+
+/// An RLS call in `domain` for one descriptor, `remote_address` = `value`
+/// (what Envoy's `remote_address` action sends).
+pub fn remote_address(domain: &str, value: String) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.to_string(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![Entry {
+                key: "remote_address".into(),
+                value,
+            }],
+            ..Default::default()
+        }],
+        hits_addend: 0,
+    }
+}
 
 /// Up to four connections to `url` (`http://host:port`) for `concurrency` callers.
 pub async fn channels(url: &str, concurrency: usize) -> Vec<tonic::transport::Channel> {

@@ -9,9 +9,6 @@ mod load_common;
 
 use std::time::{Duration, Instant};
 
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
-use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 
 #[tokio::main]
@@ -44,17 +41,7 @@ async fn main() {
                 } else {
                     format!("k{}", (n >> 33) % keys)
                 };
-                let req = RateLimitRequest {
-                    domain: domain.clone(),
-                    descriptors: vec![RateLimitDescriptor {
-                        entries: vec![Entry {
-                            key: "remote_address".into(),
-                            value,
-                        }],
-                        ..Default::default()
-                    }],
-                    hits_addend: 0,
-                };
+                let req = load_common::remote_address(&domain, value);
                 let started = Instant::now();
                 match client.should_rate_limit(req).await {
                     Ok(r) => {
