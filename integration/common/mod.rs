@@ -356,8 +356,16 @@ fn field(line: &str, name: &str) -> Option<SocketAddr> {
     rest[..end].parse().ok()
 }
 
+/// The tollgate the end-to-end tests run: this build's, or the one
+/// `TOLLGATE_TEST_BINARY` names (`scripts/build`'s profile-guided release,
+/// to hold the shipped binary to the same tests).
 pub fn binary() -> &'static Path {
-    Path::new(env!("CARGO_BIN_EXE_tollgate"))
+    static BINARY: std::sync::LazyLock<std::path::PathBuf> = std::sync::LazyLock::new(|| {
+        std::env::var_os("TOLLGATE_TEST_BINARY")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| env!("CARGO_BIN_EXE_tollgate").into())
+    });
+    &BINARY
 }
 
 /// A small upstream in this process. Paths:
