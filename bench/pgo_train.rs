@@ -9,7 +9,8 @@
 //! Every surface takes part, each with what makes most of its traffic:
 //! - the proxy: plain and browser-sized GETs on keep-alive connections (as
 //!   wrk and browsers send), queries, POSTs with bodies, HEADs, a refused
-//!   caller answered from the denial cache, a few HTTP/2 requests;
+//!   caller answered from the denial cache, a few HTTP/2 requests, in a
+//!   file of 1,500 rules (services and tenants with rules of their own);
 //! - Envoy's RLS (gRPC), on a hot descriptor and on many;
 //! - NGINX `auth_request` and Envoy `ext_authz` on the check listener;
 //! - `/metrics`.
@@ -62,6 +63,28 @@ rules:
     limits: [{ requests: 1000000000, per: 1m }]
 ";
 
+/// Services and tenants given rules of their own besides [`LIMITS`]'s, as
+/// a deployment in front of many has (bench/rules measures 10,000): the
+/// rule index is trained on a large file, not only on a handful.
+const SERVICES: usize = 1000;
+const TENANTS: usize = 500;
+
+/// The training's limits file.
+fn limits_file() -> String {
+    let mut file = LIMITS.to_string();
+    for i in 0..SERVICES {
+        file.push_str(&format!(
+            "  - name: svc{i}\n    match: {{ path: '/svc{i}/*' }}\n    by: [client_ip]\n    limits: [{{ requests: 1000000000, per: 1m }}]\n"
+        ));
+    }
+    for i in 0..TENANTS {
+        file.push_str(&format!(
+            "  - name: tenant{i}\n    match: {{ path: '/tenant/*', headers: {{ x-tenant: t{i} }} }}\n    by: [client_ip]\n    limits: [{{ requests: 1000000000, per: 1m }}]\n"
+        ));
+    }
+    file
+}
+
 #[tokio::main]
 async fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -72,7 +95,7 @@ async fn main() {
     let dir = std::env::temp_dir().join(format!("tollgate-pgo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temporary directory");
     let limits = dir.join("limits.yaml");
-    std::fs::write(&limits, LIMITS).expect("limits file");
+    std::fs::write(&limits, limits_file()).expect("limits file");
     let upstream = upstream().await;
 
     let mut stores = vec![None];
@@ -148,7 +171,13 @@ async fn train(
         .args(["--check-listen", &format!("127.0.0.1:{check}")])
         .args(["--admin-listen", &format!("127.0.0.1:{admin}")])
         .stdout(Stdio::null())
-        .stderr(Stdio::null());
+        .stderr(Stdio::null())
+        // Only the flags above: a `TOLLGATE_REDIS` or `REDIS_URL` of the
+        // shell that builds would put the memory store's training on it.
+        .env_clear();
+    if let Some(file) = std::env::var_os("LLVM_PROFILE_FILE") {
+        command.env("LLVM_PROFILE_FILE", file);
+    }
     if let Some(url) = redis {
         command.args(["--redis", url]);
     }
@@ -201,7 +230,36 @@ async fn load(proxy: u16, grpc: u16, check: u16, admin: u16) -> Result<String, S
     for task in tasks {
         answers += task.await.map_err(|e| format!("a client panicked: {e}"))??;
     }
+    // Failing open, tollgate answers without its store: every request
+    // would count as trained while the store's paths ran none.
+    let failures = store_failures(admin).await?;
+    if failures > 0 {
+        return Err(format!("the store failed {failures} times: its paths went untrained"));
+    }
     Ok(format!("{answers} answers in {SECONDS} s"))
+}
+
+/// `tollgate_store_errors_total`, summed over its kinds, from `/metrics`.
+async fn store_failures(admin: u16) -> Result<u64, String> {
+    let mut sender = http1(admin).await?;
+    let req = Request::get("/metrics")
+        .header("host", "127.0.0.1")
+        .body(Full::default())
+        .map_err(|e| format!("request: {e}"))?;
+    let response = sender.send_request(req).await.map_err(|e| format!("/metrics: {e}"))?;
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| format!("/metrics body: {e}"))?
+        .to_bytes();
+    let text = String::from_utf8_lossy(&body);
+    Ok(text
+        .lines()
+        .filter(|l| l.starts_with("tollgate_store_errors_total"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum())
 }
 
 /// Sends `req` on an HTTP/1.1 connection, reading the whole answer.
@@ -223,7 +281,8 @@ async fn send(
 }
 
 /// The requests of a mixed API's traffic, in their proportions (of 20):
-/// mostly GETs, some with a browser's head, some to a refused caller.
+/// mostly GETs, some with a browser's head, some to a refused caller, some
+/// to the services and tenants with rules of their own.
 fn proxy_requests(host: &str) -> Vec<(Vec<u8>, bool)> {
     const BROWSER: &str = "user-agent: Mozilla/5.0 (X11; Linux x86_64) AppleWebKit/537.36 (KHTML, like Gecko) Chrome/130.0 Safari/537.36\r\n\
         accept: text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8\r\naccept-language: en-US,en;q=0.9\r\n\
@@ -241,6 +300,8 @@ fn proxy_requests(host: &str) -> Vec<(Vec<u8>, bool)> {
                 2 => format!("HEAD / HTTP/1.1\r\nhost: {host}\r\n\r\n"),
                 3..=6 => format!("GET /products/{n}?page={n}&sort=price HTTP/1.1\r\nhost: {host}\r\n{BROWSER}\r\n"),
                 7 | 8 => format!("GET /api/items/{n} HTTP/1.1\r\nhost: {host}\r\nx-api-key: key-{n}\r\naccept: application/json\r\n\r\n"),
+                9 | 10 => format!("GET /svc{}/items HTTP/1.1\r\nhost: {host}\r\n\r\n", n as usize * 53 % SERVICES),
+                11 => format!("GET /tenant/items HTTP/1.1\r\nhost: {host}\r\nx-tenant: t{}\r\n\r\n", n as usize * 29 % TENANTS),
                 _ => format!("GET / HTTP/1.1\r\nhost: {host}\r\n\r\n"),
             };
             (head.into_bytes(), n == 2)
