@@ -239,8 +239,8 @@ async fn load(proxy: u16, grpc: u16, check: u16, admin: u16) -> Result<String, S
     Ok(format!("{answers} answers in {SECONDS} s"))
 }
 
-/// `tollgate_store_errors_total`, summed over its kinds, from `/metrics`.
-async fn store_failures(admin: u16) -> Result<u64, String> {
+/// The admin listener's `/metrics`, on a connection of its own (as a scraper).
+async fn scrape(admin: u16) -> Result<String, String> {
     let mut sender = http1(admin).await?;
     let req = Request::get("/metrics")
         .header("host", "127.0.0.1")
@@ -253,8 +253,13 @@ async fn store_failures(admin: u16) -> Result<u64, String> {
         .await
         .map_err(|e| format!("/metrics body: {e}"))?
         .to_bytes();
-    let text = String::from_utf8_lossy(&body);
-    Ok(text
+    Ok(String::from_utf8_lossy(&body).into_owned())
+}
+
+/// `tollgate_store_errors_total`, summed over its kinds, from `/metrics`.
+async fn store_failures(admin: u16) -> Result<u64, String> {
+    Ok(scrape(admin)
+        .await?
         .lines()
         .filter(|l| l.starts_with("tollgate_store_errors_total"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -440,12 +445,7 @@ async fn check_client(port: u16, deadline: Instant) -> Result<u64, String> {
 async fn metrics_client(port: u16, deadline: Instant) -> Result<u64, String> {
     let mut answers = 0u64;
     while Instant::now() < deadline {
-        let mut sender = http1(port).await?;
-        let req = Request::get("/metrics")
-            .header("host", "127.0.0.1")
-            .body(Full::default())
-            .map_err(|e| format!("request: {e}"))?;
-        send(&mut sender, req).await?;
+        scrape(port).await?;
         answers += 1;
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
