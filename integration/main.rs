@@ -5,6 +5,7 @@
 #![allow(clippy::disallowed_methods)]
 
 mod attacks;
+mod build_script;
 mod cli;
 mod common;
 mod connections;
