@@ -1348,6 +1348,14 @@ async fn an_upstream_transfer_coding_other_than_chunked_is_a_502() {
         "{}",
         tg.log_text()
     );
+    // Counted as what the client got: failures, not the upstream's 200s.
+    assert_eq!(
+        (
+            metric(&tg, "tollgate_upstream_responses_total{class=\"error\"}").await,
+            metric(&tg, "tollgate_upstream_responses_total{class=\"2xx\"}").await,
+        ),
+        (6, 2)
+    );
 
     // An answer without a body (a HEAD's, a 204, a 304) that names a bad
     // coding is a 502 too, and its connection is not used again: where the

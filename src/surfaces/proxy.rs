@@ -285,7 +285,7 @@ impl Proxy {
             Ok(r) => r,
             Err(status) => return Err(plain(status, "request target cannot be forwarded")),
         };
-        let response = self.exchange(outgoing, call).await?;
+        let (response, waited) = self.exchange(outgoing, call).await?;
         // The RateLimit fields the answer gets, in place of any the
         // upstream sent: a WebSocket handshake's `101` too.
         let mut ratelimit = match self.options.ratelimit_headers {
@@ -293,6 +293,7 @@ impl Proxy {
             false => None,
         };
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+            metrics::get().upstream(status_class(response.status()), waited);
             return Ok(switch_protocols(client_upgrade, response, ratelimit));
         }
         let (mut parts, mut body) = response.into_parts();
@@ -331,12 +332,14 @@ impl Proxy {
             // answers 502 ("upstream sent unknown Transfer-Encoding"). The
             // connection is closed, even after an answer with no body (a
             // HEAD's, a 204): where its next answer begins is not known.
+            metrics::get().upstream("error", waited);
             if let Some(failures) = upstream_failed(|| "sent a transfer coding other than chunked".into()) {
                 tracing::warn!(upstream = %self.options.upstream.authority(), failures, "upstream sent a transfer coding other than chunked");
             }
             body.discard();
             return Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"));
         }
+        metrics::get().upstream(status_class(parts.status), waited);
         // The client talks to us, not to the upstream: an HTTP/1.0 upstream
         // would otherwise make hyper answer "HTTP/1.0" and close the client's
         // keep-alive connection after every response (NGINX answers 1.1).
@@ -403,7 +406,14 @@ impl Proxy {
     /// Sends the request upstream and waits for the response headers: 400
     /// when the client's body fails, 502 when the upstream does, 504 when
     /// it does not answer in time.
-    async fn exchange(&self, outgoing: Outgoing, call: Call) -> Result<Response<UpstreamBody>, Response<ProxyBody>> {
+    /// The answer comes with how long it was waited for: its class is told
+    /// in `/metrics` by the caller, once the answer is known to be relayed
+    /// (one with a transfer coding it cannot relay is a 502, an `error`).
+    async fn exchange(
+        &self,
+        outgoing: Outgoing,
+        call: Call,
+    ) -> Result<(Response<UpstreamBody>, Duration), Response<ProxyBody>> {
         let Outgoing {
             request: upstream_req,
             body_sent,
@@ -480,12 +490,15 @@ impl Proxy {
                 waited = waited => Err(waited),
             }
         };
+        let waited = sent.elapsed();
         let class = match &answer {
-            Ok(Ok(r)) => status_class(r.status()),
-            Ok(Err(SendError::NoAnswer)) | Err(_) => "timeout",
-            Ok(Err(_)) => "error",
+            Ok(Ok(_)) => None,
+            Ok(Err(SendError::NoAnswer)) | Err(_) => Some("timeout"),
+            Ok(Err(_)) => Some("error"),
         };
-        metrics::get().upstream(class, sent.elapsed());
+        if let Some(class) = class {
+            metrics::get().upstream(class, waited);
+        }
         match answer {
             // hyper bounds an HTTP/1 head; an HTTP/2 one, up to the header
             // list size the connection advertises, is bounded here.
@@ -493,6 +506,7 @@ impl Proxy {
                 if r.version() == Version::HTTP_2
                     && crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD =>
             {
+                metrics::get().upstream("error", waited);
                 if let Some(failures) = upstream_failed(|| "sent a response head larger than 64 KB".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), failures, "upstream sent a response head larger than 64 KB");
                 }
@@ -502,7 +516,7 @@ impl Proxy {
                 if let Some(t) = UPSTREAM_FAILURES.answered() {
                     tracing::warn!(upstream = %self.options.upstream.authority(), failures = t.failures(), last_error = %t.cause, "upstream answering again; requests failed since the last line");
                 }
-                Ok(r)
+                Ok((r, waited))
             }
             Ok(Err(SendError::NoAnswer)) => {
                 if let Some(failures) = upstream_failed(|| "timed out".into()) {
