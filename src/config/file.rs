@@ -329,6 +329,9 @@ rules:
         let err = error_of(&duration);
         assert_eq!(err.line, Some(9), "{err}");
         assert!(err.reason.contains("is not a duration"), "{err}");
+        // Not humantime's list of units, which names months and years.
+        assert!(err.reason.contains("unknown time unit \"fortnights\""), "{err}");
+        assert!(!err.reason.contains("month"), "{err}");
 
         let bare_number = GOOD.replace("per: 3s", "per: 3");
         assert!(error_of(&bare_number).reason.contains("is not a duration"));

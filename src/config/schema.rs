@@ -438,8 +438,16 @@ pub(super) fn parse_period(text: &str) -> Result<u64, String> {
             "\"{text}\": \"{unit}\" is a month or a year, which are not whole days; write the days (30d, 365d), or m for minutes"
         ));
     }
-    let d = humantime::parse_duration(text.trim())
-        .map_err(|e| format!("\"{text}\" is not a duration ({e}); write e.g. 500ms, 3s, 1m, 1h"))?;
+    let d = humantime::parse_duration(text.trim()).map_err(|e| {
+        // humantime's own list of units names months and years, refused above.
+        let why = match e {
+            humantime::DurationError::UnknownUnit { unit, .. } if !unit.is_empty() => {
+                format!("unknown time unit \"{unit}\"; units: ms, s, m, h, d, w")
+            }
+            other => other.to_string(),
+        };
+        format!("\"{text}\" is not a duration ({why}); write e.g. 500ms, 3s, 1m, 1h")
+    })?;
     if d.is_zero() || d.subsec_nanos() % 1_000_000 != 0 {
         return Err(format!(
             "\"{text}\": a window must be a positive whole number of milliseconds"
