@@ -347,3 +347,47 @@ fn refused_at_start(args: &[&str]) -> String {
     assert!(!out.status.success(), "{args:?} started: {err}");
     err
 }
+
+/// A second tollgate started on a proxy port another one listens on stops
+/// with the reason, as NGINX does: joined to it by `SO_REUSEPORT`, the two
+/// would deal the connections between them and, on the memory store, each
+/// count its share apart (the 48th attack had 10 of "5 per 60s" through).
+#[test]
+fn a_second_tollgate_on_a_proxy_port_in_use_is_refused() {
+    let limits = "domain: one\nrules:\n  - name: one\n    limits: [{ requests: 5, per: 60s }]\n";
+    let first = crate::common::Tollgate::start(limits, "127.0.0.1:9".parse().unwrap(), &[]);
+    let mut second = Command::new(binary())
+        .args(["--config", "conf/limits.yaml", "--upstream", "http://127.0.0.1:9"])
+        .args(["--listen", &first.addr.to_string()])
+        .args(["--admin-listen", "127.0.0.1:0", "--grpc-listen", "off"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    while second.try_wait().unwrap().is_none() && started.elapsed() < std::time::Duration::from_secs(5) {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = second.kill();
+    let out = second.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code().is_some_and(|c| c != 0),
+        "started beside the first ({:?}): {err}",
+        out.status
+    );
+    assert!(
+        err.contains(&format!("cannot listen on {}", first.addr)) && err.contains("another process listens there"),
+        "{err}"
+    );
+    // The first still answers, alone on its port.
+    let statuses: Vec<u16> = (0..7)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(first.addr).unwrap();
+            std::io::Write::write_all(&mut s, b"GET / HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n").unwrap();
+            let mut answer = String::new();
+            std::io::Read::read_to_string(&mut s, &mut answer).unwrap();
+            answer.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0)
+        })
+        .collect();
+    assert_eq!(statuses, [502, 502, 502, 502, 502, 429, 429]);
+}

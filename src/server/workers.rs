@@ -91,6 +91,9 @@ impl Worker {
 /// `n` listening sockets on one address (SO_REUSEPORT): the kernel spreads
 /// connections over them. With port 0 all share the port the first got.
 pub(super) fn bind_shared(addr: SocketAddr, n: usize) -> Result<Vec<std::net::TcpListener>, StartError> {
+    if addr.port() != 0 {
+        refuse_if_taken(addr)?;
+    }
     let mut addr = addr;
     let mut listeners = Vec::with_capacity(n);
     for _ in 0..n {
@@ -112,6 +115,36 @@ pub(super) fn bind_shared(addr: SocketAddr, n: usize) -> Result<Vec<std::net::Tc
         listeners.push(listener);
     }
     Ok(listeners)
+}
+
+/// Fails when another process listens on `addr`. `SO_REUSEPORT` lets a
+/// second tollgate of the same user bind the port beside the first, where
+/// NGINX would stop with "Address already in use": the kernel would then
+/// deal connections between two processes, and on the memory store each
+/// would count its share apart, every limit doubled. A socket bound without
+/// it is refused while any socket listens there (`SO_REUSEADDR` only lets
+/// it past the closed connections of an earlier run).
+fn refuse_if_taken(addr: SocketAddr) -> Result<(), StartError> {
+    let probe = if addr.is_ipv4() {
+        TcpSocket::new_v4()
+    } else {
+        TcpSocket::new_v6()
+    }
+    .and_then(|socket| {
+        socket.set_reuseaddr(true)?;
+        socket.bind(addr)
+    });
+    match probe {
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(StartError::Listen(
+            addr,
+            std::io::Error::new(
+                e.kind(),
+                format!("{e} (another process listens there: is tollgate already running?)"),
+            ),
+        )),
+        // Anything else is found again by the bind itself, and told there.
+        _ => Ok(()),
+    }
 }
 
 /// Accepts gRPC connections and deals them to the worker threads in turn.
