@@ -391,3 +391,24 @@ fn a_second_tollgate_on_a_proxy_port_in_use_is_refused() {
         .collect();
     assert_eq!(statuses, [502, 502, 502, 502, 502, 429, 429]);
 }
+
+#[test]
+fn check_counts_one_rule_as_one_rule() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("one.yaml");
+    std::fs::write(
+        &file,
+        "domain: a\nrules:\n  - name: a\n    limits: [{ requests: 1, per: 1s }]\n",
+    )
+    .unwrap();
+    let out = Command::new(binary())
+        .arg("check")
+        .arg("--config")
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        format!("{}: ok (domain a, 1 rule)\n", file.display())
+    );
+}

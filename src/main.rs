@@ -74,7 +74,9 @@ fn check(paths: &[PathBuf], merge: bool) -> ExitCode {
         Ok(files) => {
             for f in files.files().iter() {
                 let (limits, file) = (f.active().load(), f.status().file.clone());
-                println!("{file}: ok (domain {}, {} rules)", limits.domain, limits.rules.len());
+                let n = limits.rules.len();
+                let rules = if n == 1 { "rule" } else { "rules" };
+                println!("{file}: ok (domain {}, {n} {rules})", limits.domain);
                 for warning in tollgate::config::warnings(&limits) {
                     eprintln!("{file}: warning: {warning}");
                 }
