@@ -145,12 +145,70 @@ pub(super) fn deserialize<T: serde::de::DeserializeOwned>(text: &str, file: &str
             reason: strip_position(&e.to_string(), " at line "),
         })
     } else {
-        yaml_serde::from_str(text).map_err(|e| ConfigError {
-            file: file.to_string(),
-            line: e.location().map(|l| l.line()),
-            reason: strip_position(&e.to_string(), " at line "),
+        yaml_serde::from_str(text).map_err(|e| {
+            let reason = strip_position(&e.to_string(), " at line ");
+            let mut line = e.location().map(|l| l.line());
+            // The YAML parser places a repeated key at its mapping's first
+            // line; the operator looks for the repeat.
+            if let (Some(at), Some(key)) = (line, repeated_key(&reason)) {
+                line = repeat_of(text, at, key).or(line);
+            }
+            ConfigError {
+                file: file.to_string(),
+                line,
+                reason,
+            }
         })
     }
+}
+
+/// The key a "duplicate field `key`" error names (after any path prefix).
+fn repeated_key(reason: &str) -> Option<&str> {
+    let rest = &reason[reason.find("duplicate field `")? + "duplicate field `".len()..];
+    rest.get(..rest.find('`')?)
+}
+
+/// A line's indentation, the column of its key (after any `- `), and the
+/// text from that key on.
+fn key_column(line: &str) -> (usize, usize, &str) {
+    let body = line.trim_start();
+    let indent = line.len() - body.len();
+    let after_dash = body
+        .strip_prefix('-')
+        .filter(|r| r.starts_with(' '))
+        .map(str::trim_start);
+    let body = after_dash.unwrap_or(body);
+    (indent, line.len() - body.len(), body)
+}
+
+/// The line of `key`'s second appearance among the keys of the block
+/// mapping whose first key is on line `start` (1-based); `None` for a flow
+/// mapping (`{...}`, one line) or when it is not found.
+fn repeat_of(text: &str, start: usize, key: &str) -> Option<usize> {
+    let mut lines = text.lines().enumerate().skip(start.checked_sub(1)?);
+    let (_, first) = lines.next()?;
+    let (_, column, body) = key_column(first);
+    let names = |body: &str| {
+        body.strip_prefix(key)
+            .is_some_and(|rest| rest.trim_start().starts_with(':'))
+    };
+    let mut seen = names(body);
+    for (i, line) in lines {
+        let (indent, at, body) = key_column(line);
+        if body.is_empty() || body.starts_with('#') {
+            continue;
+        }
+        if indent < column {
+            return None;
+        }
+        if at == column && names(body) {
+            if seen {
+                return Some(i + 1);
+            }
+            seen = true;
+        }
+    }
+    None
 }
 
 /// An envoyproxy/ratelimit file is recognised by its shape: a top-level
@@ -302,6 +360,19 @@ rules:
 
     fn error_of(yaml: &str) -> ConfigError {
         parse_str(yaml, "conf/limits.yaml").unwrap_err()
+    }
+
+    #[test]
+    fn a_repeated_key_is_placed_at_its_repeat() {
+        let top = "domain: a\ndomain: b\nrules: []\n";
+        assert_eq!(error_of(top).line, Some(2));
+        let nested = "domain: a\nrules:\n  - name: a\n    limits: [{ requests: 1, per: 1s }]\n  - name: b\n    limits: [{ requests: 1, per: 1s }]\n    # a comment\n    match: { path: /x }\n    shadow: true\n\n    shadow: false\n  - name: c\n    shadow: true\n";
+        let err = error_of(nested);
+        assert!(err.reason.contains("duplicate field `shadow`"), "{err}");
+        assert_eq!(err.line, Some(11), "{err}");
+        // A flow mapping keeps its own line.
+        let flow = "domain: a\nrules:\n  - name: a\n    limits: [{ requests: 1, per: 1s, per: 2s }]\n";
+        assert_eq!(error_of(flow).line, Some(4));
     }
 
     #[test]
