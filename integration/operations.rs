@@ -552,6 +552,20 @@ async fn a_slow_upload_is_not_the_upstreams_timeout_but_a_stalled_one_ends() {
         started.elapsed()
     );
     assert_eq!(metric(&tg, "tollgate_client_body_stalls_total").await, 1);
+    // Nor a chunk size that is not one.
+    let answer = raw(
+        tg.addr,
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\nzz\r\n",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    // The client's stall or bad framing is no upstream error: one of those
+    // a client could make at will, and the upstream's error rate with it.
+    assert_eq!(
+        metric(&tg, "tollgate_upstream_responses_total{class=\"error\"}").await,
+        0
+    );
 }
 
 /// A listener that accepts connections and then neither reads nor writes.
@@ -646,4 +660,20 @@ async fn an_upstream_switch_nobody_asked_for_is_a_502() {
     .await;
     assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
     assert!(tg.logged("upstream switched protocols unasked"));
+    // With a body, through hyper's client: the same 502.
+    let answer = raw(
+        tg.addr,
+        b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\nConnection: close\r\n\r\nx",
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 502"), "{answer}");
+    // Counted as what the clients got, not as the upstream's 101s.
+    assert_eq!(
+        (
+            metric(&tg, "tollgate_upstream_responses_total{class=\"error\"}").await,
+            metric(&tg, "tollgate_upstream_responses_total{class=\"1xx\"}").await,
+        ),
+        (2, 0)
+    );
 }

@@ -530,7 +530,7 @@ rules:
         assert!(parse_period("400d").is_err());
         // From the twelfth attack: `1M` was a month (30.44 days) where a
         // minute was meant, and `1y` 365.25 days.
-        for text in ["1M", "2 months", "1y", "1year", "1h 1M"] {
+        for text in ["1M", "2 months", "1y", "1year", "1h 1M", "1yr", "0.5yrs"] {
             let e = parse_period(text).unwrap_err();
             assert!(e.contains("not whole days"), "{text}: {e}");
         }

@@ -432,7 +432,7 @@ pub(super) fn parse_period(text: &str) -> Result<u64, String> {
     let units = text.split(|c: char| !c.is_ascii_alphabetic()).filter(|u| !u.is_empty());
     if let Some(unit) = units
         .into_iter()
-        .find(|u| matches!(*u, "M" | "month" | "months" | "y" | "year" | "years"))
+        .find(|u| matches!(*u, "M" | "month" | "months" | "y" | "yr" | "yrs" | "year" | "years"))
     {
         return Err(format!(
             "\"{text}\": \"{unit}\" is a month or a year, which are not whole days; write the days (30d, 365d), or m for minutes"

@@ -293,8 +293,7 @@ impl Proxy {
             false => None,
         };
         if response.status() == StatusCode::SWITCHING_PROTOCOLS {
-            metrics::get().upstream(status_class(response.status()), waited);
-            return Ok(switch_protocols(client_upgrade, response, ratelimit));
+            return Ok(switch_protocols(client_upgrade, response, ratelimit, waited));
         }
         let (mut parts, mut body) = response.into_parts();
         // Our own client's answers come with their fields as they came,
@@ -491,14 +490,10 @@ impl Proxy {
             }
         };
         let waited = sent.elapsed();
-        let class = match &answer {
-            Ok(Ok(_)) => None,
-            Ok(Err(SendError::NoAnswer)) | Err(_) => Some("timeout"),
-            Ok(Err(_)) => Some("error"),
-        };
-        if let Some(class) = class {
-            metrics::get().upstream(class, waited);
-        }
+        // Each way out counts its class, but for a client's failed body:
+        // the upstream is not at fault, and a client could raise its error
+        // rate at will.
+        let count = |class| metrics::get().upstream(class, waited);
         match answer {
             // hyper bounds an HTTP/1 head; an HTTP/2 one, up to the header
             // list size the connection advertises, is bounded here.
@@ -506,7 +501,7 @@ impl Proxy {
                 if r.version() == Version::HTTP_2
                     && crate::serve::head_bytes(r.headers()) > crate::upstream::MAX_RESPONSE_HEAD =>
             {
-                metrics::get().upstream("error", waited);
+                count("error");
                 if let Some(failures) = upstream_failed(|| "sent a response head larger than 64 KB".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), bytes = crate::serve::head_bytes(r.headers()), failures, "upstream sent a response head larger than 64 KB");
                 }
@@ -519,6 +514,7 @@ impl Proxy {
                 Ok((r, waited))
             }
             Ok(Err(SendError::NoAnswer)) => {
+                count("timeout");
                 if let Some(failures) = upstream_failed(|| "timed out".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
                 }
@@ -530,12 +526,14 @@ impl Proxy {
                 Err(plain(StatusCode::BAD_REQUEST, "the request body could not be read"))
             }
             Ok(Err(e)) => {
+                count("error");
                 if let Some(failures) = upstream_failed(|| e.to_string()) {
                     tracing::warn!(error = %e, failures, "upstream failed");
                 }
                 Err(plain(StatusCode::BAD_GATEWAY, "upstream unavailable"))
             }
             Err(Waited::NotTaken(limit)) => {
+                count("timeout");
                 metrics::get().body_stalled(true);
                 if let Some(failures) = upstream_failed(|| "took none of the request body in time".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?limit, failures, "upstream took none of the request body within --upstream-body-timeout (connecting, or not reading)");
@@ -543,6 +541,7 @@ impl Proxy {
                 Err(plain(StatusCode::GATEWAY_TIMEOUT, "upstream timed out"))
             }
             Err(Waited::NoAnswer) => {
+                count("timeout");
                 if let Some(failures) = upstream_failed(|| "timed out".into()) {
                     tracing::warn!(upstream = %self.options.upstream.authority(), timeout = ?timeout, failures, "upstream timed out");
                 }
@@ -1290,11 +1289,14 @@ fn switch_protocols(
     client_upgrade: Option<OnUpgrade>,
     mut response: Response<UpstreamBody>,
     ratelimit: Option<(HeaderValue, HeaderValue)>,
+    waited: Duration,
 ) -> Response<ProxyBody> {
     let Some(client_upgrade) = client_upgrade.filter(|_| wants_upgrade(Fields::Map(response.headers()))) else {
+        metrics::get().upstream("error", waited);
         tracing::warn!("upstream switched protocols unasked");
         return plain(StatusCode::BAD_GATEWAY, "upstream switched protocols unasked");
     };
+    metrics::get().upstream("1xx", waited);
     let upstream_upgrade = hyper::upgrade::on(&mut response);
     tokio::spawn(async move {
         match tokio::try_join!(client_upgrade, upstream_upgrade) {
