@@ -114,7 +114,59 @@ pub(super) fn bind_shared(addr: SocketAddr, n: usize) -> Result<Vec<std::net::Tc
         .map_err(|e| StartError::Listen(wanted, e))?;
         listeners.push(listener);
     }
+    if let Some(first) = listeners.first()
+        && !listened_on_alone(first, &listeners)
+    {
+        return Err(StartError::Listen(
+            addr,
+            std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                "another process began to listen there at the same time: is tollgate already running?",
+            ),
+        ));
+    }
     Ok(listeners)
+}
+
+/// Whether no other process listens on `first`'s address, as the kernel's
+/// socket table (`/proc/net/tcp`, `tcp6`) tells. [`refuse_if_taken`]'s
+/// probe is passed by two tollgates started at the same moment: both probe
+/// before either listens. Checked after listening, the later of the two
+/// sees the earlier (at the same moment, each sees the other and both
+/// stop). Unreadable tables (no `/proc`) are not a reason to stop.
+fn listened_on_alone(first: &std::net::TcpListener, ours: &[std::net::TcpListener]) -> bool {
+    use std::os::fd::AsRawFd;
+    // A socket's inode, from its descriptor's link `socket:[INODE]`.
+    let inode = |l: &std::net::TcpListener| {
+        let link = std::fs::read_link(format!("/proc/self/fd/{}", l.as_raw_fd())).ok()?;
+        let link = link.to_str()?;
+        Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_string())
+    };
+    let ours: Vec<String> = ours.iter().filter_map(inode).collect();
+    let Some(mine) = inode(first) else { return true };
+    let table = ["/proc/net/tcp", "/proc/net/tcp6"]
+        .iter()
+        .filter_map(|t| std::fs::read_to_string(t).ok())
+        .collect::<Vec<_>>()
+        .join("\n");
+    // Fields: sl, local address, remote address, state (0A: listening),
+    // ..., the inode tenth.
+    let listening: Vec<(&str, &str)> = table
+        .lines()
+        .filter_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            match (fields.get(1), fields.get(3), fields.get(9)) {
+                (Some(local), Some(&"0A"), Some(inode)) => Some((*local, *inode)),
+                _ => None,
+            }
+        })
+        .collect();
+    let Some(&(local, _)) = listening.iter().find(|(_, inode)| *inode == mine) else {
+        return true;
+    };
+    !listening
+        .iter()
+        .any(|(other, inode)| *other == local && !ours.iter().any(|o| o == inode))
 }
 
 /// Fails when another process listens on `addr`. `SO_REUSEPORT` lets a
@@ -260,5 +312,31 @@ async fn serve_grpc(
         .await;
     if let Err(e) = result {
         tracing::error!(error = %e, "gRPC server failed");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A listener on `addr` with `SO_REUSEPORT`, as a second tollgate's.
+    fn shared(addr: SocketAddr) -> std::net::TcpListener {
+        let socket = TcpSocket::new_v4().unwrap();
+        socket.set_reuseaddr(true).unwrap();
+        socket.set_reuseport(true).unwrap();
+        socket.bind(addr).unwrap();
+        socket.listen(16).unwrap().into_std().unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_listener_beside_ours_on_our_address_is_seen() {
+        let ours = bind_shared("127.0.0.1:0".parse().unwrap(), 2).unwrap();
+        let addr = ours[0].local_addr().unwrap();
+        assert!(listened_on_alone(&ours[0], &ours), "our own sockets are ours");
+        let other = shared(addr);
+        assert!(!listened_on_alone(&ours[0], &ours), "another socket listens on {addr}");
+        // Closed, it leaves ours alone again.
+        drop(other);
+        assert!(listened_on_alone(&ours[0], &ours));
     }
 }
