@@ -363,6 +363,20 @@ rules:
     }
 
     #[test]
+    fn a_header_named_twice_in_a_match_is_refused() {
+        for headers in ["{ x-tier: free, x-tier: \"*\" }", "{ x-tier: free, X-Tier: paid }"] {
+            let text = format!(
+                "domain: a\nrules:\n  - name: a\n    match:\n      headers: {headers}\n    limits: [{{ requests: 1, per: 1s }}]\n"
+            );
+            let err = error_of(&text);
+            assert!(err.reason.contains("is named twice"), "{headers}: {err}");
+        }
+        let json = r#"{"domain": "a", "rules": [{"name": "a", "match": {"headers": {"x-a": "1", "X-A": "2"}}, "limits": [{"requests": 1, "per": "1s"}]}]}"#;
+        let err = parse_str(json, "l.json").map(|_| ()).unwrap_err();
+        assert!(err.reason.contains("is named twice"), "{err}");
+    }
+
+    #[test]
     fn a_repeated_key_is_placed_at_its_repeat() {
         let top = "domain: a\ndomain: b\nrules: []\n";
         assert_eq!(error_of(top).line, Some(2));

@@ -293,8 +293,34 @@ struct RawMatch {
     ignore_case: bool,
     #[serde(default)]
     host: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique_headers")]
     headers: BTreeMap<String, String>,
+}
+
+/// `match.headers`, refusing a name given twice (in any case): a map keeps
+/// the last, which silently widened a rule (`x-tier: free` then `x-tier:
+/// "*"`), and two spellings of one name were two conditions no request met.
+fn unique_headers<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<String, String>, D::Error> {
+    struct Unique;
+    impl<'de> de::Visitor<'de> for Unique {
+        type Value = BTreeMap<String, String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a map of header names to values")
+        }
+        fn visit_map<A: de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+            let mut out = BTreeMap::new();
+            while let Some((name, value)) = map.next_entry::<String, String>()? {
+                if out.keys().any(|k: &String| k.eq_ignore_ascii_case(&name)) {
+                    return Err(de::Error::custom(format!(
+                        "header \"{name}\" is named twice (header names are case-insensitive)"
+                    )));
+                }
+                out.insert(name, value);
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_map(Unique)
 }
 
 impl RawMatch {
