@@ -159,6 +159,10 @@ async fn cost_header_overflow_and_never_fitting_costs() {
         );
         assert_eq!(r.header("retry-after"), None, "{name}: waiting would not help");
         assert_eq!(r.json()["error"], "cost_exceeds_limit", "{name}");
+        // With the counters read, the window as it stands (README, `cost`):
+        // 9 of 10 taken, and the refused request took nothing.
+        let told = r.header("ratelimit").unwrap_or_default();
+        assert!(told.starts_with("\"costly\";r=1;"), "{name}: {told}");
         assert_eq!(get(&c, &tg.url("/"), &[]).await.status, StatusCode::OK, "{name}: tenth");
         for _ in 0..20 {
             assert_eq!(
